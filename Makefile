@@ -1,0 +1,33 @@
+# Two set-up commands for a fresh machine with Python >= 3.11 and make:
+#   make serve   -> .venv, install, fetch the default model, start the server on 127.0.0.1:8000
+#   make test    -> .venv with the test extra, run the whole suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: serve test install install-test lint bench plan
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -q -e .
+
+install-test: $(BIN)/python
+	$(BIN)/pip install -q -e ".[test,dev]"
+
+serve: install
+	$(BIN)/jaxbatch serve --config configs/smollm2-cpu.yaml --host 127.0.0.1 --port 8000
+
+test: install-test
+	$(BIN)/python -m pytest tests
+
+lint: install-test
+	$(BIN)/ruff check jaxbatch pallas_kernels tests scripts
+
+bench: install-test
+	$(BIN)/python scripts/bench_throughput.py
+
+plan: install
+	$(BIN)/jaxbatch plan ../shared/workloads/bench64.jsonl
