@@ -1,0 +1,1 @@
+"""Llama-family decoder: architecture config, pure forward over a params pytree, loaders."""

@@ -1,0 +1,128 @@
+"""Llama-family forward as pure functions over a params pytree.
+
+The forward works on a *flattened* token batch: token ids [T] and positions [T] from any mix of
+prefill chunks and decodes, plus paged-attention metadata. Layers are stacked on a leading axis and
+run with `lax.scan` so compile time does not grow with depth; the KV cache rides in the scan
+carry (measured faster than passing it as scan inputs) and each layer addresses its slab through
+offset page ids, so no per-layer copy of the cache is made.
+
+Letter legend: T tokens, S sequences, H hidden, N heads, K kv heads, D head dim, I mlp, V vocab,
+L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.model.arch import ModelArch
+
+Params = dict
+AttentionFn = Callable[..., jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionInputs:
+    slot_mapping: jax.Array  # i32[T]   flat KV slot (page * page_size + offset) of each token
+    kv_lens: jax.Array  # i32[S]        history length of each sequence, new tokens included
+    page_indices: jax.Array  # i32[S, W] pages of each sequence
+    cu_q_lens: jax.Array  # i32[S+1]     prefix sums of new tokens per sequence
+    num_seqs: jax.Array  # i32[1]        real sequences (the rest are padding)
+
+
+def init_kv_cache(arch: ModelArch, num_pages: int, page_size: int, dtype) -> dict[str, jax.Array]:
+    shape = (arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def rope_tables(arch: ModelArch, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, D] in float32, laid out as HF's rotate_half expects (halves repeated)."""
+    inv = jnp.asarray(arch.inv_freq().astype(np.float32))
+    freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, N, D]."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    xf = x.astype(jnp.float32)
+    out = xf * cos[:, None, :] + rot.astype(jnp.float32) * sin[:, None, :]
+    return out.astype(x.dtype)
+
+
+def forward(
+    params: Params,
+    kv_cache: dict[str, jax.Array],
+    token_ids: jax.Array,
+    positions: jax.Array,
+    attn: AttentionInputs,
+    *,
+    arch: ModelArch,
+    attention_fn: AttentionFn,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Returns hidden states [T, H] (before the final norm) and the updated KV cache."""
+    L, N_pages, P, K, D = kv_cache["k"].shape
+    N, T = arch.num_heads, token_ids.shape[0]
+    x = params["embed"][token_ids]  # [T, H]
+    cos, sin = rope_tables(arch, positions)
+    sm_scale = 1.0 / float(np.sqrt(D))
+
+    def layer(carry, lp_and_idx):
+        x, k_cache, v_cache = carry
+        lp, li = lp_and_idx
+        h = rms_norm(x, lp["attn_norm"], arch.rms_norm_eps)
+        q = h @ lp["wq"]
+        k = h @ lp["wk"]
+        v = h @ lp["wv"]
+        if arch.attention_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        q = apply_rope(q.reshape(T, N, D), cos, sin)
+        k = apply_rope(k.reshape(T, K, D), cos, sin)
+        v = v.reshape(T, K, D)
+        # Write this layer's new K/V into its slab of the cache: flat slot = li*N_pages*P + slot.
+        slots = li * (N_pages * P) + attn.slot_mapping
+        k_cache = k_cache.reshape(L * N_pages * P, K, D).at[slots].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.reshape(L * N_pages * P, K, D).at[slots].set(v.astype(v_cache.dtype))
+        k_cache = k_cache.reshape(L * N_pages, P, K, D)
+        v_cache = v_cache.reshape(L * N_pages, P, K, D)
+        o = attention_fn(
+            q,
+            k_cache,
+            v_cache,
+            attn.kv_lens,
+            attn.page_indices + li * N_pages,
+            attn.cu_q_lens,
+            attn.num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=arch.sliding_window,
+        )
+        x = x + o.reshape(T, N * D).astype(x.dtype) @ lp["wo"]
+        h = rms_norm(x, lp["mlp_norm"], arch.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+        return (x, k_cache.reshape(L, N_pages, P, K, D), v_cache.reshape(L, N_pages, P, K, D)), None
+
+    idx = jnp.arange(arch.num_layers, dtype=jnp.int32)
+    (x, k_cache, v_cache), _ = jax.lax.scan(
+        layer, (x, kv_cache["k"], kv_cache["v"]), (params["layers"], idx)
+    )
+    return x, {"k": k_cache, "v": v_cache}
+
+
+def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax.Array:
+    """hidden [S, H] (rows that sample) -> float32 logits [S, V]."""
+    h = rms_norm(hidden, params["final_norm"], arch.rms_norm_eps)
+    w = params["embed"].T if arch.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(h, w, preferred_element_type=jnp.float32)

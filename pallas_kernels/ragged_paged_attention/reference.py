@@ -1,0 +1,181 @@
+"""Ragged paged attention in pure jnp: the CPU serving path and the oracle for the Pallas kernel.
+
+Signature (shared with kernel.py):
+  q            [T, Hq, D]      new tokens of all sequences, flattened; rows >= cu_q_lens[num_seqs]
+                               are padding (their output is zeros)
+  k_pages      [N, P, Hkv, D]  paged KV cache (N pages of P tokens), already holding the new tokens
+  v_pages      [N, P, Hkv, D]
+  kv_lens      i32[S]          tokens in each sequence's history, new tokens included
+  page_indices i32[S, W]       the pages of each sequence, in order
+  cu_q_lens    i32[S+1]        prefix sums of the per-sequence new-token counts
+  num_seqs     i32[1]          sequences that are real; the rest of the S slots are padding
+The new tokens of sequence s sit at positions kv_lens[s]-q_len[s] .. kv_lens[s]-1 and attend
+causally (plus an optional sliding window and logits soft cap).
+
+Why this shape of computation (T tokens, S sequences, K = longest history):
+  * No per-token gather of KV history. Decode rows (q_len == 1) are batched across sequences: a
+    `while_loop` walks KV blocks of `kv_block` tokens up to the longest decode history (a dynamic
+    trip count, so K is not a compiled dimension), gathering [S, kv_block, Hkv, D] per iteration:
+    bytes ~ S*K*Hkv*D*2, FLOPs ~ 4*S*K*Hq*D.
+  * Prefill chunks (q_len > 1) loop over the real prefill sequences (dynamic count), their query
+    blocks of `q_block` rows and only the causally visible KV blocks, so the work is
+    ~ sum_s q_len_s * kv_len_s, rounded up to blocks, and each KV block is gathered once per query
+    block rather than once per token.
+  * Softmax is online (flash-style) in float32; masked keys are zeroed on the value side too, so
+    NaN garbage in unused pages can never reach a real row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity": a fully masked row stays finite (and is discarded)
+
+
+def _scale(s, sm_scale, soft_cap):
+    s = s * sm_scale
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _online_update(m, l, acc, s, mask, v):
+    """One flash-softmax step. s [..., n] scores, mask [..., n], v gathered as the einsum needs."""
+    s = jnp.where(mask, s, _NEG)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    alpha = jnp.exp(m - m_new)
+    return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc, p
+
+
+def _gather_block(pages_2d, k_pages, v_pages, j, pages_per_block):
+    """KV for block j of every row of pages_2d [R, W'] -> k, v [R, Bk, Hkv, D]."""
+    rows = pages_2d.shape[0]
+    blk = jax.lax.dynamic_slice(pages_2d, (0, j * pages_per_block), (rows, pages_per_block))
+    k = k_pages[blk]  # [R, ppb, P, Hkv, D]
+    v = v_pages[blk]
+    r, b, p, h, d = k.shape
+    return k.reshape(r, b * p, h, d), v.reshape(r, b * p, h, d)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    kv_block: int = 128,
+    q_block: int = 32,
+) -> jax.Array:
+    T, Hq, D = q.shape
+    _, P, Hkv, _ = k_pages.shape
+    S, W = page_indices.shape
+    G = Hq // Hkv
+    assert Hq == G * Hkv, (Hq, Hkv)
+    ppb = max(1, kv_block // P)  # pages per KV block
+    bk = ppb * P
+    w_pad = -(-W // ppb) * ppb
+    pages = jnp.pad(page_indices, ((0, 0), (0, w_pad - W)))  # pad with the dummy page 0
+    seq_ids = jnp.arange(S)
+    real = seq_ids < num_seqs[0]
+    q_lens = jnp.where(real, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    kv_lens = jnp.where(real, kv_lens, 0)
+    f32 = jnp.float32
+    out_dtype = q.dtype
+
+    # ---- decode rows: one query per sequence, batched over S -------------------------------
+    is_dec = q_lens == 1
+    dec_rows = jnp.clip(cu_q_lens[:-1], 0, T - 1)
+    q_dec = q[dec_rows].reshape(S, Hkv, G, D)  # [S, Hkv, G, D]
+    dec_kv = jnp.where(is_dec, kv_lens, 0)
+    n_dec_blocks = (dec_kv.max() + bk - 1) // bk
+    dec_qpos = dec_kv - 1
+
+    def dec_body(j, carry):
+        m, l, acc = carry
+        k, v = _gather_block(pages, k_pages, v_pages, j, ppb)  # [S, bk, Hkv, D]
+        kpos = j * bk + jnp.arange(bk)
+        mask = kpos[None, :] < dec_kv[:, None]  # [S, bk]
+        if sliding_window is not None:
+            mask &= kpos[None, :] > (dec_qpos[:, None] - sliding_window)
+        s = jnp.einsum("shgd,snhd->shgn", q_dec, k, preferred_element_type=f32)
+        s = _scale(s, sm_scale, soft_cap)
+        mask4 = mask[:, None, None, :]
+        m, l, acc, p = _online_update(m, l, acc, s, mask4, v)
+        v = jnp.where(mask[:, :, None, None], v, 0)
+        acc = acc + jnp.einsum("shgn,snhd->shgd", p.astype(v.dtype), v, preferred_element_type=f32)
+        return m, l, acc
+
+    init = (
+        jnp.full((S, Hkv, G), _NEG, f32),
+        jnp.zeros((S, Hkv, G), f32),
+        jnp.zeros((S, Hkv, G, D), f32),
+    )
+    m, l, acc = jax.lax.fori_loop(0, n_dec_blocks, dec_body, init)
+    out_dec = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(S, Hq, D).astype(out_dtype)
+
+    # ---- prefill rows: per real prefill sequence, per query block, causal KV blocks --------
+    is_pre = q_lens > 1
+    n_pre = is_pre.sum()
+    pre_ids = jnp.nonzero(is_pre, size=S, fill_value=0)[0]
+    qb = q_block
+    q_padded = jnp.concatenate([q, jnp.zeros((qb, Hq, D), q.dtype)]).reshape(T + qb, Hkv, G, D)
+    out0 = jnp.zeros((T + qb, Hq, D), out_dtype)
+
+    def seq_body(p_i, out):
+        s_id = pre_ids[p_i]
+        start, ql, kl = cu_q_lens[s_id], q_lens[s_id], kv_lens[s_id]
+        ctx = kl - ql
+        seq_pages = jax.lax.dynamic_slice(pages, (s_id, 0), (1, w_pad))  # [1, w_pad]
+
+        def qblock_body(b, out):
+            row0 = start + b * qb
+            qblk = jax.lax.dynamic_slice(q_padded, (row0, 0, 0, 0), (qb, Hkv, G, D))
+            local = b * qb + jnp.arange(qb)
+            row_ok = local < ql
+            qpos = ctx + local
+            hi = jnp.minimum(kl, ctx + jnp.minimum((b + 1) * qb, ql))  # keys visible to block
+            lo = 0
+            if sliding_window is not None:
+                lo = jnp.maximum(0, ctx + b * qb - sliding_window + 1) // bk
+
+            def kv_body(j, carry):
+                m, l, acc = carry
+                k, v = _gather_block(seq_pages, k_pages, v_pages, j, ppb)
+                k, v = k[0], v[0]  # [bk, Hkv, D]
+                kpos = j * bk + jnp.arange(bk)
+                mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kl)  # [qb, bk]
+                if sliding_window is not None:
+                    mask &= kpos[None, :] > (qpos[:, None] - sliding_window)
+                s = jnp.einsum("qhgd,nhd->hgqn", qblk, k, preferred_element_type=f32)
+                s = _scale(s, sm_scale, soft_cap)
+                m, l, acc, p = _online_update(m, l, acc, s, mask[None, None], v)
+                v = jnp.where((kpos < kl)[:, None, None], v, 0)
+                acc = acc + jnp.einsum(
+                    "hgqn,nhd->hgqd", p.astype(v.dtype), v, preferred_element_type=f32
+                )
+                return m, l, acc
+
+            init = (
+                jnp.full((Hkv, G, qb), _NEG, f32),
+                jnp.zeros((Hkv, G, qb), f32),
+                jnp.zeros((Hkv, G, qb, D), f32),
+            )
+            m, l, acc = jax.lax.fori_loop(lo, (hi + bk - 1) // bk, kv_body, init)
+            res = acc / jnp.maximum(l, 1e-30)[..., None]  # [Hkv, G, qb, D]
+            res = res.transpose(2, 0, 1, 3).reshape(qb, Hq, D).astype(out_dtype)
+            old = jax.lax.dynamic_slice(out, (row0, 0, 0), (qb, Hq, D))
+            new = jnp.where(row_ok[:, None, None], res, old)
+            return jax.lax.dynamic_update_slice(out, new, (row0, 0, 0))
+
+        return jax.lax.fori_loop(0, (ql + qb - 1) // qb, qblock_body, out)
+
+    out = jax.lax.fori_loop(0, n_pre, seq_body, out0)[:T]
+    # Scatter decode results to their rows; non-decode sequences aim past the end and are dropped.
+    dec_target = jnp.where(is_dec, cu_q_lens[:-1], T)
+    return out.at[dec_target].set(out_dec, mode="drop")
