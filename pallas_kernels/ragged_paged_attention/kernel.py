@@ -1,0 +1,247 @@
+"""Ragged paged attention as two Pallas kernels on the Triton backend (GPU), same signature as
+reference.py plus `interpret` and tuning knobs.
+
+Shapes (see reference.py for the full contract): q [T, Hq, D], k/v_pages [N, P, Hkv, D],
+kv_lens i32[S], page_indices i32[S, W], cu_q_lens i32[S+1], num_seqs i32[1] -> out [T, Hq, D].
+G = Hq // Hkv query heads share one KV head.
+
+Blocking, and why (T tokens, S sequence slots, K_s = history of sequence s, q_s = its new tokens):
+  * Decode grid (S, Hkv). One program = one 1-token sequence x one KV head, and its query tile
+    holds all G query heads of that KV head (rows padded to Gp = max(16, pow2(G)), the smallest
+    tile a Triton `dot` accepts). Each KV element of a decode sequence is read exactly once:
+        bytes ~ sum_s 2 * K_s * Hkv * D * itemsize        (K and V; q and out are negligible)
+        FLOPs ~ sum_s 4 * K_s * Hq * D  (useful; the MMA executes Gp/G times more, which is free:
+                                         at <= 32 FLOP/byte decode stays memory-bound)
+    A per-token query block (the classic varlen flash layout) would instead read the KV of a
+    decode sequence G times (once per query head) and spend a 16..128-row tile on one row.
+  * Prefill grid (NB, Hkv), NB = cdiv(T, bq) + min(S, T // 2): query blocks of bq tokens that
+    never straddle sequences (a sequence with q_s > 1 owns cdiv(q_s, bq) blocks; that sum is
+    <= T / bq + #prefill sequences, hence the static bound). The block table (sequence, first
+    token) is built in the wrapper with O(S + NB) jnp ops; surplus programs exit at once. A tile
+    is R = pow2 rows of (token, head) pairs: bq = R // G tokens x G heads of one KV head, so each
+    KV block fetched is used by bq * G query rows. Only causally visible KV blocks are visited
+    (and, with a sliding window, only those inside the window):
+        bytes ~ sum_s cdiv(q_s, bq) * 2 * min(K_s, window + bq) * Hkv * D * itemsize + q + out
+        FLOPs ~ sum_s 4 * q_s * (K_s - q_s / 2) * Hq * D   (rounded up to tiles)
+  * Both kernels gather K/V rows token by token through the page table (row = (page * P + slot)
+    * Hkv + h of k_pages viewed as [N * P * Hkv, D]), so the KV tile size is independent of the
+    page size (P = 1, 16, 32, ... all work) and every load past a sequence's history is masked
+    off: unused (even NaN-filled) pages are never read. Softmax is online (flash) in float32.
+  * Triton needs static grids, so grid sizes depend on T, S and Hkv only; all ragged structure is
+    data. Padding sequences and padding rows are never computed; the output starts as zeros
+    (aliased in and out of both calls), so padding rows read back as zeros like the reference.
+  * Not done (yet): splitting one long decode sequence over several programs (flash decoding),
+    which matters when S * Hkv is well below the SM count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+_NEG = -1e30  # finite "minus infinity", as in the reference
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _rows(ref, rows):
+    """ref [X, D] viewed at rows i32[R] -> [R, D]; pure array indexing (interpret mode needs it)."""
+    R, D = rows.shape[0], ref.shape[1]
+    cols = jnp.arange(D, dtype=jnp.int32)
+    return ref.at[jnp.broadcast_to(rows[:, None], (R, D)), jnp.broadcast_to(cols[None, :], (R, D))]
+
+
+def _attend_block(q, k_ref, v_ref, pages_ref, carry, j, *, seq, kv_head, row_pos, key_lo, key_hi,
+                  bk, page_size, num_kv_heads, width, sm_scale, soft_cap, sliding_window):
+    """One online-softmax step over keys j*bk .. j*bk+bk-1 of one sequence and one KV head.
+
+    q [R, D]; row_pos i32[R] absolute position of each query row; keys outside
+    [key_lo, key_hi) are neither loaded nor attended.
+    """
+    m, l, acc = carry
+    kpos = j * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+    load_ok = (kpos >= key_lo) & (kpos < key_hi)
+    page_col = jnp.minimum(kpos // page_size, width - 1)
+    page = plt.load(pages_ref.at[seq * width + page_col], mask=load_ok, other=0)
+    rows = (page * page_size + kpos % page_size) * num_kv_heads + kv_head  # [bk]
+    k = plt.load(_rows(k_ref, rows), mask=load_ok[:, None], other=0)  # [bk, D]
+    v = plt.load(_rows(v_ref, rows), mask=load_ok[:, None], other=0)
+    s = pl.dot(q, k, trans_b=True) * sm_scale  # [R, bk] f32
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    mask = load_ok[None, :] & (kpos[None, :] <= row_pos[:, None])
+    if sliding_window is not None:
+        mask &= kpos[None, :] > row_pos[:, None] - sliding_window
+    s = jnp.where(mask, s, _NEG)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    l = alpha * l + p.sum(axis=1)
+    acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v)
+    return m_new, l, acc
+
+
+def _run_rows(q_ref, k_ref, v_ref, pages_ref, o_ref, *, q_rows, row_ok, row_pos, seq, kv_head,
+              key_lo, key_hi, bk, **kw):
+    """Attend R query rows (flat indices q_rows into [T * Hq, D]) and store the valid ones."""
+    R = q_rows.shape[0]
+    D = q_ref.shape[1]
+    q = plt.load(_rows(q_ref, q_rows), mask=row_ok[:, None], other=0)  # [R, D]
+    carry = (
+        jnp.full((R,), _NEG, jnp.float32),
+        jnp.zeros((R,), jnp.float32),
+        jnp.zeros((R, D), jnp.float32),
+    )
+    body = functools.partial(
+        _attend_block, q, k_ref, v_ref, pages_ref, seq=seq, kv_head=kv_head, row_pos=row_pos,
+        key_lo=key_lo, key_hi=key_hi, bk=bk, **kw)
+    _, l, acc = jax.lax.fori_loop(key_lo // bk, pl.cdiv(key_hi, bk), lambda j, c: body(c, j),
+                                  carry)
+    out = acc / jnp.maximum(l, 1e-30)[:, None]
+    # Masked-off rows aim past the end: interpret mode drops them, the GPU never touches them
+    # (a clamped duplicate could race with the real row in interpret mode's scatter).
+    dst = jnp.where(row_ok, q_rows, o_ref.shape[0])
+    plt.store(_rows(o_ref, dst), out.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
+def _window_lo(first_pos, sliding_window):
+    if sliding_window is None:
+        return jnp.int32(0)
+    return jnp.maximum(first_pos - sliding_window + 1, 0)
+
+
+def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_ref, o_ref, *, G, Gp, Hq,
+                   sliding_window, **kw):
+    del o_in_ref  # aliased to o_ref
+    seq, h = pl.program_id(0), pl.program_id(1)
+    q_start, q_len, kv_len = meta_ref[0, seq], meta_ref[1, seq], meta_ref[2, seq]
+
+    @pl.when(q_len == 1)
+    def _():
+        g = jnp.arange(Gp, dtype=jnp.int32)
+        pos = kv_len - 1
+        _run_rows(q_ref, k_ref, v_ref, pages_ref, o_ref,
+                  q_rows=q_start * Hq + h * G + jnp.minimum(g, G - 1), row_ok=g < G,
+                  row_pos=jnp.full((Gp,), pos, jnp.int32), seq=seq, kv_head=h,
+                  key_lo=_window_lo(pos, sliding_window), key_hi=kv_len,
+                  sliding_window=sliding_window, **kw)
+
+
+def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_ref, o_ref, *, G,
+                    R, bq, Hq, sliding_window, **kw):
+    del o_in_ref  # aliased to o_ref
+    i, h = pl.program_id(0), pl.program_id(1)
+    seq, first = blocks_ref[0, i], blocks_ref[1, i]  # first: block's first token in its sequence
+
+    @pl.when(seq >= 0)
+    def _():
+        q_start, q_len, kv_len = meta_ref[0, seq], meta_ref[1, seq], meta_ref[2, seq]
+        ctx = kv_len - q_len
+        r = jnp.arange(R, dtype=jnp.int32)
+        tok = first + r // G  # token index within the sequence
+        row_ok = (r < bq * G) & (tok < q_len)
+        tok = jnp.minimum(tok, q_len - 1)
+        n_tok = jnp.minimum(bq, q_len - first)
+        _run_rows(q_ref, k_ref, v_ref, pages_ref, o_ref,
+                  q_rows=(q_start + tok) * Hq + h * G + r % G, row_ok=row_ok, row_pos=ctx + tok,
+                  seq=seq, kv_head=h, key_lo=_window_lo(ctx + first, sliding_window),
+                  key_hi=ctx + first + n_tok, sliding_window=sliding_window, **kw)
+
+
+def prefill_block_table(cu_q_lens, q_lens, bq: int, num_blocks: int):
+    """i32[2, num_blocks]: (sequence, first token) of each prefill query block; -1: no work.
+
+    Sequences with q_len > 1 get cdiv(q_len, bq) blocks each, in sequence order.
+    """
+    del cu_q_lens
+    n = jnp.where(q_lens > 1, pl.cdiv(q_lens, bq), 0)
+    ends = jnp.cumsum(n)
+    i = jnp.arange(num_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, i, side="right"), q_lens.shape[0] - 1)
+    first = (i - (ends[seq] - n[seq])) * bq
+    live = i < ends[-1]
+    return jnp.stack([jnp.where(live, seq, -1), jnp.where(live, first, 0)]).astype(jnp.int32)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    kv_block: int = 128,
+    q_block: int = 32,
+    interpret: bool = False,
+    prefill_kv_block: int = 64,
+    max_prefill_rows: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    decode_num_warps: int = 4,
+    decode_num_stages: int = 2,
+) -> jax.Array:
+    """Kernel version of `ragged_paged_attention_reference` (same arguments and result).
+
+    kv_block: keys per decode step (rounded up to a power of two >= 16).
+    q_block: query tokens per prefill program, before rounding the (token, head) rows to a
+      power of two in [16, max_prefill_rows] and filling them with as many tokens as fit.
+    prefill_kv_block: keys per prefill step. The rest are Triton launch parameters.
+    """
+    T, Hq, D = q.shape
+    N, P, Hkv, _ = k_pages.shape
+    S, W = page_indices.shape
+    G = Hq // Hkv
+    assert Hq == G * Hkv, (Hq, Hkv)
+    assert k_pages.shape == v_pages.shape and k_pages.shape[-1] == D, (k_pages.shape, D)
+
+    i32 = jnp.int32
+    real = jnp.arange(S) < num_seqs[0]
+    cu = cu_q_lens.astype(i32)
+    q_lens = jnp.where(real, cu[1:] - cu[:-1], 0)
+    meta = jnp.stack([cu[:-1], q_lens, jnp.where(real, kv_lens.astype(i32), 0)])  # [3, S]
+
+    q2 = q.reshape(T * Hq, D)
+    k2 = k_pages.reshape(N * P * Hkv, D)
+    v2 = v_pages.reshape(N * P * Hkv, D)
+    pages = page_indices.astype(i32).reshape(S * W)
+    common = dict(page_size=P, num_kv_heads=Hkv, width=W, sm_scale=float(sm_scale),
+                  soft_cap=soft_cap, sliding_window=sliding_window, Hq=Hq, G=G)
+    out = jnp.zeros((T * Hq, D), q.dtype)
+    out_shape = jax.ShapeDtypeStruct(out.shape, out.dtype)
+
+    # Prefill: (query blocks) x (KV heads); output aliased from the zeros above.
+    R = min(max(16, _pow2(q_block * G)), max(16, _pow2(max_prefill_rows)))
+    R = max(R, _pow2(G))
+    bq = R // G
+    nb = pl.cdiv(T, bq) + min(S, T // 2)
+    if nb > 0 and T > 1:
+        blocks = prefill_block_table(cu, q_lens, bq, nb)
+        kern = functools.partial(_prefill_kernel, R=R, bq=bq, bk=max(16, _pow2(prefill_kv_block)),
+                                 **common)
+        out = pl.pallas_call(
+            kern, out_shape=out_shape, grid=(nb, Hkv), input_output_aliases={6: 0},
+            interpret=interpret, name="rpa_prefill",
+            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        )(blocks, meta, q2, k2, v2, pages, out)
+
+    # Decode: (sequences) x (KV heads), all G query heads of a KV head in one tile.
+    Gp = max(16, _pow2(G))
+    kern = functools.partial(_decode_kernel, Gp=Gp, bk=max(16, _pow2(kv_block)), **common)
+    out = pl.pallas_call(
+        kern, out_shape=out_shape, grid=(S, Hkv), input_output_aliases={5: 0},
+        interpret=interpret, name="rpa_decode",
+        compiler_params=plt.CompilerParams(num_warps=decode_num_warps,
+                                           num_stages=decode_num_stages),
+    )(meta, q2, k2, v2, pages, out)
+    return out.reshape(T, Hq, D)
