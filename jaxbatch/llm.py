@@ -1,0 +1,86 @@
+"""`LLM`: the offline Python API in vLLM's shape, driving the Engine until every request ends."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jaxbatch.config import EngineConfig, config_from_sources
+from jaxbatch.engine import Engine
+from jaxbatch.request import RequestOutput
+from jaxbatch.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, config: str | EngineConfig | None = None,
+                 **kwargs: Any) -> None:
+        """LLM(model=..., dtype=..., page_size=16, num_pages=None, kv_cache_memory_gb=None,
+        max_model_len=..., max_num_batched_tokens=..., max_num_seqs=..., batching_policy="mixed",
+        planner=..., max_compiled_shapes=..., attention_backend="auto", seed=0)."""
+        if isinstance(config, EngineConfig):
+            cfg = config.replace(**({"model": model} if model else {}), **kwargs)
+        else:
+            cfg = config_from_sources(config, model=model, **kwargs)
+        self.engine = Engine(cfg)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (text, token-id dict, or a bare id list)
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(rid, p, sp)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:  # a bad prompt fails the call whole: nothing half-submitted runs on
+                self.engine.abort_request(rid)
+            self.engine.drain_aborted()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(
+            c, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False)),
+            "prompt": tok.apply_chat_template(c, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt)}
+            for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        want = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in want:
+                    done[out.request_id] = out
+                    bar.update(1)
+            if not self.engine.has_unfinished_requests() and len(done) < len(ids):
+                raise RuntimeError("engine went idle with requests unfinished")  # never silent
+        bar.close()
+        return [done[i] for i in ids]
