@@ -79,6 +79,7 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self._rng = random.Random(config.runner.seed)
+        self.last_finished: list[Request] = []  # recent finished requests (tests, metrics)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
@@ -226,6 +227,7 @@ class Engine:
         )
 
     def _forget(self, req: Request) -> None:
+        self.last_finished = (self.last_finished + [req])[-1000:]
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
 
