@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-_SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+_SETTINGS = {"deadline": None, "derandomize": True, "suppress_health_check": list(HealthCheck)}
 
 
 def _round_up(x: int, m: int) -> int:
@@ -64,9 +64,9 @@ def make_batch(seed, q_lens, ctx_lens, *, num_q_heads, num_kv_heads, head_dim, p
     cu[n + 1 :] = cu[n]
     kv_lens = np.zeros(S, np.int32)
     kv_lens[:n] = kv
-    host = dict(q=q.astype(dtype), k_pages=k_pages.astype(dtype), v_pages=v_pages.astype(dtype),
-                kv_lens=kv_lens, page_indices=page_indices, cu_q_lens=cu,
-                num_seqs=np.array([n], np.int32))
+    host = {"q": q.astype(dtype), "k_pages": k_pages.astype(dtype),
+            "v_pages": v_pages.astype(dtype), "kv_lens": kv_lens, "page_indices": page_indices,
+            "cu_q_lens": cu, "num_seqs": np.array([n], np.int32)}
     args = tuple(jnp.asarray(host[k]) for k in
                  ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"))
     return args, host
@@ -149,7 +149,7 @@ def test_reference_matches_naive(batch, page_size, heads, soft_cap, sliding_wind
     args, host = make_batch(sum(q_lens) + len(ctx), q_lens, ctx, num_q_heads=Hq,
                             num_kv_heads=Hkv, head_dim=32, page_size=page_size, num_tokens=T,
                             num_slots=S, width=W)
-    kw = dict(sm_scale=0.3, soft_cap=soft_cap, sliding_window=sliding_window)
+    kw = {"sm_scale": 0.3, "soft_cap": soft_cap, "sliding_window": sliding_window}
     out = _reference(*args, kv_block=blocks[0], q_block=blocks[1], **kw)
     check(args, host, out, atol=2e-5, rtol=2e-5, **kw)
 
@@ -162,7 +162,7 @@ def test_reference_mixed_batch(page_size, soft_cap, sliding_window):
     q_lens, ctx = [1, 300, 1, 7, 1, 64], [0, 150, 999, 0, 130, 1]
     args, host = make_batch(7, q_lens, ctx, num_q_heads=12, num_kv_heads=4, head_dim=16,
                             page_size=page_size, num_tokens=400, num_slots=9)
-    kw = dict(sm_scale=0.25, soft_cap=soft_cap, sliding_window=sliding_window)
+    kw = {"sm_scale": 0.25, "soft_cap": soft_cap, "sliding_window": sliding_window}
     check(args, host, _reference(*args, **kw), atol=2e-5, rtol=2e-5, **kw)
 
 
@@ -183,4 +183,5 @@ def test_make_batch_poisons_what_must_not_be_read():
     last = host["page_indices"][0, 1]  # sequence 0: 8 tokens = 2 full pages; seq 1: 18 tokens
     assert np.isfinite(host["k_pages"][last]).all()
     tail = host["page_indices"][1, 4]
-    assert np.isfinite(host["v_pages"][tail, :2]).all() and np.isnan(host["v_pages"][tail, 2:]).all()
+    assert np.isfinite(host["v_pages"][tail, :2]).all()
+    assert np.isnan(host["v_pages"][tail, 2:]).all()

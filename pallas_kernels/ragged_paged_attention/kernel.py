@@ -72,7 +72,7 @@ def _attend_block(q, k_ref, v_ref, pages_ref, carry, j, *, seq, kv_head, row_pos
     rows = (page * page_size + kpos % page_size) * num_kv_heads + kv_head  # [bk]
     k = plt.load(_rows(k_ref, rows), mask=load_ok[:, None], other=0)  # [bk, D]
     v = plt.load(_rows(v_ref, rows), mask=load_ok[:, None], other=0)
-    s = pl.dot(q, k, trans_b=True) * sm_scale  # [R, bk] f32
+    s = plt.dot(q, k, trans_b=True) * sm_scale  # [R, bk] f32
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     mask = load_ok[None, :] & (kpos[None, :] <= row_pos[:, None])
@@ -83,7 +83,7 @@ def _attend_block(q, k_ref, v_ref, pages_ref, carry, j, *, seq, kv_head, row_pos
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
     alpha = jnp.exp(m - m_new)
     l = alpha * l + p.sum(axis=1)
-    acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
     return m_new, l, acc
 
 
@@ -154,12 +154,11 @@ def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_r
                   key_hi=ctx + first + n_tok, sliding_window=sliding_window, **kw)
 
 
-def prefill_block_table(cu_q_lens, q_lens, bq: int, num_blocks: int):
+def prefill_block_table(q_lens: jax.Array, bq: int, num_blocks: int) -> jax.Array:
     """i32[2, num_blocks]: (sequence, first token) of each prefill query block; -1: no work.
 
     Sequences with q_len > 1 get cdiv(q_len, bq) blocks each, in sequence order.
     """
-    del cu_q_lens
     n = jnp.where(q_lens > 1, pl.cdiv(q_lens, bq), 0)
     ends = jnp.cumsum(n)
     i = jnp.arange(num_blocks, dtype=jnp.int32)
@@ -186,7 +185,7 @@ def ragged_paged_attention(
     interpret: bool = False,
     prefill_kv_block: int = 64,
     max_prefill_rows: int = 128,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     decode_num_warps: int = 4,
     decode_num_stages: int = 2,
@@ -196,7 +195,8 @@ def ragged_paged_attention(
     kv_block: keys per decode step (rounded up to a power of two >= 16).
     q_block: query tokens per prefill program, before rounding the (token, head) rows to a
       power of two in [16, max_prefill_rows] and filling them with as many tokens as fit.
-    prefill_kv_block: keys per prefill step. The rest are Triton launch parameters.
+    prefill_kv_block: keys per prefill step. The rest are Triton launch parameters (num_warps
+      None: 8 for a 128 x 128 prefill accumulator, else 4).
     """
     T, Hq, D = q.shape
     N, P, Hkv, _ = k_pages.shape
@@ -204,6 +204,7 @@ def ragged_paged_attention(
     G = Hq // Hkv
     assert Hq == G * Hkv, (Hq, Hkv)
     assert k_pages.shape == v_pages.shape and k_pages.shape[-1] == D, (k_pages.shape, D)
+    assert interpret or D == _pow2(D), f"Triton tiles need a power-of-two head_dim, got {D}"
 
     i32 = jnp.int32
     real = jnp.arange(S) < num_seqs[0]
@@ -215,8 +216,8 @@ def ragged_paged_attention(
     k2 = k_pages.reshape(N * P * Hkv, D)
     v2 = v_pages.reshape(N * P * Hkv, D)
     pages = page_indices.astype(i32).reshape(S * W)
-    common = dict(page_size=P, num_kv_heads=Hkv, width=W, sm_scale=float(sm_scale),
-                  soft_cap=soft_cap, sliding_window=sliding_window, Hq=Hq, G=G)
+    common = {"page_size": P, "num_kv_heads": Hkv, "width": W, "sm_scale": float(sm_scale),
+              "soft_cap": soft_cap, "sliding_window": sliding_window, "Hq": Hq, "G": G}
     out = jnp.zeros((T * Hq, D), q.dtype)
     out_shape = jax.ShapeDtypeStruct(out.shape, out.dtype)
 
@@ -225,8 +226,10 @@ def ragged_paged_attention(
     R = max(R, _pow2(G))
     bq = R // G
     nb = pl.cdiv(T, bq) + min(S, T // 2)
+    if num_warps is None:
+        num_warps = 8 if R * D >= 128 * 128 else 4
     if nb > 0 and T > 1:
-        blocks = prefill_block_table(cu, q_lens, bq, nb)
+        blocks = prefill_block_table(q_lens, bq, nb)
         kern = functools.partial(_prefill_kernel, R=R, bq=bq, bk=max(16, _pow2(prefill_kv_block)),
                                  **common)
         out = pl.pallas_call(
