@@ -154,6 +154,14 @@ def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_r
                   key_hi=ctx + first + n_tok, sliding_window=sliding_window, **kw)
 
 
+def prefill_tile(G: int, q_block: int, max_prefill_rows: int) -> tuple[int, int]:
+    """(rows R, tokens bq) of a prefill tile: R = pow2(q_block * G) in [16, max_prefill_rows]
+    (at least pow2(G)), filled with bq = R // G whole tokens."""
+    R = min(max(16, _pow2(q_block * G)), max(16, _pow2(max_prefill_rows)))
+    R = max(R, _pow2(G))
+    return R, R // G
+
+
 def prefill_block_table(q_lens: jax.Array, bq: int, num_blocks: int) -> jax.Array:
     """i32[2, num_blocks]: (sequence, first token) of each prefill query block; -1: no work.
 
@@ -222,9 +230,7 @@ def ragged_paged_attention(
     out_shape = jax.ShapeDtypeStruct(out.shape, out.dtype)
 
     # Prefill: (query blocks) x (KV heads); output aliased from the zeros above.
-    R = min(max(16, _pow2(q_block * G)), max(16, _pow2(max_prefill_rows)))
-    R = max(R, _pow2(G))
-    bq = R // G
+    R, bq = prefill_tile(G, q_block, max_prefill_rows)
     nb = pl.cdiv(T, bq) + min(S, T // 2)
     if num_warps is None:
         num_warps = 8 if R * D >= 128 * 128 else 4
