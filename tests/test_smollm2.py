@@ -38,7 +38,7 @@ PROMPTS = [
 
 @contextlib.contextmanager
 def torch_one_thread() -> Iterator[None]:
-    """Torch's spinning worker threads fight XLA's on a small shared CPU; one thread is ~10x faster."""
+    """Torch's spinning threads fight XLA's on a small shared CPU; one thread is ~10x faster."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
