@@ -59,8 +59,13 @@ def _gguf_tensors(model, kind: str) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(path: str, model, kind: str, qtype=lambda name, w: QT.F32, drop=(), edit=None):
-    """A GGUF with metadata, a 256-token byte-level tokenizer and the model's tensors."""
+def write_gguf(path: str, model, kind: str, qtype=lambda name, w: QT.F32, drop=(), edit=None,
+               extra=None):
+    """A GGUF with metadata, a 256-token byte-level tokenizer and the model's tensors.
+
+    qtype(name, w) picks each matrix's type; `drop` leaves tensors out; edit(name, w) changes one;
+    extra(writer) adds metadata or tensors.
+    """
     cfg = make_hf_config(kind)
     arch = "qwen2" if kind == "qwen2" else "llama"
     w = gguf.GGUFWriter(path, arch=arch)
@@ -84,6 +89,8 @@ def write_gguf(path: str, model, kind: str, qtype=lambda name, w: QT.F32, drop=(
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+    if extra is not None:
+        extra(w)
     for name, t in _gguf_tensors(model, kind).items():
         if name in drop:
             continue
@@ -233,6 +240,32 @@ def test_gguf_errors_are_clear(tiny, tmp_path):
         gguf_loader.load_gguf(p, jnp.float32)
 
 
+def test_gguf_rope_scaling(tiny, tmp_path):
+    """transformers' GGUF config drops rope scaling; the loader reads linear, refuses llama3."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d, model = tiny["llama_gqa"]
+
+    def linear(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
+
+    p = write_gguf(str(tmp_path / "linear.gguf"), model, "llama_gqa", extra=linear)
+    arch, params, _ = gguf_loader.load_gguf(p, jnp.float32)
+    assert (arch.rope_type, dict(arch.rope_scaling)["factor"]) == ("linear", 4.0)
+    cfg = AutoConfig.from_pretrained(d)
+    cfg.rope_parameters = {**cfg.rope_parameters, "rope_type": "linear", "factor": 4.0}
+    ref = AutoModelForCausalLM.from_pretrained(d, config=cfg, dtype=torch.float32).eval()
+    assert_close_logits(our_logits(arch, params), hf_logits(ref))
+
+    def llama3(w):
+        w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
+
+    p = write_gguf(str(tmp_path / "llama3.gguf"), model, "llama_gqa", extra=llama3)
+    with pytest.raises(WeightLoadError, match="rope_freqs tensor .*not support"):
+        gguf_loader.load_gguf(p, jnp.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # load_model: GGUF with the param cache, HF directories, built-in names
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +297,11 @@ def test_load_model_gguf_then_from_cache(tiny, tmp_path):
     assert not third.from_cache
     jax.tree.map(np.testing.assert_array_equal, first.params, third.params)
     assert load_model(path, "float32", cache_dir=cache).from_cache
+
+    # Damaged config/tokenizer files in the entry are a miss too.
+    with open(os.path.join(param_cache.hf_dir(entry), "config.json"), "w") as f:
+        f.write("{not json")
+    assert not load_model(path, "float32", cache_dir=cache).from_cache
 
     # An entry without its COMPLETE marker (a crashed write) is not used.
     os.remove(os.path.join(entry, "COMPLETE"))

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from typing import Any
@@ -18,6 +19,8 @@ import jax.numpy as jnp
 from jaxbatch.model import param_cache, registry
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.hf_loader import load_hf_dir
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16}
@@ -88,10 +91,16 @@ def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch,
     entry = param_cache.entry_dir(cache_dir, param_cache.cache_key(path, dtype))
     if param_cache.is_complete(entry):
         hf = param_cache.hf_dir(entry)
-        arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(hf))
-        params = param_cache.restore_params(entry, arch, dtype)
-        if params is not None:
-            return arch, params, AutoTokenizer.from_pretrained(hf), True
+        try:
+            arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(hf))
+            tok = AutoTokenizer.from_pretrained(hf)
+        except (OSError, ValueError) as e:  # damaged config/tokenizer files: rebuild the entry
+            log.warning("param cache entry %s is unreadable (%s); rebuilding it", entry, e)
+            param_cache.remove_entry(entry)
+        else:
+            params = param_cache.restore_params(entry, arch, dtype)
+            if params is not None:
+                return arch, params, tok, True
     arch, params, cfg = load_gguf(path, dtype)
     tok = load_gguf_tokenizer(path)
 

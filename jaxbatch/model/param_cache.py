@@ -52,6 +52,10 @@ def hf_dir(entry: str) -> str:
     return os.path.join(entry, "hf")
 
 
+def remove_entry(entry: str) -> None:
+    shutil.rmtree(entry, ignore_errors=True)
+
+
 def restore_params(entry: str, arch: ModelArch, dtype: Any) -> dict | None:
     """The cached params as jnp arrays, or None (after removing the entry) if it cannot be read."""
     import orbax.checkpoint as ocp
@@ -66,7 +70,7 @@ def restore_params(entry: str, arch: ModelArch, dtype: Any) -> dict | None:
             return ckptr.restore(os.path.join(entry, "params"), target)
     except Exception as e:  # noqa: BLE001 - a damaged entry is a cache miss, not a failure
         log.warning("param cache entry %s is unreadable (%s); rebuilding it", entry, e)
-        shutil.rmtree(entry, ignore_errors=True)
+        remove_entry(entry)
         return None
 
 
