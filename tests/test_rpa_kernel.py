@@ -32,7 +32,7 @@ _SETTINGS = {"deadline": None, "derandomize": True,
 # probabilities are cast to bf16 before the PV matmul in both, at different block boundaries.
 TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(jnp.bfloat16): (1.5e-2, 1.5e-2)}
 _STATIC = ("sm_scale", "soft_cap", "sliding_window", "kv_block", "q_block", "max_prefill_rows",
-           "prefill_kv_block")
+           "prefill_kv_block", "decode_kv_splits")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -69,7 +69,7 @@ def ragged_batches(draw, max_seqs=8, max_kv=2000):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@settings(max_examples=7, **_SETTINGS)
+@settings(max_examples=6, **_SETTINGS)
 @given(
     batch=ragged_batches(),
     page_size=st.sampled_from([16, 32]),
@@ -93,10 +93,12 @@ def test_kernel_matches_reference(dtype, batch, page_size, heads, head_dim, soft
 @pytest.mark.parametrize(
     "tuning",
     [{}, {"kv_block": 16, "q_block": 8, "prefill_kv_block": 16, "max_prefill_rows": 16},
-     {"kv_block": 256, "q_block": 64, "prefill_kv_block": 128}],
-    ids=["default", "small", "large"])
+     {"kv_block": 256, "q_block": 64, "prefill_kv_block": 128, "decode_kv_splits": 1},
+     {"kv_block": 16, "decode_kv_splits": 5}],
+    ids=["default", "small", "large", "split5"])
 def test_kernel_tuning_and_page_sizes(page_size, tuning):
-    """Block sizes are tuning only; page size 1 and non-powers of two work (per-token gather)."""
+    """Block sizes and KV splits are tuning only; page size 1 and non-powers of two work
+    (per-token gather). Short sequences leave some of 5 KV splits without any block."""
     q_lens, ctx = [1, 130, 1, 17, 1, 2], [700, 0, 33, 200, 0, 61]
     args, host = make_batch(5, q_lens, ctx, num_q_heads=6, num_kv_heads=2, head_dim=64,
                             page_size=page_size, num_tokens=160, num_slots=8)
@@ -105,13 +107,13 @@ def test_kernel_tuning_and_page_sizes(page_size, tuning):
 
 
 def test_kernel_matches_naive_oracle():
-    q_lens, ctx = [1, 300, 1, 1, 64], [1999, 1000, 0, 512, 1300]
+    """Engine shape (Hq 32, Hkv 8, D 128): long decode, long prefill chunk, fresh prompt."""
+    q_lens, ctx = [1, 300, 1, 1, 64], [1999, 1000, 0, 512, 0]
     args, host = make_batch(11, q_lens, ctx, num_q_heads=32, num_kv_heads=8, head_dim=128,
                             page_size=16, num_tokens=384, num_slots=8)
-    for kw in ({"sm_scale": 128**-0.5},
-               {"sm_scale": 0.3, "soft_cap": 10.0, "sliding_window": 77}):
-        got = np.asarray(_kernel(*args, **kw), np.float64)
-        np.testing.assert_allclose(got, naive_attention(host, **kw), atol=1e-5, rtol=1e-5)
+    kw = {"sm_scale": 128**-0.5, "soft_cap": 30.0}
+    got = np.asarray(_kernel(*args, **kw), np.float64)
+    np.testing.assert_allclose(got, naive_attention(host, **kw), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_only_batch():

@@ -59,7 +59,8 @@ def test_lowers_for_cuda_and_serialises(T, S, model):
     R = max(16, 1 << (32 * G - 1).bit_length())  # default q_block=32, capped at 128 rows
     bq = min(R, 128) // G
     nb = -(-T // bq) + min(S, T // 2)
-    assert _grids(text) == [(nb, Hkv, 1), (S, Hkv, 1)]
+    splits = min(16, -(-132 // (S * Hkv)), WIDTH * PAGE_SIZE // 128)  # flash decoding
+    assert _grids(text) == [(nb, Hkv, 1), (S, Hkv, splits)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -76,4 +77,6 @@ def test_lowering_options(dtype, kw):
 def test_decode_only_bucket_has_no_prefill_call():
     text = _export(1, 1, "smollm2").mlir_module()
     assert text.count(_TRITON) == 1
+    assert _grids(text) == [(1, 3, 16)]
+    text = _export(1, 1, "smollm2", decode_kv_splits=1).mlir_module()
     assert _grids(text) == [(1, 3, 1)]

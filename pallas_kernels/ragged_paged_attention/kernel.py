@@ -30,8 +30,10 @@ Blocking, and why (T tokens, S sequence slots, K_s = history of sequence s, q_s 
   * Triton needs static grids, so grid sizes depend on T, S and Hkv only; all ragged structure is
     data. Padding sequences and padding rows are never computed; the output starts as zeros
     (aliased in and out of both calls), so padding rows read back as zeros like the reference.
-  * Not done (yet): splitting one long decode sequence over several programs (flash decoding),
-    which matters when S * Hkv is well below the SM count.
+  * Few long decode sequences (S * Hkv below the SM count) would leave most SMs idle, so the
+    decode grid gets a third axis of KV splits (flash decoding; a static count from S, Hkv, W):
+    each program covers a share of the KV blocks and writes float32 partials (out, max, sum),
+    merged by a few jnp ops: extra bytes ~ splits * S * Hq * (D + 2) * 4 * 2, no extra KV reads.
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ def _attend_block(q, k_ref, v_ref, pages_ref, carry, j, *, seq, kv_head, row_pos
     return m_new, l, acc
 
 
-def _run_rows(q_ref, k_ref, v_ref, pages_ref, o_ref, *, q_rows, row_ok, row_pos, seq, kv_head,
-              key_lo, key_hi, bk, **kw):
-    """Attend R query rows (flat indices q_rows into [T * Hq, D]) and store the valid ones."""
+def _attend_rows(q_ref, k_ref, v_ref, pages_ref, *, q_rows, row_ok, row_pos, blocks, bk, **kw):
+    """Attend R query rows (flat indices q_rows into [T * Hq, D]) to KV blocks [blocks) ->
+    (m, l, normalised out [R, D]) in float32."""
     R = q_rows.shape[0]
     D = q_ref.shape[1]
     q = plt.load(_rows(q_ref, q_rows), mask=row_ok[:, None], other=0)  # [R, D]
@@ -98,16 +100,21 @@ def _run_rows(q_ref, k_ref, v_ref, pages_ref, o_ref, *, q_rows, row_ok, row_pos,
         jnp.zeros((R,), jnp.float32),
         jnp.zeros((R, D), jnp.float32),
     )
-    body = functools.partial(
-        _attend_block, q, k_ref, v_ref, pages_ref, seq=seq, kv_head=kv_head, row_pos=row_pos,
-        key_lo=key_lo, key_hi=key_hi, bk=bk, **kw)
-    _, l, acc = jax.lax.fori_loop(key_lo // bk, pl.cdiv(key_hi, bk), lambda j, c: body(c, j),
-                                  carry)
-    out = acc / jnp.maximum(l, 1e-30)[:, None]
-    # Masked-off rows aim past the end: interpret mode drops them, the GPU never touches them
-    # (a clamped duplicate could race with the real row in interpret mode's scatter).
-    dst = jnp.where(row_ok, q_rows, o_ref.shape[0])
-    plt.store(_rows(o_ref, dst), out.astype(o_ref.dtype), mask=row_ok[:, None])
+    body = functools.partial(_attend_block, q, k_ref, v_ref, pages_ref, row_pos=row_pos, bk=bk,
+                             **kw)
+    m, l, acc = jax.lax.fori_loop(*blocks, lambda j, c: body(c, j), carry)
+    return m, l, acc / jnp.maximum(l, 1e-30)[:, None]
+
+
+def _store(ref, rows, row_ok, val):
+    """Store val [R] or [R, D] at rows of ref; masked-off rows aim past the end, so interpret
+    mode's scatter drops them (a clamped duplicate could overwrite a real row) and the GPU never
+    touches them."""
+    dst = jnp.where(row_ok, rows, ref.shape[0])
+    if val.ndim == 1:
+        plt.store(ref.at[dst], val.astype(ref.dtype), mask=row_ok)
+    else:
+        plt.store(_rows(ref, dst), val.astype(ref.dtype), mask=row_ok[:, None])
 
 
 def _window_lo(first_pos, sliding_window):
@@ -116,25 +123,39 @@ def _window_lo(first_pos, sliding_window):
     return jnp.maximum(first_pos - sliding_window + 1, 0)
 
 
-def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_ref, o_ref, *, G, Gp, Hq,
-                   sliding_window, **kw):
-    del o_in_ref  # aliased to o_ref
-    seq, h = pl.program_id(0), pl.program_id(1)
+def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, G, Gp, Hq, S, splits,
+                   bk, sliding_window, **kw):
+    """Program (seq, kv head, split): all G query heads of a 1-token sequence against one KV
+    head, over split `c` of its KV blocks. splits == 1: out_refs = (aliased in, out) and rows
+    are final; else out_refs = (out [splits*S*Hq, D], m, l [splits*S*Hq]) partials."""
+    seq, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_start, q_len, kv_len = meta_ref[0, seq], meta_ref[1, seq], meta_ref[2, seq]
 
     @pl.when(q_len == 1)
     def _():
         g = jnp.arange(Gp, dtype=jnp.int32)
+        row_ok, heads = g < G, h * G + jnp.minimum(g, G - 1)
         pos = kv_len - 1
-        _run_rows(q_ref, k_ref, v_ref, pages_ref, o_ref,
-                  q_rows=q_start * Hq + h * G + jnp.minimum(g, G - 1), row_ok=g < G,
-                  row_pos=jnp.full((Gp,), pos, jnp.int32), seq=seq, kv_head=h,
-                  key_lo=_window_lo(pos, sliding_window), key_hi=kv_len,
-                  sliding_window=sliding_window, **kw)
+        key_lo = _window_lo(pos, sliding_window)
+        lo, hi = key_lo // bk, pl.cdiv(kv_len, bk)
+        if splits > 1:
+            per = pl.cdiv(hi - lo, splits)
+            lo = lo + c * per
+            hi = jnp.minimum(lo + per, hi)
+        m, l, out = _attend_rows(
+            q_ref, k_ref, v_ref, pages_ref, q_rows=q_start * Hq + heads, row_ok=row_ok,
+            row_pos=jnp.full((Gp,), pos, jnp.int32), blocks=(lo, hi), bk=bk, seq=seq,
+            kv_head=h, key_lo=key_lo, key_hi=kv_len, sliding_window=sliding_window, **kw)
+        if splits == 1:
+            _store(out_refs[1], q_start * Hq + heads, row_ok, out)
+        else:
+            rows = (c * S + seq) * Hq + heads
+            for ref, val in zip(out_refs, (out, m, l)):
+                _store(ref, rows, row_ok, val)
 
 
 def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_ref, o_ref, *, G,
-                    R, bq, Hq, sliding_window, **kw):
+                    R, bq, Hq, bk, sliding_window, **kw):
     del o_in_ref  # aliased to o_ref
     i, h = pl.program_id(0), pl.program_id(1)
     seq, first = blocks_ref[0, i], blocks_ref[1, i]  # first: block's first token in its sequence
@@ -148,10 +169,13 @@ def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_r
         row_ok = (r < bq * G) & (tok < q_len)
         tok = jnp.minimum(tok, q_len - 1)
         n_tok = jnp.minimum(bq, q_len - first)
-        _run_rows(q_ref, k_ref, v_ref, pages_ref, o_ref,
-                  q_rows=(q_start + tok) * Hq + h * G + r % G, row_ok=row_ok, row_pos=ctx + tok,
-                  seq=seq, kv_head=h, key_lo=_window_lo(ctx + first, sliding_window),
-                  key_hi=ctx + first + n_tok, sliding_window=sliding_window, **kw)
+        key_lo, key_hi = _window_lo(ctx + first, sliding_window), ctx + first + n_tok
+        q_rows = (q_start + tok) * Hq + h * G + r % G
+        _, _, out = _attend_rows(
+            q_ref, k_ref, v_ref, pages_ref, q_rows=q_rows, row_ok=row_ok, row_pos=ctx + tok,
+            blocks=(key_lo // bk, pl.cdiv(key_hi, bk)), bk=bk, seq=seq, kv_head=h,
+            key_lo=key_lo, key_hi=key_hi, sliding_window=sliding_window, **kw)
+        _store(o_ref, q_rows, row_ok, out)
 
 
 def prefill_tile(G: int, q_block: int, max_prefill_rows: int) -> tuple[int, int]:
@@ -197,14 +221,20 @@ def ragged_paged_attention(
     num_stages: int = 2,
     decode_num_warps: int = 4,
     decode_num_stages: int = 2,
+    decode_kv_splits: int | None = None,
+    num_sms: int = 132,
 ) -> jax.Array:
     """Kernel version of `ragged_paged_attention_reference` (same arguments and result).
 
     kv_block: keys per decode step (rounded up to a power of two >= 16).
     q_block: query tokens per prefill program, before rounding the (token, head) rows to a
       power of two in [16, max_prefill_rows] and filling them with as many tokens as fit.
-    prefill_kv_block: keys per prefill step. The rest are Triton launch parameters (num_warps
-      None: 8 for a 128 x 128 prefill accumulator, else 4).
+    prefill_kv_block: keys per prefill step.
+    decode_kv_splits: programs per decode (sequence, KV head), each over a share of its KV
+      blocks, merged afterwards (flash decoding). None: enough to give `num_sms` streaming
+      multiprocessors one program each, when S * Hkv alone does not (at most 16).
+    The rest are Triton launch parameters (num_warps None: 8 for a 128 x 128 prefill
+    accumulator, else 4).
     """
     T, Hq, D = q.shape
     N, P, Hkv, _ = k_pages.shape
@@ -244,13 +274,31 @@ def ragged_paged_attention(
             compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         )(blocks, meta, q2, k2, v2, pages, out)
 
-    # Decode: (sequences) x (KV heads), all G query heads of a KV head in one tile.
-    Gp = max(16, _pow2(G))
-    kern = functools.partial(_decode_kernel, Gp=Gp, bk=max(16, _pow2(kv_block)), **common)
-    out = pl.pallas_call(
-        kern, out_shape=out_shape, grid=(S, Hkv), input_output_aliases={5: 0},
-        interpret=interpret, name="rpa_decode",
-        compiler_params=plt.CompilerParams(num_warps=decode_num_warps,
-                                           num_stages=decode_num_stages),
-    )(meta, q2, k2, v2, pages, out)
-    return out.reshape(T, Hq, D)
+    # Decode: (sequences) x (KV heads) x (KV splits), all G query heads of a KV head in a tile.
+    bk = max(16, _pow2(kv_block))
+    splits = decode_kv_splits or min(16, pl.cdiv(num_sms, S * Hkv), pl.cdiv(W * P, bk))
+    kern = functools.partial(_decode_kernel, Gp=max(16, _pow2(G)), S=S, splits=splits, bk=bk,
+                             **common)
+    params = plt.CompilerParams(num_warps=decode_num_warps, num_stages=decode_num_stages)
+    if splits == 1:
+        out = pl.pallas_call(
+            kern, out_shape=out_shape, grid=(S, Hkv, 1), input_output_aliases={5: 0},
+            interpret=interpret, name="rpa_decode", compiler_params=params,
+        )(meta, q2, k2, v2, pages, out)
+        return out.reshape(T, Hq, D)
+    f32 = jnp.float32
+    part, m, l = pl.pallas_call(
+        kern, grid=(S, Hkv, splits), interpret=interpret, name="rpa_decode_split",
+        out_shape=(jax.ShapeDtypeStruct((splits * S * Hq, D), f32),
+                   jax.ShapeDtypeStruct((splits * S * Hq,), f32),
+                   jax.ShapeDtypeStruct((splits * S * Hq,), f32)),
+        compiler_params=params,
+    )(meta, q2, k2, v2, pages)
+    # Merge the splits: [splits, S, Hq] weights exp(m_c - max m) * l_c. Rows of non-decode
+    # sequences hold garbage and are dropped by the scatter.
+    m, l = m.reshape(splits, S, Hq), l.reshape(splits, S, Hq)
+    w = jnp.exp(m - m.max(axis=0)) * l
+    dec = (w[..., None] * part.reshape(splits, S, Hq, D)).sum(axis=0)
+    dec = dec / jnp.maximum(w.sum(axis=0), 1e-30)[..., None]
+    target = jnp.where(q_lens == 1, cu[:-1], T)
+    return out.reshape(T, Hq, D).at[target].set(dec.astype(q.dtype), mode="drop")
