@@ -134,7 +134,7 @@ def roofline(small: bool, iters: int) -> tuple[float, float]:
     return copy_gbs, 2 * m**3 / t / 1e12
 
 
-_COLS = [("model", 8, "s"), ("batch", 13, "s"), ("T", 5, "d"), ("S", 3, "d"), ("us", 9, ".1f"),
+_COLS = [("model", 8, "s"), ("batch", 18, "s"), ("T", 5, "d"), ("S", 3, "d"), ("us", 9, ".1f"),
          ("unique_MB", 9, ".1f"), ("GB/s", 8, ".1f"), ("%copy", 6, ".1f"), ("GFLOP", 8, ".2f"),
          ("TFLOP/s", 8, ".2f"), ("%matmul", 7, ".1f"), ("ref_us", 10, ".1f"),
          ("max_diff", 9, ".2e")]
@@ -172,23 +172,29 @@ def main(argv=None) -> list[dict]:
         _, bq = prefill_tile(G, 32, 128)  # the kernel's default tile
         kw = {"sm_scale": D**-0.5}
         kern = jax.jit(functools.partial(ragged_paged_attention, interpret=args.interpret, **kw))
+        # Decode batches once more without flash-decoding splits, to see what they buy.
+        nosplit = jax.jit(functools.partial(ragged_paged_attention, interpret=args.interpret,
+                                            decode_kv_splits=1, **kw))
         ref = jax.jit(functools.partial(ragged_paged_attention_reference, **kw))
         for i, sc in enumerate(scenarios(args.small, np.random.default_rng(0))):
             batch = build(sc, Hq, Hkv, D, args.page_size, dtype, seed=i)
             unique, loads, flops = count(sc, Hq, Hkv, D, dtype.itemsize, bq)
-            t = timed(kern, *batch, iters=iters)
-            out = kern(*batch)
             want = ref(*batch)
-            diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
             t_ref = None if args.no_reference else timed(ref, *batch, iters=max(1, iters // 4))
-            row = {"model": model, "batch": sc.name, "T": sc.num_tokens, "S": sc.num_slots,
-                   "us": t * 1e6, "unique_MB": unique / 1e6, "load_MB": loads / 1e6,
-                   "GFLOP": flops / 1e9, "GB/s": unique / t / 1e9, "TFLOP/s": flops / t / 1e12,
-                   "ref_us": None if t_ref is None else t_ref * 1e6, "max_diff": diff}
-            row["%copy"] = 100 * row["GB/s"] / copy_gbs
-            row["%matmul"] = 100 * row["TFLOP/s"] / mm_tfs
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            variants = [("", kern)] + ([("/1split", nosplit)] if max(sc.q_lens) == 1 else [])
+            for suffix, f in variants:
+                t = timed(f, *batch, iters=iters)
+                out = f(*batch).astype(jnp.float32)
+                diff = float(jnp.max(jnp.abs(out - want.astype(jnp.float32))))
+                row = {"model": model, "batch": sc.name + suffix, "T": sc.num_tokens,
+                       "S": sc.num_slots, "us": t * 1e6, "unique_MB": unique / 1e6,
+                       "load_MB": loads / 1e6, "GFLOP": flops / 1e9, "GB/s": unique / t / 1e9,
+                       "TFLOP/s": flops / t / 1e12,
+                       "ref_us": None if t_ref is None else t_ref * 1e6, "max_diff": diff}
+                row["%copy"] = 100 * row["GB/s"] / copy_gbs
+                row["%matmul"] = 100 * row["TFLOP/s"] / mm_tfs
+                rows.append(row)
+                print(json.dumps(row), flush=True)
 
     print_table(rows, copy_gbs, mm_tfs)
     if args.json:

@@ -9,7 +9,8 @@
 #   SKIP_TESTS=1 bash scripts/gpu_check.sh    # benchmarks only
 # Env: PY (python with a CUDA jax; default: first of .venv/bin/python, python3 that sees a GPU),
 #      TEST_TIMEOUT (s, default 420), BENCH_TIMEOUT (300), THROUGHPUT_TIMEOUT (300),
-#      BENCH_ARGS, THROUGHPUT_ARGS (extra arguments for the two scripts),
+#      BENCH_ARGS, THROUGHPUT_ARGS (arguments for the two scripts; the latter replaces the
+#      default "--dtypes bfloat16 --passes 2 --out $LOG/throughput"),
 #      CPU_SMOKE=1 (no GPU: check this script itself; interpret mode, lowering tests, tiny bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,7 +78,8 @@ note "bench_kernel" "rc=$rc in $((SECONDS - start))s"
 if [[ -f scripts/bench_throughput.py ]]; then
   start=$SECONDS
   # shellcheck disable=SC2086
-  timeout "${THROUGHPUT_TIMEOUT:-300}" "$PY" scripts/bench_throughput.py ${THROUGHPUT_ARGS:-} \
+  timeout "${THROUGHPUT_TIMEOUT:-300}" "$PY" scripts/bench_throughput.py \
+    ${THROUGHPUT_ARGS:---dtypes bfloat16 --passes 2 --out $LOG/throughput} \
     >"$LOG/bench_throughput.log" 2>&1
   rc=$?
   [[ $rc -ne 0 ]] && status=1
