@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxbatch.request import RequestOutput
 from jaxbatch.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -120,21 +121,21 @@ def _sampling_params(body: dict, max_tokens: int | None, top_logprobs: int | Non
     if isinstance(stop, list) and len(stop) > 16:
         raise bad_request("'stop' accepts at most 16 strings", "stop")
     stop_ids = body.get("stop_token_ids")
-    kwargs = dict(
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
-        top_k=_get(body, "top_k", int, 0),
-        min_p=float(_get(body, "min_p", (int, float), 0.0)),
-        seed=_get(body, "seed", int),
-        max_tokens=max_tokens,
-        min_tokens=_get(body, "min_tokens", int, 0),
-        stop=stop or None,
-        stop_token_ids=None if stop_ids is None else _int_list(stop_ids, "stop_token_ids"),
-        ignore_eos=_get(body, "ignore_eos", bool, False),
-        logprobs=top_logprobs,
-        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
-        include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
-    )
+    kwargs: dict[str, Any] = {
+        "temperature": float(_get(body, "temperature", (int, float), 1.0)),
+        "top_p": float(_get(body, "top_p", (int, float), 1.0)),
+        "top_k": _get(body, "top_k", int, 0),
+        "min_p": float(_get(body, "min_p", (int, float), 0.0)),
+        "seed": _get(body, "seed", int),
+        "max_tokens": max_tokens,
+        "min_tokens": _get(body, "min_tokens", int, 0),
+        "stop": stop or None,
+        "stop_token_ids": None if stop_ids is None else _int_list(stop_ids, "stop_token_ids"),
+        "ignore_eos": _get(body, "ignore_eos", bool, False),
+        "logprobs": top_logprobs,
+        "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
+        "include_stop_str_in_output": _get(body, "include_stop_str_in_output", bool, False),
+    }
     if kwargs["temperature"] > 2.0:
         raise bad_request(f"'temperature' must be in [0, 2], got {kwargs['temperature']}",
                           "temperature")
