@@ -1,0 +1,269 @@
+"""AsyncEngine: the synchronous Engine driven by one background thread, for asyncio callers.
+
+The engine is touched by that thread only. Callers hand it commands (add, abort, stop) through a
+thread-safe queue; the thread applies them between steps, steps while there is work and sleeps on
+the queue when there is none. After each step the outputs go back to the event loop in one
+`call_soon_threadsafe` and are sorted into per-request asyncio queues (one RequestStream per
+HTTP request, which may hold several engine requests: one per prompt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jaxbatch.request import RequestOutput
+from jaxbatch.sampling_params import SamplingParams
+
+log = logging.getLogger("jaxbatch.server")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class RequestStream:
+    """Outputs of the engine requests of one caller, in arrival order; finished when all are.
+
+    Iterate with `async for (index, output) in stream`; always `close()` it (aborts whatever has
+    not finished, e.g. when the client went away)."""
+
+    def __init__(self, owner: AsyncEngine, ids: list[str]) -> None:
+        self.owner = owner
+        self.ids = ids
+        self.index = {rid: i for i, rid in enumerate(ids)}
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.final: list[RequestOutput | None] = [None] * len(ids)
+        self.arrival = time.perf_counter()
+        self.last_token: list[float | None] = [None] * len(ids)
+        self.closed = False
+
+    @property
+    def finished(self) -> bool:
+        return all(o is not None for o in self.final)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        i = self.index[item.request_id]
+        if item.finished:
+            self.final[i] = item
+        return i, item
+
+    async def results(self) -> list[RequestOutput]:
+        """Wait for every request to finish; their final outputs, in prompt order."""
+        async for _ in self:
+            pass
+        return [o for o in self.final if o is not None]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.owner._close(self)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, max_waiting_requests: int | None = None,
+                 on_step: Callable[[Any, list[RequestOutput], float], None] | None = None,
+                 on_output: Callable[[RequestStream, int, RequestOutput], None] | None = None
+                 ) -> None:
+        """on_step(engine, outputs, seconds) runs on the engine thread after each step (metrics);
+        on_output(stream, index, output) on the event loop for each delivered output."""
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.on_step = on_step
+        self.on_output = on_output
+        self._cmds: queue.Queue[tuple] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}  # engine request id -> stream (loop side)
+        self._submitted = 0  # adds handed to the thread, not yet applied (loop side)
+        self.num_waiting = 0  # the engine's waiting queue after the last step (thread writes)
+        self.num_running = 0
+        self.error: BaseException | None = None
+        self.stopped = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._draining = False  # thread side: stop once nothing is left
+
+    # ---- event-loop side ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxbatch-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_active(self) -> int:
+        """Engine requests handed out and not finished (as seen from the event loop)."""
+        return len(self._streams)
+
+    async def add(self, request_id: str, prompts: list[Any], params: SamplingParams
+                  ) -> RequestStream:
+        """Submit one engine request per prompt (ids request_id-0, -1, ...). Raises ValueError
+        (bad prompt, from the engine), QueueFullError or EngineDeadError; on success the
+        requests are in the engine."""
+        if not self.healthy or self.stopped:
+            raise EngineDeadError(f"the engine is not running: {self.error or 'stopped'}")
+        limit = self.max_waiting_requests
+        if limit is not None and self._submitted + self.num_waiting + len(prompts) > limit:
+            raise QueueFullError(f"the server has {self._submitted + self.num_waiting} "
+                                 f"requests waiting (limit {limit}); retry later")
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        stream = RequestStream(self, ids)
+        for rid in ids:
+            self._streams[rid] = stream
+        assert self._loop is not None
+        accepted: asyncio.Future[None] = self._loop.create_future()
+        self._submitted += len(prompts)
+        self._cmds.put(("add", ids, prompts, params, accepted))
+        try:
+            await accepted
+        except BaseException:
+            stream.close()  # cancelled while waiting: the thread may still add them; abort
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._cmds.put(("abort", request_ids))
+
+    def _close(self, stream: RequestStream) -> None:
+        for rid in stream.ids:
+            self._streams.pop(rid, None)
+        unfinished = [rid for rid, o in zip(stream.ids, stream.final) if o is None]
+        if unfinished:
+            self.abort(unfinished)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # closed (client gone) or aborted by us
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            stream.queue.put_nowait(out)
+            if self.on_output is not None:
+                self.on_output(stream, stream.index[out.request_id], out)
+
+    def _resolve(self, fut: asyncio.Future, n: int, error: BaseException | None) -> None:
+        self._submitted -= n
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams = set(self._streams.values())
+        self._streams.clear()
+        for s in streams:
+            s.queue.put_nowait(error)
+
+    async def stop(self, abort: bool = True, timeout: float = 30.0) -> None:
+        """Stop the thread: abort what runs (abort=True) or let it finish first."""
+        self.stopped = True
+        self._cmds.put(("stop", abort))
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _call(self, fn: Callable, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _apply(self, cmd: tuple) -> bool:
+        """Apply one command; False when the thread should stop."""
+        eng = self.engine
+        if cmd[0] == "add":
+            _, ids, prompts, params, fut = cmd
+            try:
+                for rid, prompt in zip(ids, prompts):
+                    eng.add_request(rid, prompt, params)
+            except Exception as e:  # a bad prompt fails the whole call; none of it runs
+                for rid in ids:
+                    eng.abort_request(rid)
+                eng.drain_aborted()
+                self._call(self._resolve, fut, len(ids), e)
+            else:
+                self._call(self._resolve, fut, len(ids), None)
+        elif cmd[0] == "abort":
+            for rid in cmd[1]:
+                eng.abort_request(rid)
+        elif cmd[0] == "stop":
+            if cmd[1]:
+                for rid in list(eng.requests):
+                    eng.abort_request(rid)
+                self._call(self._deliver, eng.drain_aborted())
+            else:
+                self._draining = True
+                return eng.has_unfinished_requests()
+            return False
+        return True
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                busy = eng.has_unfinished_requests()
+                if self._draining and not busy:
+                    break
+                try:  # block for a command only when there is nothing to step
+                    cmd = self._cmds.get(block=not busy)
+                    if not self._apply(cmd):
+                        break
+                    while True:
+                        if not self._apply(self._cmds.get_nowait()):
+                            return
+                except queue.Empty:
+                    pass
+                if not eng.has_unfinished_requests():
+                    continue
+                t0 = time.perf_counter()
+                outputs = eng.step()
+                seconds = time.perf_counter() - t0
+                self.num_waiting = len(eng.scheduler.waiting)
+                self.num_running = len(eng.scheduler.running)
+                if outputs:
+                    self._call(self._deliver, outputs)
+                if self.on_step is not None:
+                    self.on_step(eng, outputs, seconds)
+        except BaseException as e:  # the engine is broken: fail every caller loudly
+            log.exception("engine thread failed")
+            self.error = e
+            self._call(self._fail_all, EngineDeadError(f"the engine failed: {e!r}"))
+        finally:
+            self.num_waiting = len(eng.scheduler.waiting)
+            self.num_running = len(eng.scheduler.running)
+            self._reject_queued()
+
+    def _reject_queued(self) -> None:
+        """After the thread ends: adds still queued fail (their callers must not hang)."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._call(self._resolve, cmd[4], len(cmd[1]),
+                           EngineDeadError("the engine stopped before this request started"))

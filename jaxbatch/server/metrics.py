@@ -1,0 +1,105 @@
+"""Prometheus metrics of the server, in their own CollectorRegistry (several servers, e.g. in
+tests, never collide in the global one).
+
+Request side (event loop): requests by route and HTTP status, finish reasons, TTFT, inter-token
+latency, end-to-end latency, tokens in and out. Engine side (engine thread, after each step):
+waiting/running requests, KV pages used/free, tokens per step, padding fraction, step time and
+compilations since warm-up, all read from engine.stats() and engine.trace.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from jaxbatch.request import RequestOutput
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        p = "jaxbatch_"
+        self.requests = Counter(p + "requests", "HTTP requests by route and status code",
+                                ["route", "status"], registry=r)
+        self.finished = Counter(p + "request_finished", "engine requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds",
+                              "arrival to first output token", buckets=_LATENCY, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds",
+                             "gap between consecutive output tokens of a request", buckets=_ITL,
+                             registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "arrival to finish",
+                             buckets=_E2E, registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "output tokens generated",
+                                         registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "requests waiting in the engine",
+                             registry=r)
+        self.running = Gauge(p + "num_requests_running", "requests running in the engine",
+                             registry=r)
+        self.kv_used = Gauge(p + "kv_pages_used", "KV-cache pages in use", registry=r)
+        self.kv_free = Gauge(p + "kv_pages_free", "KV-cache pages free", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "fraction of KV pages in use",
+                              registry=r)
+        self.step_tokens = Histogram(p + "tokens_per_step", "real (unpadded) tokens per step",
+                                     buckets=_TOKENS, registry=r)
+        self.step_seconds = Histogram(p + "step_seconds", "wall time of one engine step",
+                                      buckets=_LATENCY, registry=r)
+        self.padding = Gauge(p + "padding_fraction",
+                             "padded share of computed tokens since start", registry=r)
+        self.compiles = Gauge(p + "compiles_since_warmup",
+                              "XLA compilations after warm-up (should stay 0)", registry=r)
+        self.info = Gauge(p + "model_info", "served model", ["model_name"], registry=r)
+        self.info.labels(model_name=model_name).set(1)
+        self._last_real_tokens = 0
+
+    # ---- event loop ---------------------------------------------------------------------------
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def observe_output(self, stream: Any, index: int, out: RequestOutput) -> None:
+        """Called for every delivered output: token timing as seen by the server's clients."""
+        now = time.perf_counter()
+        if out.delta_token_ids:
+            last = stream.last_token[index]
+            if last is None:
+                self.ttft.observe(now - stream.arrival)
+            else:
+                self.itl.observe((now - last) / len(out.delta_token_ids))
+            stream.last_token[index] = now
+            self.generation_tokens.inc(len(out.delta_token_ids))
+        if out.finished:
+            self.e2e.observe(now - stream.arrival)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.finished.labels(finish_reason=str(out.outputs[0].finish_reason)).inc()
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def observe_step(self, engine: Any, outputs: list[RequestOutput], seconds: float) -> None:
+        stats = engine.stats()
+        self.waiting.set(stats["num_waiting"])
+        self.running.set(stats["num_running"])
+        used, free = stats["kv_pages_used"], stats["kv_pages_free"]
+        self.kv_used.set(used)
+        self.kv_free.set(free)
+        self.kv_usage.set(used / max(1, used + free))
+        self.padding.set(stats["padding_fraction"])
+        self.compiles.set(stats["compiles_since_warmup"])
+        real = engine.trace.real_tokens
+        if real > self._last_real_tokens:  # a step that only returned aborts computes nothing
+            self.step_tokens.observe(real - self._last_real_tokens)
+            self.step_seconds.observe(seconds)
+        self._last_real_tokens = real
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
