@@ -6,12 +6,14 @@ kv_lens i32[S], page_indices i32[S, W], cu_q_lens i32[S+1], num_seqs i32[1] -> o
 G = Hq // Hkv query heads share one KV head.
 
 Blocking, and why (T tokens, S sequence slots, K_s = history of sequence s, q_s = its new tokens):
-  * Decode grid (S, Hkv). One program = one 1-token sequence x one KV head, and its query tile
+  * Decode grid (S, Hkv, splits). One program = one 1-token sequence x one KV head (x one share
+    of its KV blocks, see the last point), and its query tile
     holds all G query heads of that KV head (rows padded to Gp = max(16, pow2(G)), the smallest
     tile a Triton `dot` accepts). Each KV element of a decode sequence is read exactly once:
         bytes ~ sum_s 2 * K_s * Hkv * D * itemsize        (K and V; q and out are negligible)
         FLOPs ~ sum_s 4 * K_s * Hq * D  (useful; the MMA executes Gp/G times more, which is free:
-                                         at <= 32 FLOP/byte decode stays memory-bound)
+                                         Gp = 16 FLOP per KV byte in bf16, far below the
+                                         ~200 FLOP/byte where an H100/H200 turns compute-bound)
     A per-token query block (the classic varlen flash layout) would instead read the KV of a
     decode sequence G times (once per query head) and spend a 16..128-row tile on one row.
   * Prefill grid (NB, Hkv), NB = cdiv(T, bq) + min(S, T // 2): query blocks of bq tokens that
@@ -21,15 +23,17 @@ Blocking, and why (T tokens, S sequence slots, K_s = history of sequence s, q_s 
     is R = pow2 rows of (token, head) pairs: bq = R // G tokens x G heads of one KV head, so each
     KV block fetched is used by bq * G query rows. Only causally visible KV blocks are visited
     (and, with a sliding window, only those inside the window):
-        bytes ~ sum_s cdiv(q_s, bq) * 2 * min(K_s, window + bq) * Hkv * D * itemsize + q + out
+        bytes <= sum_s cdiv(q_s, bq) * 2 * min(K_s, window + bq) * Hkv * D * itemsize + q + out
+                 (each block loads the keys its last row sees; L2 absorbs part of the re-reads)
         FLOPs ~ sum_s 4 * q_s * (K_s - q_s / 2) * Hq * D   (rounded up to tiles)
   * Both kernels gather K/V rows token by token through the page table (row = (page * P + slot)
     * Hkv + h of k_pages viewed as [N * P * Hkv, D]), so the KV tile size is independent of the
     page size (P = 1, 16, 32, ... all work) and every load past a sequence's history is masked
     off: unused (even NaN-filled) pages are never read. Softmax is online (flash) in float32.
-  * Triton needs static grids, so grid sizes depend on T, S and Hkv only; all ragged structure is
-    data. Padding sequences and padding rows are never computed; the output starts as zeros
-    (aliased in and out of both calls), so padding rows read back as zeros like the reference.
+  * Triton needs static grids, so grid sizes depend on T, S, Hkv, W and the tuning knobs only;
+    all ragged structure is data. Padding sequences and padding rows are never computed; the
+    output starts as zeros (aliased through the calls; the split merge scatters decode rows),
+    so padding rows read back as zeros like the reference.
   * Few long decode sequences (S * Hkv below the SM count) would leave most SMs idle, so the
     decode grid gets a third axis of KV splits (flash decoding; a static count from S, Hkv, W):
     each program covers a share of the KV blocks and writes float32 partials (out, max, sum),
