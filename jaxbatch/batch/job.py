@@ -1,0 +1,185 @@
+"""The batch loop: stream input lines into ONE Engine under a bound on lines in flight, step it,
+write each result as it finishes (or in input order), show progress.
+
+Memory stays bounded by `max_in_flight`: a line is read only when fewer than that many engine
+requests are open (with --ordered, finished results waiting for an earlier line count too), and
+the only per-line state kept for the whole file is the set of keys (custom_ids) already done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jaxbatch.batch.files import Key, ResultWriter
+from jaxbatch.batch.records import (
+    Item,
+    LineError,
+    api_error,
+    line_error,
+    parse_body,
+    parse_envelope,
+    read_item,
+    success,
+)
+from jaxbatch.server.protocol import ApiError, bad_request, new_id
+
+
+@dataclasses.dataclass
+class JobStats:
+    succeeded: int = 0
+    failed: int = 0
+    lines_read: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    max_open: int = 0  # most engine requests + buffered results open at once
+    max_unwritten: int = 0  # most lines read but not yet written at once
+    seconds: float = 0.0
+
+
+class BatchJob:
+    def __init__(self, engine: Any, writer: ResultWriter, *, served_models: Sequence[str],
+                 ordered: bool = False,
+                 max_in_flight: int = 256, progress: bool = True) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.engine = engine
+        self.writer = writer
+        self.served_models = list(served_models)  # the first is the default in responses
+        self.ordered = ordered
+        self.max_in_flight = max_in_flight
+        self.progress = progress
+        self.stats = JobStats()
+        self._by_rid: dict[str, Item] = {}  # engine request id -> its line
+        self._buffer: dict[int, dict] = {}  # --ordered: seq -> finished record
+        self._next_seq = 0  # --ordered: the next seq to write
+        self._seq = 0
+        self._unwritten = 0
+        self._bar: Any = None
+
+    # ---- admission ---------------------------------------------------------------------------
+    def _open(self) -> int:
+        return len(self._by_rid) + len(self._buffer)
+
+    def _admit(self, lines: Iterator[tuple[int, bytes]], done: set[Key] | dict) -> bool:
+        """Read lines until the bound is reached; False once the input is exhausted."""
+        while self._open() < self.max_in_flight:
+            nxt = next(lines, None)
+            if nxt is None:
+                return False
+            item, obj = read_item(self._seq, *nxt)
+            if item.key in done:
+                continue  # written by an earlier run
+            self._seq += 1
+            self.stats.lines_read += 1
+            self._unwritten += 1
+            if item.record is None:
+                self._start(item, obj)
+            if item.record is not None:
+                self._finish(item)
+            self._note_open()
+        return True
+
+    def _start(self, item: Item, obj: Any) -> None:
+        eng = self.engine
+        try:
+            url, body = parse_envelope(obj)
+        except LineError as e:
+            item.record = line_error(item, e.code, e.message)
+            return
+        item.response_id = new_id("chat" if url.endswith("/chat/completions") else "completion")
+        try:
+            item.parsed = parse_body(url, body, eng.tokenizer, eng.max_model_len,
+                                     self.served_models)
+            for j, prompt in enumerate(item.parsed.prompts):
+                rid = f"{item.response_id}-{j}"
+                eng.add_request(rid, prompt, item.parsed.sampling_params)
+                item.request_ids.append(rid)
+                self._by_rid[rid] = item
+        except (ApiError, ValueError) as e:
+            for rid in item.request_ids:  # a bad prompt fails the line whole
+                eng.abort_request(rid)
+                self._by_rid.pop(rid, None)
+            eng.drain_aborted()
+            # as the server answers an engine refusal (token out of range, KV capacity ...)
+            err = e if isinstance(e, ApiError) else bad_request(
+                str(e), "messages" if item.parsed and item.parsed.kind == "chat" else "prompt")
+            item.record = api_error(item, err)
+
+    # ---- results -----------------------------------------------------------------------------
+    def _on_output(self, out: Any) -> None:
+        self.stats.completion_tokens += len(out.delta_token_ids)
+        if not out.finished:
+            return
+        item = self._by_rid.pop(out.request_id, None)
+        if item is None:
+            return
+        item.outputs[out.request_id] = out
+        self.stats.prompt_tokens += len(out.prompt_token_ids)
+        if len(item.outputs) == len(item.request_ids):
+            model = item.parsed.model or self.served_models[0]  # as the server answers
+            item.record = success(item, self.engine.tokenizer, model)
+            self._finish(item)
+
+    def _finish(self, item: Item) -> None:
+        ok = item.record.get("error") is None
+        self.stats.succeeded += ok
+        self.stats.failed += not ok
+        if not self.ordered:
+            self._write(item.record)
+            return
+        self._buffer[item.seq] = item.record
+        while self._next_seq in self._buffer:
+            self._write(self._buffer.pop(self._next_seq))
+            self._next_seq += 1
+
+    def _write(self, record: dict) -> None:
+        self.writer.write(record)
+        self._unwritten -= 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def _note_open(self) -> None:
+        self.stats.max_open = max(self.stats.max_open, self._open())
+        self.stats.max_unwritten = max(self.stats.max_unwritten, self._unwritten)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self, lines: Iterator[tuple[int, bytes]], done: set[Key] | dict,
+            total: int | None = None) -> JobStats:
+        """Run every line of `lines` whose key is not in `done`; `total`: lines to do (bar)."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        self._bar = tqdm(total=total, unit="req", desc="batch", disable=not self.progress,
+                         mininterval=0.5, dynamic_ncols=True)
+        last_postfix = 0.0
+        more = True
+
+        def postfix() -> None:
+            rate = self.stats.completion_tokens / max(time.perf_counter() - t0, 1e-9)
+            self._bar.set_postfix_str(f"{rate:.1f} tok/s, {self.stats.failed} failed",
+                                      refresh=False)
+
+        try:
+            while True:
+                if more:
+                    more = self._admit(lines, done)
+                if not self._by_rid and not more:
+                    break
+                if not self.engine.has_unfinished_requests():  # never spin silently
+                    raise RuntimeError(f"engine went idle with {len(self._by_rid)} requests open")
+                for out in self.engine.step():
+                    self._on_output(out)
+                self._note_open()
+                self.writer.tick()
+                if self.progress and time.perf_counter() - last_postfix > 0.5:
+                    last_postfix = time.perf_counter()
+                    postfix()
+            assert not self._buffer, "ordered results left unwritten"
+        finally:
+            self.stats.seconds = time.perf_counter() - t0
+            postfix()
+            self._bar.close()
+        return self.stats

@@ -1,0 +1,128 @@
+"""One input line of an OpenAI Batch file -> an engine request, and the output records (host only).
+
+Input:  {"custom_id": str, "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
+         "body": {...}}
+Output: {"id": "batch_req_...", "custom_id": str, "response": {"status_code", "request_id",
+         "body"} | null, "error": {"code", "message"} | null}
+The response body is built by jaxbatch.server.protocol, exactly as the server's non-streaming
+route builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from jaxbatch.batch.files import Key, custom_id_of
+from jaxbatch.server.protocol import (
+    ApiError,
+    ParsedRequest,
+    bad_request,
+    new_id,
+    parse_chat_request,
+    parse_completion_request,
+    response_body,
+)
+
+PARSERS = {"/v1/completions": parse_completion_request,
+           "/v1/chat/completions": parse_chat_request}
+
+
+class LineError(Exception):
+    """A line that is not a batch request at all (no HTTP status): response is null."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass
+class Item:
+    """One input line on its way through the engine."""
+    seq: int  # admission order among this run's lines (for --ordered)
+    line_no: int
+    key: Key
+    custom_id: Any  # as given (may be missing or not a string on a bad line)
+    response_id: str = ""
+    parsed: ParsedRequest | None = None
+    request_ids: list[str] = dataclasses.field(default_factory=list)
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    record: dict | None = None
+
+
+def read_item(seq: int, line_no: int, raw: bytes) -> tuple[Item, dict | None]:
+    """Parse the line's envelope. Returns the item and its JSON object (None if not JSON; then
+    item.record is already the error record)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        item = Item(seq, line_no, line_no, None)
+        item.record = line_error(item, "invalid_json", f"not valid JSON: {e}")
+        return item, None
+    cid = custom_id_of(obj)
+    item = Item(seq, line_no, cid or line_no, obj.get("custom_id") if isinstance(obj, dict)
+                else None)
+    return item, obj
+
+
+def parse_envelope(obj: Any) -> tuple[str, Any]:
+    """The batch envelope -> (url, body); LineError for what is not a batch request."""
+    if not isinstance(obj, dict):
+        raise LineError("invalid_request", "the line must be a JSON object")
+    if custom_id_of(obj) is None:
+        raise LineError("missing_custom_id", "'custom_id' must be a non-empty string")
+    method = obj.get("method")
+    if method != "POST":
+        raise LineError("invalid_method", f"'method' must be \"POST\", got {method!r}")
+    url = obj.get("url")
+    if url not in PARSERS:
+        raise LineError("invalid_url", f"'url' must be one of {sorted(PARSERS)}, got {url!r}")
+    extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+    if extra:
+        raise LineError("invalid_request", f"unknown field(s) {extra} in the batch line")
+    return url, obj.get("body")
+
+
+def parse_body(url: str, body: Any, tokenizer: Any, max_model_len: int,
+               served_models: Sequence[str] | None) -> ParsedRequest:
+    """The request body, exactly as the server parses it; ApiError on a bad body."""
+    if not isinstance(body, dict):
+        raise bad_request("'body' must be a JSON object with the request")
+    parsed = PARSERS[url](body, tokenizer, max_model_len, served_models)
+    if parsed.stream:
+        raise bad_request("streaming is not available in batch jobs; remove 'stream'",
+                          "stream", "unsupported_parameter")
+    return parsed
+
+
+def _record_id() -> str:
+    return "batch_req_" + uuid.uuid4().hex
+
+
+def success(item: Item, tokenizer: Any, model: str) -> dict:
+    outs = [item.outputs[rid] for rid in item.request_ids]
+    body = response_body(item.parsed, outs, tokenizer, model, item.response_id)
+    return {"id": _record_id(), "custom_id": item.custom_id,
+            "response": {"status_code": 200, "request_id": item.response_id, "body": body},
+            "error": None}
+
+
+def api_error(item: Item, err: ApiError) -> dict:
+    """A request the server would answer with an HTTP error: that status and body."""
+    return {"id": _record_id(), "custom_id": item.custom_id,
+            "response": {"status_code": err.status,
+                         "request_id": item.response_id or new_id("completion"),
+                         "body": err.body()},
+            "error": {"code": err.code or err.type, "message": err.message}}
+
+
+def line_error(item: Item, code: str, message: str) -> dict:
+    rec = {"id": _record_id(), "custom_id": item.custom_id, "response": None,
+           "error": {"code": code, "message": f"line {item.line_no}: {message}"}}
+    if not isinstance(item.key, str):
+        rec["line"] = item.line_no  # no usable custom_id: the line number keys this record
+    return rec
