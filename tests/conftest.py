@@ -10,3 +10,28 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One persistent cache for the test session: the default model (downloaded once), converted
 # params and XLA's compilation cache all live under <repo>/.cache/jaxbatch unless set.
 os.environ.setdefault("JAXBATCH_CACHE", os.path.join(_REPO, ".cache", "jaxbatch"))
+
+
+def pytest_configure(config):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The built-in SmolLM2-135M-Instruct, loaded once per test session (fp32)."""
+    from smollm2_common import load_smol
+
+    return load_smol()
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol):
+    """transformers' model on the same GGUF file: the reference."""
+    from smollm2_common import load_hf_smol
+
+    return load_hf_smol(smol)

@@ -21,6 +21,7 @@ import torch
 
 from jaxbatch.model import llama
 from jaxbatch.model.loader import LoadedModel, load_model
+from smollm2_common import chat_ids, torch_one_thread
 from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference as rpa,
 )
@@ -34,44 +35,6 @@ PROMPTS = [
     "Explain in one sentence what a CPU does.",
     "List three fruits.",
 ]
-
-
-@contextlib.contextmanager
-def torch_one_thread() -> Iterator[None]:
-    """Torch's spinning threads fight XLA's on a small shared CPU; one thread is ~10x faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def _cache_dir() -> str:
-    return os.environ.get("JAXBATCH_CACHE") or os.path.join(REPO, ".cache", "jaxbatch")
-
-
-@pytest.fixture(scope="session")
-def smol() -> LoadedModel:
-    t0 = time.perf_counter()
-    m = load_model("smollm2-135m-instruct", "float32", cache_dir=_cache_dir())
-    print(f"\nsmollm2 load: {time.perf_counter() - t0:.2f}s (from_cache={m.from_cache})")
-    return m
-
-
-@pytest.fixture(scope="session")
-def hf_smol(smol):
-    from transformers import AutoModelForCausalLM
-
-    d, f = os.path.split(smol.source)
-    with torch_one_thread():
-        return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-
-
-def chat_ids(tok, text: str) -> list[int]:
-    msgs = [{"role": "user", "content": text}]
-    enc = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    return list(enc["input_ids"])
 
 
 @functools.partial(jax.jit, static_argnames=("arch",), donate_argnames=("cache",))
