@@ -200,7 +200,7 @@ class AsyncEngine:
             try:
                 for rid, prompt in zip(ids, prompts):
                     eng.add_request(rid, prompt, params)
-            except Exception as e:  # a bad prompt fails the whole call; none of it runs
+            except Exception as e:  # noqa: BLE001 -- a bad prompt fails the call; none of it runs
                 for rid in ids:
                     eng.abort_request(rid)
                 eng.drain_aborted()

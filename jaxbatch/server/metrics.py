@@ -12,8 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxbatch.request import RequestOutput

@@ -129,7 +129,7 @@ def _sampling_params(body: dict, max_tokens: int | None, top_logprobs: int | Non
         "seed": _get(body, "seed", int),
         "max_tokens": max_tokens,
         "min_tokens": _get(body, "min_tokens", int, 0),
-        "stop": stop or None,
+        "stop": stop,
         "stop_token_ids": None if stop_ids is None else _int_list(stop_ids, "stop_token_ids"),
         "ignore_eos": _get(body, "ignore_eos", bool, False),
         "logprobs": top_logprobs,
@@ -227,6 +227,8 @@ def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
     prompts = []
     for item in items:
         if isinstance(item, str):
+            if not item:
+                raise bad_request("the prompt is empty", "prompt")
             if tokenizer is None:
                 raise bad_request("text prompts need a tokenizer; send token ids", "prompt")
             ids = list(tokenizer(item, add_special_tokens=True)["input_ids"])
