@@ -71,6 +71,8 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     kv_block: int = 128,
     q_block: int = 32,
+    decode_chunk: int | None = None,
+    nan_safe: bool = True,
 ) -> jax.Array:
     T, Hq, D = q.shape
     _, P, Hkv, _ = k_pages.shape
@@ -88,35 +90,62 @@ def ragged_paged_attention_reference(
     f32 = jnp.float32
     out_dtype = q.dtype
 
-    # ---- decode rows: one query per sequence, batched over S -------------------------------
+    # ---- decode rows: a work list of (sequence, KV block) items, `chunk` items per step ---------
+    # Item i belongs to the decode row r with cum[r-1] <= i < cum[r]; each loop iteration gathers
+    # `chunk` KV blocks (from any rows), computes a partial softmax per item and merges it into
+    # its row's running (max, sum, acc). Work is sum_r ceil(kv_r / bk) blocks, so one long
+    # history does not make every short one walk its length too.
     is_dec = q_lens == 1
     dec_rows = jnp.clip(cu_q_lens[:-1], 0, T - 1)
     q_dec = q[dec_rows].reshape(S, Hkv, G, D)  # [S, Hkv, G, D]
     dec_kv = jnp.where(is_dec, kv_lens, 0)
-    n_dec_blocks = (dec_kv.max() + bk - 1) // bk
     dec_qpos = dec_kv - 1
+    first_blk = jnp.zeros(S, jnp.int32)
+    if sliding_window is not None:
+        first_blk = jnp.maximum(0, dec_qpos - sliding_window + 1) // bk
+    n_blk = jnp.where(dec_kv > 0, (dec_kv + bk - 1) // bk - first_blk, 0)
+    cum = jnp.cumsum(n_blk)
+    total = cum[-1]
+    chunk = S if decode_chunk is None else decode_chunk
 
-    def dec_body(j, carry):
-        m, l, acc = carry
-        k, v = _gather_block(pages, k_pages, v_pages, j, ppb)  # [S, bk, Hkv, D]
-        kpos = j * bk + jnp.arange(bk)
-        mask = kpos[None, :] < dec_kv[:, None]  # [S, bk]
+    def dec_body(it, carry):
+        m, l, acc = carry  # [S, Hkv, G], [S, Hkv, G], [S, Hkv, G, D]
+        item = it * chunk + jnp.arange(chunk)
+        ok = item < total
+        row = jnp.minimum(jnp.searchsorted(cum, item, side="right"), S - 1)
+        blk = first_blk[row] + item - (cum[row] - n_blk[row])
+        blk = jnp.where(ok, blk, 0)
+        cols = blk[:, None] * ppb + jnp.arange(ppb)[None, :]  # [C, ppb]
+        pg = jnp.take_along_axis(pages[row], cols, axis=1)
+        k = k_pages[pg].reshape(chunk, bk, Hkv, D)
+        v = v_pages[pg].reshape(chunk, bk, Hkv, D)
+        kpos = blk[:, None] * bk + jnp.arange(bk)[None, :]  # [C, bk]
+        kv_r = dec_kv[row]
+        mask = (kpos < kv_r[:, None]) & ok[:, None]
         if sliding_window is not None:
-            mask &= kpos[None, :] > (dec_qpos[:, None] - sliding_window)
-        s = jnp.einsum("shgd,snhd->shgn", q_dec, k, preferred_element_type=f32)
-        s = _scale(s, sm_scale, soft_cap)
-        mask4 = mask[:, None, None, :]
-        m, l, acc, p = _online_update(m, l, acc, s, mask4, v)
-        v = jnp.where(mask[:, :, None, None], v, 0)
-        acc = acc + jnp.einsum("shgn,snhd->shgd", p.astype(v.dtype), v, preferred_element_type=f32)
-        return m, l, acc
+            mask &= kpos > (dec_qpos[row][:, None] - sliding_window)
+        s = jnp.einsum("chgd,cnhd->chgn", q_dec[row], k, preferred_element_type=f32)
+        s = jnp.where(mask[:, None, None, :], _scale(s, sm_scale, soft_cap), _NEG)
+        m_i = s.max(-1)  # [C, Hkv, G]
+        p = jnp.exp(s - m_i[..., None])
+        if nan_safe:  # masked keys may sit in NaN-filled pages: keep 0 * NaN out of the sum
+            v = jnp.where(mask[:, :, None, None], v, 0)
+        l_i = p.sum(-1)
+        acc_i = jnp.einsum("chgn,cnhd->chgd", p.astype(v.dtype), v, preferred_element_type=f32)
+        tgt = jnp.where(ok, row, S)  # out-of-range target: dropped
+        m_new = m.at[tgt].max(m_i, mode="drop")
+        scale_old = jnp.exp(m - m_new)
+        w = jnp.exp(m_i - m_new[row])
+        l = (l * scale_old).at[tgt].add(l_i * w, mode="drop")
+        acc = (acc * scale_old[..., None]).at[tgt].add(acc_i * w[..., None], mode="drop")
+        return m_new, l, acc
 
     init = (
         jnp.full((S, Hkv, G), _NEG, f32),
         jnp.zeros((S, Hkv, G), f32),
         jnp.zeros((S, Hkv, G, D), f32),
     )
-    m, l, acc = jax.lax.fori_loop(0, n_dec_blocks, dec_body, init)
+    m, l, acc = jax.lax.fori_loop(0, (total + chunk - 1) // chunk, dec_body, init)
     out_dec = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(S, Hq, D).astype(out_dtype)
 
     # ---- prefill rows: per real prefill sequence, per query block, causal KV blocks --------
