@@ -1,0 +1,219 @@
+"""Online serving benchmark against any OpenAI-compatible server (jaxbatch, `vllm serve`, ...).
+
+Requests arrive as a Poisson process at --request-rate (inf: all at once). Each is one row of the
+workload (default bench64: prompt_token_ids + max_tokens), sent as a token-id prompt to
+/v1/completions with temperature 0, ignore_eos and stream true, so every server computes the same
+number of tokens. Measured per request on the client: TTFT (send -> first token chunk), ITL (gaps
+between token chunks), end-to-end latency; overall: request and token throughput.
+
+  python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --request-rate 4
+  python scripts/bench_serving.py --base-url http://127.0.0.1:8001 --model HuggingFaceTB/...
+
+Prints a table and one JSON line (also appended to --json-out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+
+import aiohttp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_WORKLOAD = os.path.join(HERE, "..", "..", "shared", "workloads", "bench64.jsonl")
+
+
+@dataclasses.dataclass
+class Result:
+    ok: bool
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int = 0
+    ttft: float | None = None
+    itl: list[float] = dataclasses.field(default_factory=list)
+    latency: float = 0.0
+    error: str = ""
+
+
+async def send(session: aiohttp.ClientSession, url: str, model: str, row: dict,
+               headers: dict) -> Result:
+    ids, max_tokens = row["prompt_token_ids"], row["max_tokens"]
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    res = Result(False, len(ids), max_tokens)
+    t0 = time.perf_counter()
+    last = t0
+    chunks = 0
+    try:
+        async with session.post(url, json=body, headers=headers) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return res
+            async for raw in r.content:  # SSE: "data: {...}" lines, then "data: [DONE]"
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = str(obj["error"])[:200]
+                    return res
+                if obj.get("usage"):
+                    res.output_tokens = obj["usage"]["completion_tokens"]
+                if not obj.get("choices") or not obj["choices"][0].get("text"):
+                    continue  # usage-only or empty (held-back) chunk
+                now = time.perf_counter()
+                if res.ttft is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+                chunks += 1
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+        res.error = repr(e)[:200]
+        return res
+    res.latency = time.perf_counter() - t0
+    res.output_tokens = res.output_tokens or chunks  # servers without usage in streams
+    res.ok = res.ttft is not None
+    if not res.ok:
+        res.error = "no token received"
+    return res
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def get_model(session: aiohttp.ClientSession, base: str, headers: dict) -> str:
+    async with session.get(base + "/v1/models", headers=headers) as r:
+        r.raise_for_status()
+        return (await r.json())["data"][0]["id"]
+
+
+async def run(args: argparse.Namespace, rows: list[dict]) -> dict:
+    base = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    conn = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        model = args.model or await get_model(session, base, headers)
+        rng = random.Random(args.seed)
+        url = base + "/v1/completions"
+        if args.warmup:
+            await send(session, url, model, {"prompt_token_ids": rows[0]["prompt_token_ids"],
+                                             "max_tokens": 2}, headers)
+        tasks = []
+        t_start = time.perf_counter()
+        for i, row in enumerate(rows):
+            if i and args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+            tasks.append(asyncio.create_task(send(session, url, model, row, headers)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t_start
+    return summarize(args, model, results, duration)
+
+
+def summarize(args: argparse.Namespace, model: str, results: list[Result],
+              duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [x for r in ok for x in r.itl]
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok
+            if r.ttft is not None and r.output_tokens > 1]
+    e2e = [r.latency for r in ok]
+
+    def ms(xs: list[float], q: float) -> float | None:
+        p = percentile(xs, q)
+        return None if p is None else round(p * 1000, 2)
+
+    return {
+        "base_url": args.base_url, "model": model,
+        "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+        "num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+        "short_outputs": sum(1 for r in ok if r.output_tokens != r.max_tokens),
+        "duration_s": round(duration, 3),
+        "request_throughput": round(len(ok) / duration, 3),
+        "output_token_throughput": round(out_tokens / duration, 1),
+        "total_token_throughput": round((in_tokens + out_tokens) / duration, 1),
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "ttft_ms_mean": None if not ttft else round(sum(ttft) / len(ttft) * 1000, 2),
+        "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99),
+        "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
+        "tpot_ms_p50": ms(tpot, 50), "tpot_ms_p99": ms(tpot, 99),
+        "e2e_ms_p50": ms(e2e, 50), "e2e_ms_p99": ms(e2e, 99),
+    }
+
+
+def print_table(s: dict) -> None:
+    rows = [("server", f"{s['base_url']} ({s['model']})"),
+            ("request rate (req/s)", s["request_rate"]),
+            ("completed / failed", f"{s['completed']} / {s['failed']}"),
+            ("duration (s)", s["duration_s"]),
+            ("request throughput (req/s)", s["request_throughput"]),
+            ("output tokens/s", s["output_token_throughput"]),
+            ("total tokens/s", s["total_token_throughput"])]
+    for name in ("ttft", "itl", "tpot", "e2e"):
+        rows.append((f"{name.upper()} p50 / p99 (ms)",
+                     f"{s[f'{name}_ms_p50']} / {s[f'{name}_ms_p99']}"))
+    if s["errors"]:
+        rows.append(("errors", "; ".join(s["errors"])))
+    width = max(len(k) for k, _ in rows)
+    print("-" * (width + 40))
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print("-" * (width + 40))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrival rate in requests/s (inf: all at once)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="default: every workload row; more repeats the workload")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None, help="override every row's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--json-out", default=None, help="append the JSON line to this file")
+    args = p.parse_args(argv)
+    with open(args.workload) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    n = args.num_prompts or len(rows)
+    rows = [dict(rows[i % len(rows)]) for i in range(n)]
+    if args.max_tokens:
+        for r in rows:
+            r["max_tokens"] = args.max_tokens
+    summary = asyncio.run(run(args, rows))
+    print_table(summary)
+    line = json.dumps(summary)
+    print(line)
+    if args.json_out:
+        with open(args.json_out, "a") as f:
+            f.write(line + "\n")
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
