@@ -247,7 +247,10 @@ class AsyncEngine:
                 if outputs:
                     self._call(self._deliver, outputs)
                 if self.on_step is not None:
-                    self.on_step(eng, outputs, seconds)
+                    try:
+                        self.on_step(eng, outputs, seconds)
+                    except Exception:  # metrics must never take the engine down
+                        log.exception("on_step callback failed")
         except BaseException as e:  # the engine is broken: fail every caller loudly
             log.exception("engine thread failed")
             self.error = e

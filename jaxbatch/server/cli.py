@@ -55,8 +55,10 @@ async def _serve(args: argparse.Namespace, engine: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    # our loggers at --log-level; libraries (absl, orbax, aiohttp) only warnings and worse
+    logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxbatch").setLevel(args.log_level.upper())
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise SystemExit("--max-waiting-requests must be >= 1")
     from jaxbatch.engine import Engine

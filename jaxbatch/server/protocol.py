@@ -91,13 +91,13 @@ def _check_keys(body: dict, known: set[str]) -> None:
 
 
 def _get(body: dict, key: str, types: type | tuple, default: Any = None) -> Any:
-    value = body.get(key, default)
+    """body[key] checked against types (a bool is not an int here); default when absent/null."""
+    types = types if isinstance(types, tuple) else (types,)
+    value = body.get(key)
     if value is None:
         return default
-    bad_bool = isinstance(value, bool) and bool not in (types if isinstance(types, tuple)
-                                                       else (types,))
-    if not isinstance(value, types) or bad_bool:
-        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = " or ".join(t.__name__ for t in types)
         raise bad_request(f"{key!r} must be {names}, got {value!r}", key)
     return value
 
@@ -314,6 +314,10 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
+def _finite(logprob: float) -> float:
+    return max(-9999.0, logprob)  # -inf (a masked token) is not JSON
+
+
 def _token_text(tokenizer: Any, tok: int) -> str:
     return f"token_id:{tok}" if tokenizer is None else tokenizer.decode([tok])
 
@@ -326,8 +330,9 @@ def completion_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequ
     for tok, d in zip(token_ids, logprobs):
         text = _token_text(tokenizer, tok)
         out["tokens"].append(text)
-        out["token_logprobs"].append(d[tok].logprob)
-        out["top_logprobs"].append({_token_text(tokenizer, t): lp.logprob for t, lp in d.items()})
+        out["token_logprobs"].append(_finite(d[tok].logprob))
+        out["top_logprobs"].append({_token_text(tokenizer, t): _finite(lp.logprob)
+                                    for t, lp in d.items()})
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
@@ -338,7 +343,7 @@ def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[d
     """Chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
     def entry(tok: int, lp: float) -> dict[str, Any]:
         text = _token_text(tokenizer, tok)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
 
     content = []
     for tok, d in zip(token_ids, logprobs):
@@ -352,44 +357,29 @@ def _finish_reason(out: RequestOutput) -> str | None:
     return out.outputs[0].finish_reason if out.finished else None
 
 
-def completion_response(parsed: ParsedRequest, outputs: Sequence[RequestOutput], tokenizer: Any,
-                        model: str, response_id: str | None = None,
-                        created: int | None = None) -> dict[str, Any]:
-    choices = []
-    for i, o in enumerate(outputs):
-        c = o.outputs[0]
-        choices.append({
-            "index": i, "text": c.text, "finish_reason": _finish_reason(o),
-            "stop_reason": c.stop_reason,
-            "logprobs": None if parsed.top_logprobs is None else
-            completion_logprobs(tokenizer, c.token_ids, c.logprobs or []),
-        })
-    return {"id": response_id or new_id("completion"), "object": "text_completion",
-            "created": created or int(time.time()), "model": model, "choices": choices,
-            "usage": usage(outputs)}
-
-
-def chat_response(parsed: ParsedRequest, outputs: Sequence[RequestOutput], tokenizer: Any,
+def response_body(parsed: ParsedRequest, outputs: Sequence[RequestOutput], tokenizer: Any,
                   model: str, response_id: str | None = None,
                   created: int | None = None) -> dict[str, Any]:
+    """The non-streaming body (completion or chat, after parsed.kind) from final outputs."""
+    chat = parsed.kind == "chat"
     choices = []
     for i, o in enumerate(outputs):
         c = o.outputs[0]
-        choices.append({
-            "index": i, "message": {"role": "assistant", "content": c.text},
-            "finish_reason": _finish_reason(o), "stop_reason": c.stop_reason,
-            "logprobs": None if parsed.top_logprobs is None else
-            chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], parsed.top_logprobs),
-        })
-    return {"id": response_id or new_id("chat"), "object": "chat.completion",
+        lp = None
+        if parsed.top_logprobs is not None:
+            lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], parsed.top_logprobs) \
+                if chat else completion_logprobs(tokenizer, c.token_ids, c.logprobs or [])
+        text = {"message": {"role": "assistant", "content": c.text}} if chat else \
+            {"text": c.text}
+        choices.append({"index": i, **text, "logprobs": lp, "finish_reason": _finish_reason(o),
+                        "stop_reason": c.stop_reason})
+    return {"id": response_id or new_id(parsed.kind),
+            "object": "chat.completion" if chat else "text_completion",
             "created": created or int(time.time()), "model": model, "choices": choices,
             "usage": usage(outputs)}
 
 
-def response_body(parsed: ParsedRequest, outputs: Sequence[RequestOutput], tokenizer: Any,
-                  model: str, response_id: str | None = None) -> dict[str, Any]:
-    build = chat_response if parsed.kind == "chat" else completion_response
-    return build(parsed, outputs, tokenizer, model, response_id)
+completion_response = chat_response = response_body  # one builder; kind comes from `parsed`
 
 
 def completion_chunk(parsed: ParsedRequest, response_id: str, created: int, model: str,
