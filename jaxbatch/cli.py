@@ -25,7 +25,7 @@ _ENGINE_ARGS = [
     ("--max-num-seqs", int), ("--batching-policy", str), ("--planner", str),
     ("--max-compiled-shapes", int), ("--attention-backend", str), ("--seed", int),
     ("--trace-path", str), ("--tokenizer", str), ("--cache-dir", str),
-    ("--long-prefill-token-threshold", int),
+    ("--long-prefill-token-threshold", int), ("--planner-workload", str),
 ]
 
 

@@ -54,6 +54,9 @@ class PlannerConfig:
     planner: str = "pow2"  # dp | pow2 | linear:STEP | fixed:[...]
     max_compiled_shapes: int = 8
     trace_path: str | None = None
+    # dp: the workload (JSONL/JSON) or step trace whose step shapes the buckets are chosen for;
+    # None: bench64's lengths, shipped in the package
+    planner_workload: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_compiled_shapes < 1:
