@@ -69,9 +69,9 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    kv_block: int = 128,
+    kv_block: int = 64,
     q_block: int = 32,
-    decode_chunk: int | None = None,
+    decode_chunk: int | None = 32,
     nan_safe: bool = True,
 ) -> jax.Array:
     T, Hq, D = q.shape
@@ -106,7 +106,10 @@ def ragged_paged_attention_reference(
     n_blk = jnp.where(dec_kv > 0, (dec_kv + bk - 1) // bk - first_blk, 0)
     cum = jnp.cumsum(n_blk)
     total = cum[-1]
-    chunk = S if decode_chunk is None else decode_chunk
+    chunk = S if decode_chunk is None else min(S, decode_chunk)
+    head_eye = jnp.eye(Hkv, dtype=f32)[None, :, None, :, None]  # [1, Hkv, 1, Hkv, 1]
+    q_bd = (q_dec[:, :, :, None, :].astype(f32) * head_eye).reshape(S, Hkv * G, Hkv * D)
+    q_bd = q_bd.astype(q.dtype)
 
     def dec_body(it, carry):
         m, l, acc = carry  # [S, Hkv, G], [S, Hkv, G], [S, Hkv, G, D]
@@ -124,14 +127,20 @@ def ragged_paged_attention_reference(
         mask = (kpos < kv_r[:, None]) & ok[:, None]
         if sliding_window is not None:
             mask &= kpos > (dec_qpos[row][:, None] - sliding_window)
-        s = jnp.einsum("chgd,cnhd->chgn", q_dec[row], k, preferred_element_type=f32)
+        # Scores against all KV heads at once with a block-diagonal query ([C, Hkv*G, Hkv*D]):
+        # 3x the FLOPs of a per-head batched dot, but one GEMM per item with a 192-deep
+        # contraction, which XLA:CPU runs ~1.6x faster than 3x64-row batched dots.
+        s = jnp.einsum("cnm,cem->cen", k.reshape(chunk, bk, Hkv * D), q_bd[row],
+                       preferred_element_type=f32).reshape(chunk, Hkv, G, bk)
         s = jnp.where(mask[:, None, None, :], _scale(s, sm_scale, soft_cap), _NEG)
         m_i = s.max(-1)  # [C, Hkv, G]
         p = jnp.exp(s - m_i[..., None])
         if nan_safe:  # masked keys may sit in NaN-filled pages: keep 0 * NaN out of the sum
             v = jnp.where(mask[:, :, None, None], v, 0)
         l_i = p.sum(-1)
-        acc_i = jnp.einsum("chgn,cnhd->chgd", p.astype(v.dtype), v, preferred_element_type=f32)
+        o_all = jnp.einsum("cen,cnm->cem", p.reshape(chunk, Hkv * G, bk).astype(v.dtype),
+                           v.reshape(chunk, bk, Hkv * D), preferred_element_type=f32)
+        acc_i = (o_all.reshape(chunk, Hkv, G, Hkv, D) * head_eye).sum(3)  # keep h == h'
         tgt = jnp.where(ok, row, S)  # out-of-range target: dropped
         m_new = m.at[tgt].max(m_i, mode="drop")
         scale_old = jnp.exp(m - m_new)
