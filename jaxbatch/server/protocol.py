@@ -77,7 +77,10 @@ _COMPLETION_KEYS = _COMMON | {"prompt"}
 _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
 
-def _check_keys(body: dict, known: set[str]) -> None:
+def _check_keys(body: Any, known: set[str]) -> dict:
+    """The body as a dict whose every key is supported (or harmless, or neutral)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
     for key, value in body.items():
         if key in known or key in _HARMLESS:
             continue
@@ -88,6 +91,7 @@ def _check_keys(body: dict, known: set[str]) -> None:
                               f"neutral value {_NEUTRAL[key][0]!r})", key, "unsupported_parameter")
         raise bad_request(f"parameter {key!r} is not supported by this server", key,
                           "unsupported_parameter")
+    return body
 
 
 def _get(body: dict, key: str, types: type | tuple, default: Any = None) -> Any:
@@ -192,23 +196,20 @@ def _check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, par
             param, "context_length_exceeded")
 
 
-def _require_object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
+def _num_logprobs(body: dict, key: str) -> int | None:
+    n = _get(body, key, int)
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise bad_request(f"{key!r} must be in [0, {MAX_LOGPROBS}], got {n}", key)
+    return n
 
 
 def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
                              served_models: Sequence[str] | None = None) -> ParsedRequest:
     """POST /v1/completions body -> ParsedRequest (one engine prompt per prompt in the body)."""
-    body = _require_object(body)
-    _check_keys(body, _COMPLETION_KEYS)
+    body = _check_keys(body, _COMPLETION_KEYS)
     model = _check_model(body, served_models)
     stream, include_usage = _stream_options(body)
-    logprobs = _get(body, "logprobs", int)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}",
-                          "logprobs")
+    logprobs = _num_logprobs(body, "logprobs")
     max_tokens = _max_tokens(body, ["max_tokens"], COMPLETIONS_DEFAULT_MAX_TOKENS)
     sp = _sampling_params(body, max_tokens, logprobs)
     raw = body.get("prompt")
@@ -272,17 +273,13 @@ def _message_text(msg: Any, i: int) -> dict[str, str]:
 def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
                        served_models: Sequence[str] | None = None) -> ParsedRequest:
     """POST /v1/chat/completions body -> ParsedRequest (messages through the chat template)."""
-    body = _require_object(body)
-    _check_keys(body, _CHAT_KEYS)
+    body = _check_keys(body, _CHAT_KEYS)
     model = _check_model(body, served_models)
     stream, include_usage = _stream_options(body)
     want_logprobs = _get(body, "logprobs", bool, False)
-    top = _get(body, "top_logprobs", int)
+    top = _num_logprobs(body, "top_logprobs")
     if top is not None and not want_logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise bad_request(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}",
-                          "top_logprobs")
     top_logprobs = (top or 0) if want_logprobs else None
     max_tokens = _max_tokens(body, ["max_completion_tokens", "max_tokens"], None)
     sp = _sampling_params(body, max_tokens, top_logprobs)
