@@ -1,0 +1,186 @@
+"""Step cost models for the planner: c(T, S) = seconds of one step compiled for T tokens x S
+sequences (host only: numpy, never jax).
+
+Every model here is monotone non-decreasing in T and in S (the bucket-selection DP relies on it):
+  AffineCost   c = overhead + per_token * T + per_seq * S, all coefficients >= 0. Built either
+               analytically from the model's dimensions (`analytic_cost`, the fallback used to pick
+               the buckets before anything is compiled) or by a non-negative least-squares fit to
+               measured step times (`AffineCost.fit`: warm-up calibration, or a recorded trace).
+  TableCost    measured seconds of the compiled buckets, exact where measured, a fit elsewhere.
+
+The analytic model counts FLOPs: every token pays the transformer body (2 FLOPs per body weight),
+every sequence pays the LM head row that produces its logits (2 * hidden * vocab) and the sampler
+over the vocabulary, and every step pays a fixed overhead: streaming the weights from memory once
+plus dispatch. The absolute scale (nominal hardware) does not matter for choosing buckets; the
+ratios overhead : per-token : per-sequence do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class CostModel(Protocol):
+    name: str
+
+    def __call__(self, T: Any, S: Any) -> Any:
+        """Seconds of a step of bucket (T, S); numpy-broadcasting over arrays."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AffineCost:
+    overhead_s: float
+    per_token_s: float
+    per_seq_s: float
+    name: str = "affine"
+
+    def __post_init__(self) -> None:
+        if min(self.overhead_s, self.per_token_s, self.per_seq_s) < 0:
+            raise ValueError(f"cost coefficients must be >= 0 (monotone costs): {self}")
+
+    def __call__(self, T: Any, S: Any) -> Any:
+        return (self.overhead_s + self.per_token_s * np.asarray(T, np.float64)
+                + self.per_seq_s * np.asarray(S, np.float64))
+
+    @classmethod
+    def fit(cls, shapes: list[tuple[int, int]], seconds: list[float],
+            name: str = "fit") -> AffineCost:
+        """Non-negative least squares of seconds ~ a + b*T + c*S.
+
+        Exact NNLS for three unknowns: the optimum is the unconstrained least-squares solution on
+        its own support, so solving every one of the 7 supports and keeping the best feasible one
+        finds it.
+        """
+        if not shapes:
+            raise ValueError("no measurements to fit")
+        X = np.column_stack([np.ones(len(shapes)), np.asarray(shapes, np.float64)])
+        y = np.asarray(seconds, np.float64)
+        best, best_res = np.zeros(3), float(np.sum(y**2))
+        for k in (1, 2, 3):
+            for cols in itertools.combinations(range(3), k):
+                coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+                if np.any(coef < 0):
+                    continue
+                full = np.zeros(3)
+                full[list(cols)] = coef
+                res = float(np.sum((X @ full - y) ** 2))
+                if res < best_res - 1e-18:
+                    best, best_res = full, res
+        return cls(float(best[0]), float(best[1]), float(best[2]), name=name)
+
+    def describe(self) -> str:
+        if self.name == "tokens":
+            return (f"tokens: a step costs its bucket's token count + {self.overhead_s:g} per step"
+                    f" + {self.per_seq_s:g} per sequence (the padding objective)")
+        b = self.per_token_s or 1e-30
+        return (f"{self.name}: {self.overhead_s * 1e3:.3f} ms/step + {self.per_token_s * 1e6:.2f} "
+                f"us/token + {self.per_seq_s * 1e6:.2f} us/seq (a step = {self.overhead_s / b:.1f} "
+                f"tokens, a sequence = {self.per_seq_s / b:.2f} tokens)")
+
+
+class TableCost:
+    """Measured seconds for the buckets that were timed; `fallback` for every other shape."""
+
+    def __init__(self, table: dict[tuple[int, int], float], fallback: CostModel,
+                 name: str = "measured") -> None:
+        self.table = {(int(t), int(s)): float(v) for (t, s), v in table.items()}
+        self.fallback = fallback
+        self.name = name
+
+    def __call__(self, T: Any, S: Any) -> Any:
+        T, S = np.broadcast_arrays(np.asarray(T), np.asarray(S))
+        out = np.asarray(self.fallback(T, S), np.float64).copy()
+        for idx in np.ndindex(T.shape):
+            v = self.table.get((int(T[idx]), int(S[idx])))
+            if v is not None:
+                out[idx] = v
+        return out if out.ndim else float(out)
+
+    def describe(self) -> str:
+        fb = getattr(self.fallback, "describe", lambda: self.fallback.name)()
+        return f"{self.name} ({len(self.table)} buckets timed); elsewhere {fb}"
+
+
+# ---- the analytic fallback ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @property
+    def body_params(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return self.layers * (attn + 3 * self.hidden * self.intermediate)
+
+    @property
+    def head_params(self) -> int:
+        return self.hidden * self.vocab
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelDims:
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            hidden=int(cfg["hidden_size"]), intermediate=int(cfg["intermediate_size"]),
+            layers=int(cfg["num_hidden_layers"]), heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            vocab=int(cfg["vocab_size"]), tied=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+# SmolLM2-135M (the built-in default model): used when the model's dimensions cannot be read
+# without loading it (built-in names, GGUF files).
+SMOLLM2_135M = ModelDims(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3,
+                         head_dim=64, vocab=49152, tied=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Nominal machine: the ratio peak_flops / mem_bw (FLOPs per byte) sets how many tokens'
+    compute one weight read is worth. 10 FLOP/byte is a CPU; a GPU is 100-300."""
+
+    peak_flops: float = 1e12
+    mem_bw: float = 1e11
+    dispatch_s: float = 1e-4
+
+
+def model_dims(model: str | None) -> ModelDims:
+    """Dimensions from an HF model directory's config.json; SmolLM2-135M otherwise."""
+    if model and os.path.isfile(os.path.join(model, "config.json")):
+        with open(os.path.join(model, "config.json")) as f:
+            return ModelDims.from_hf_config(json.load(f))
+    return SMOLLM2_135M
+
+
+def analytic_cost(dims: ModelDims = SMOLLM2_135M, dtype: str = "float32",
+                  hw: Hardware = Hardware()) -> AffineCost:
+    """c(T, S) = dispatch + weight bytes / bw + T * 2 * body / peak + S * 2 * (head + sampler) /
+    peak. The sampler (softmax, top-k/p over the vocabulary) is counted as another head's worth
+    of work per row."""
+    width = 2 if dtype in ("bfloat16", "bf16") else 4
+    weights = dims.body_params + dims.head_params * (1 if dims.tied else 2)
+    return AffineCost(
+        overhead_s=hw.dispatch_s + weights * width / hw.mem_bw,
+        per_token_s=2.0 * dims.body_params / hw.peak_flops,
+        per_seq_s=4.0 * dims.head_params / hw.peak_flops,
+        name="analytic",
+    )
+
+
+def token_cost(per_step_tokens: float = 0.0, per_seq_tokens: float = 0.0) -> AffineCost:
+    """Cost in token units: a step costs its bucket's T (+ optional overheads). With no overheads
+    the planner minimises padding alone."""
+    return AffineCost(float(per_step_tokens), 1.0, float(per_seq_tokens), name="tokens")
