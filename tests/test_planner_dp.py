@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 
@@ -308,3 +309,22 @@ def test_small_configs_and_policies(policy):
     assert len(p.buckets) <= 4 and Bucket(32, 4) in p.buckets
     res = workload_sim.simulate(lengths, sched, 16, 64, p)  # few pages: preemption too
     assert all(r["padding"] >= 0 for r in res.rows)
+
+
+def test_planner_workload_from_config_workload_or_trace(tmp_path):
+    from jaxbatch.config import EngineConfig
+
+    work = tmp_path / "w.jsonl"
+    work.write_text("".join(json.dumps({"prompt_token_ids": [5] * n, "max_tokens": 4}) + "\n"
+                            for n in (3, 40, 17, 90)))
+    cfg = EngineConfig.from_flat(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512,
+                                 planner="dp", planner_workload=str(work))
+    p = make_planner("dp", 64, 8, max_shapes=4, config=cfg)
+    assert len(p.buckets) <= 4 and Bucket(64, 8) in p.buckets
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"tokens": t, "seqs": s, "prefill_seqs": 0,
+                                         "bucket": [64, 8], "padding": 64 - t}) + "\n"
+                             for t, s in [(5, 5)] * 10 + [(33, 8)] * 10))
+    cfg = cfg.replace(planner_workload=str(trace))
+    p = make_planner("dp", 64, 8, max_shapes=3, config=cfg)
+    assert p.buckets == [Bucket(5, 5), Bucket(33, 8), Bucket(64, 8)]
