@@ -66,11 +66,12 @@ class Engine:
         self.runner = Runner(self.arch, self.loaded.params, num_pages, page_size,
                              self.pages_per_seq, dtype,
                              model_setup.attention_fn(config.runner.attention_backend))
-        self.warmup_seconds = self.runner.compile(self.planner.buckets,
-                                                  progress=config.runner.progress)
-        if hasattr(self.planner, "calibrate"):
-            self.planner.calibrate(self.runner)
-        self.compiles_at_warmup = compile_guard.compile_count()
+        with compile_guard.planned():
+            self.warmup_seconds = self.runner.compile(self.planner.buckets,
+                                                      progress=config.runner.progress)
+            if hasattr(self.planner, "calibrate"):
+                self.planner.calibrate(self.runner)
+        self.compiles_at_warmup = compile_guard.unplanned_count()
         self.startup_seconds = time.perf_counter() - t_start
         self.backend = jax.default_backend()
         self.trace = StepTrace(config.planner.trace_path)
@@ -234,7 +235,7 @@ class Engine:
     def _check_guard(self) -> None:
         from jaxbatch import compile_guard
 
-        extra = compile_guard.compile_count() - self.compiles_at_warmup
+        extra = compile_guard.unplanned_count() - self.compiles_at_warmup
         if extra and self.config.runner.compile_guard:
             raise compile_guard.RecompileError(
                 f"{extra} XLA compilation(s) happened after warm-up; every step shape must be "
@@ -244,7 +245,7 @@ class Engine:
     def compiles_since_warmup(self) -> int:
         from jaxbatch import compile_guard
 
-        return compile_guard.compile_count() - self.compiles_at_warmup
+        return compile_guard.unplanned_count() - self.compiles_at_warmup
 
     def stats(self) -> dict[str, Any]:
         return {
