@@ -41,20 +41,43 @@ class SamplerOutput:
 _NEG_INF = -jnp.inf
 
 
-def _filter_sorted(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask (to -inf) what top-k / top-p remove. scaled [S, V] temperature-scaled logits."""
-    V = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [S, V]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+_CAND = 256  # top-k / top-p cut points are found among this many candidates when possible
+
+
+def _filter_sorted(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                   sorted_desc: jax.Array) -> jax.Array:
+    """Mask (to -inf) what top-k / top-p remove, given each row's values sorted descending
+    (all V of them, or a prefix holding the cut). scaled [S, V]."""
+    n = sorted_desc.shape[-1]
+    k = jnp.clip(top_k, 1, n)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [S, 1]
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    kth = jnp.where((top_k > 0)[:, None], kth, _NEG_INF)
+    lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)  # over the full vocabulary
+    probs = jnp.exp(sorted_desc - lse)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
     # keep a sorted position while the mass before it is < top_p (always keeps the first)
-    keep_sorted = cum_before < top_p[:, None]
-    n_keep = keep_sorted.sum(-1)
+    n_keep = (cum_before < top_p[:, None]).sum(-1)
     pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
-    thresh = jnp.maximum(kth, pth)
-    return jnp.where(scaled >= thresh, scaled, _NEG_INF)
+    pth = jnp.where((top_p < 1.0)[:, None], pth, _NEG_INF)
+    return jnp.where(scaled >= jnp.maximum(kth, pth), scaled, _NEG_INF)
+
+
+def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Exact top-k/top-p. The cut is looked for among the top _CAND values (a partial sort,
+    cheap); only if some row's cut lies beyond them is the whole vocabulary sorted."""
+    V = scaled.shape[-1]
+    if V <= _CAND:
+        return _filter_sorted(scaled, top_k, top_p, -jnp.sort(-scaled, axis=-1))
+    cand, _ = jax.lax.top_k(scaled, _CAND)
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+    cand_mass = jnp.exp(cand - lse[:, None]).sum(-1)
+    beyond = (top_k > _CAND) | ((top_p < 1.0) & (cand_mass < top_p))
+    return jax.lax.cond(
+        jnp.any(beyond),
+        lambda x: _filter_sorted(x, top_k, top_p, -jnp.sort(-x, axis=-1)),
+        lambda x: _filter_sorted(x, top_k, top_p, cand),
+        scaled,
+    )
 
 
 def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:
@@ -71,7 +94,7 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:
         scaled = logits / t[:, None]
         needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
         scaled = jax.lax.cond(
-            needs_sort, lambda x: _filter_sorted(x, s.top_k, s.top_p), lambda x: x, scaled
+            needs_sort, lambda x: _top_k_top_p(x, s.top_k, s.top_p), lambda x: x, scaled
         )
         # min-p: drop tokens whose probability is below min_p * the top probability
         max_l = scaled.max(-1, keepdims=True)
@@ -80,8 +103,12 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:
         keys = jax.vmap(lambda sd, c: jax.random.fold_in(jax.random.key(sd), c))(
             s.seeds, s.counters
         )
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-        drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        # Inverse-CDF draw: one uniform per row instead of V Gumbel variates (threefry over the
+        # whole vocabulary dominated the step on CPU).
+        probs = jnp.exp(scaled - scaled.max(-1, keepdims=True))
+        cdf = jnp.cumsum(probs, axis=-1)
+        u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * cdf[:, -1]
+        drawn = jnp.minimum((cdf <= u[:, None]).sum(-1), V - 1).astype(jnp.int32)
         return jnp.where(is_greedy, greedy_ids, drawn)
 
     ids = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_ids, draw, None)
