@@ -116,6 +116,10 @@ def test_round_trip_good_and_bad_lines(llm, tmp_path, capsys):
         "noprompt": {"max_tokens": 3},
         "othermodel": {"prompt": "x", "model": "gpt-4o-mini"},  # the server answers 404
     }
+    refused = {  # bodies the protocol accepts and the engine refuses: 400 as from the server
+        "oov": {"prompt": [5, 10**9], "max_tokens": 2},
+        "oov2": {"prompt": [[5, 6], [10**9]], "max_tokens": 2},  # the first prompt is aborted
+    }
     lines = [
         comp("text", "Hello there", 6),
         comp("ids", [1, 2, 3, 4], 3),
@@ -130,16 +134,17 @@ def test_round_trip_good_and_bad_lines(llm, tmp_path, capsys):
         {"custom_id": "nobody", "method": "POST", "url": "/v1/completions", "body": "x"},
         "   ",  # blank lines are skipped
         *[line(cid, **b) for cid, b in bad_bodies.items()],
+        *[line(cid, **b) for cid, b in refused.items()],
     ]
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     assert run_main(llm, inp, out) == 1  # some lines failed
     err = capsys.readouterr().err
-    assert "4 succeeded, 13 failed of 17 lines" in err
+    assert "4 succeeded, 15 failed of 19 lines" in err
     recs = read_jsonl(out)
-    assert len(recs) == 17
+    assert len(recs) == 19
     by = {key(r): r for r in recs}
-    assert len(by) == 17
+    assert len(by) == 19
     for r in recs:
         assert set(r) - {"line"} == {"id", "custom_id", "response", "error"}
         assert r["id"].startswith("batch_req_")
@@ -174,11 +179,18 @@ def test_round_trip_good_and_bad_lines(llm, tmp_path, capsys):
         assert r["response"]["status_code"] == e.value.status
         assert r["response"]["body"] == e.value.body()
         assert r["error"] == {"code": e.value.code or e.value.type, "message": e.value.message}
+    for cid in refused:
+        r = by[cid]
+        assert r["response"]["status_code"] == 400, r
+        assert r["response"]["body"]["error"]["param"] == "prompt"
+        assert "out of range" in r["error"]["message"]
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_used_pages == 0
     # a rerun finds everything done: no engine work, same exit status, file untouched
     before = out.read_bytes()
     assert run_main(llm, inp, out) == 1
     assert out.read_bytes() == before
-    assert "17 of 17 lines already" in capsys.readouterr().err
+    assert "19 of 19 lines already" in capsys.readouterr().err
     assert by["othermodel"]["response"]["status_code"] == 404
 
 

@@ -98,14 +98,18 @@ class BatchJob:
                 eng.add_request(rid, prompt, item.parsed.sampling_params)
                 item.request_ids.append(rid)
                 self._by_rid[rid] = item
-        except (ApiError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - the line fails, the job goes on (as the server)
             for rid in item.request_ids:  # a bad prompt fails the line whole
                 eng.abort_request(rid)
                 self._by_rid.pop(rid, None)
             eng.drain_aborted()
-            # as the server answers an engine refusal (token out of range, KV capacity ...)
-            err = e if isinstance(e, ApiError) else bad_request(
-                str(e), "messages" if item.parsed and item.parsed.kind == "chat" else "prompt")
+            if isinstance(e, ApiError):
+                err = e
+            elif isinstance(e, ValueError):  # the engine refused a prompt (KV capacity ...)
+                err = bad_request(str(e), "messages" if item.parsed and item.parsed.kind == "chat"
+                                  else "prompt")
+            else:  # the server's middleware answers anything unexpected with a 500
+                err = ApiError(500, f"internal error: {e!r}", "server_error")
             item.record = api_error(item, err)
 
     # ---- results -----------------------------------------------------------------------------
