@@ -326,15 +326,22 @@ def test_kill9_at_random_points_then_resume(llm, model_dir, tmp_path, ordered):
            "--max-in-flight", "12", *(["--ordered"] if ordered else [])]
     rs = random.Random(10 + ordered)
     kills = 0
-    for target in sorted(rs.sample(range(5, len(lines) - 10), 2)):
+    targets = sorted(rs.sample(range(5, len(lines) - 10), 3))
+    # SIGKILL twice, then SIGTERM: a clean stop (status 130) that is resumable too
+    for target, sig in zip(targets, [signal.SIGKILL, signal.SIGKILL, signal.SIGTERM]):
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         deadline = time.time() + 60
         while proc.poll() is None and _count_lines(out) < target and time.time() < deadline:
             time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        kills += proc.returncode == -signal.SIGKILL
+        proc.send_signal(sig)
+        _, err = proc.communicate()
+        if sig == signal.SIGKILL:
+            kills += proc.returncode == -signal.SIGKILL
+        else:  # 130; or 1 if it had finished before the signal came
+            assert proc.returncode in (1, 130), err.decode()
+            if proc.returncode == 130:
+                assert b"interrupted; run the same command again" in err
         recs = read_jsonl(out)
         assert len({key(r) for r in recs}) == len(recs)  # nothing twice, even mid-job
         if ordered:  # every run writes in input order, so the output is an input prefix
