@@ -137,3 +137,12 @@ def test_bench64_lengths(tiny):
               planner="pow2", **{**ENGINE, "max_model_len": 1024})
     check_exact(llm, hf, prompts, max_tokens)
     assert llm.engine.compiles_since_warmup == 0
+
+
+def test_pallas_kernel_interpret_end_to_end(tiny):
+    """attention_backend="pallas" runs the GPU kernel (interpret mode on CPU) inside the engine."""
+    path, hf = tiny("llama_gqa")
+    llm = LLM(path, page_size=16, num_pages=64, max_num_batched_tokens=32, max_num_seqs=2,
+              planner="fixed:[(32,2)]", attention_backend="pallas",
+              **{**ENGINE, "max_model_len": 128})
+    check_exact(llm, hf, prompts_of([20, 5], seed=4), [4, 4])

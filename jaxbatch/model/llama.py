@@ -92,12 +92,13 @@ def forward(
         q = apply_rope(q.reshape(T, N, D), cos, sin)
         k = apply_rope(k.reshape(T, K, D), cos, sin)
         v = v.reshape(T, K, D)
-        # Write this layer's new K/V into its slab of the cache: flat slot = li*N_pages*P + slot.
-        slots = li * (N_pages * P) + attn.slot_mapping
-        k_cache = k_cache.reshape(L * N_pages * P, K, D).at[slots].set(k.astype(k_cache.dtype))
-        v_cache = v_cache.reshape(L * N_pages * P, K, D).at[slots].set(v.astype(v_cache.dtype))
-        k_cache = k_cache.reshape(L * N_pages, P, K, D)
-        v_cache = v_cache.reshape(L * N_pages, P, K, D)
+        # Write this layer's new K/V into its slab of the cache, which is carried as
+        # [L*N_pages, P, K, D]: no reshape of the carry inside the loop, so XLA keeps the update
+        # in place for every T (a flat-slot reshape made T=1 copy the whole cache per layer).
+        page = li * N_pages + attn.slot_mapping // P
+        offset = attn.slot_mapping % P
+        k_cache = k_cache.at[page, offset].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[page, offset].set(v.astype(v_cache.dtype))
         o = attention_fn(
             q,
             k_cache,
@@ -112,13 +113,16 @@ def forward(
         x = x + o.reshape(T, N * D).astype(x.dtype) @ lp["wo"]
         h = rms_norm(x, lp["mlp_norm"], arch.rms_norm_eps)
         x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
-        return (x, k_cache.reshape(L, N_pages, P, K, D), v_cache.reshape(L, N_pages, P, K, D)), None
+        return (x, k_cache, v_cache), None
 
     idx = jnp.arange(arch.num_layers, dtype=jnp.int32)
+    flat = (L * N_pages, P, K, D)
     (x, k_cache, v_cache), _ = jax.lax.scan(
-        layer, (x, kv_cache["k"], kv_cache["v"]), (params["layers"], idx)
+        layer, (x, kv_cache["k"].reshape(flat), kv_cache["v"].reshape(flat)),
+        (params["layers"], idx),
     )
-    return x, {"k": k_cache, "v": v_cache}
+    shape = kv_cache["k"].shape
+    return x, {"k": k_cache.reshape(shape), "v": v_cache.reshape(shape)}
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax.Array:
