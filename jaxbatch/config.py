@@ -51,7 +51,7 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PlannerConfig:
-    planner: str = "pow2"  # dp | pow2 | linear:STEP | fixed:[...]
+    planner: str = "dp"  # dp | pow2 | linear:STEP | fixed:[...]
     max_compiled_shapes: int = 8
     trace_path: str | None = None
     # dp: the workload (JSONL/JSON) or step trace whose step shapes the buckets are chosen for;
