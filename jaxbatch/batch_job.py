@@ -49,7 +49,7 @@ def _say(msg: str) -> None:
     print(f"jaxbatch batch: {msg}", file=sys.stderr, flush=True)
 
 
-class _Terminated(Exception):
+class _Terminated(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
     pass
 
 
