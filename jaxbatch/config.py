@@ -89,7 +89,7 @@ class EngineConfig:
     runner: RunnerConfig = RunnerConfig()
 
     @classmethod
-    def from_flat(cls, **kwargs: Any) -> "EngineConfig":
+    def from_flat(cls, **kwargs: Any) -> EngineConfig:
         """Flat keys (as in vLLM's LLM(...) and the YAML presets) -> the nested config."""
         parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
         owners: dict[str, str] = {}
@@ -112,7 +112,7 @@ class EngineConfig:
                 out.setdefault(k, v)
         return out
 
-    def replace(self, **kwargs: Any) -> "EngineConfig":
+    def replace(self, **kwargs: Any) -> EngineConfig:
         return EngineConfig.from_flat(**{**self.flat(), **kwargs})
 
 

@@ -10,6 +10,7 @@ string could still be forming at the end, those characters are held back from st
 
 from __future__ import annotations
 
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
                  stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False) -> None:

@@ -16,8 +16,14 @@ from jaxbatch.block_manager import BlockManager
 from jaxbatch.config import EngineConfig
 from jaxbatch.detokenizer import IncrementalDetokenizer
 from jaxbatch.planner import make_planner
-from jaxbatch.request import (CompletionOutput, Logprob, Request, RequestMetrics, RequestOutput,
-                              RequestStatus)
+from jaxbatch.request import (
+    CompletionOutput,
+    Logprob,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+)
 from jaxbatch.sampling_params import SamplingParams
 from jaxbatch.scheduler import Scheduler
 from jaxbatch.step_inputs import build_step_inputs

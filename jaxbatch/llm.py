@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxbatch.config import EngineConfig, config_from_sources
 from jaxbatch.engine import Engine

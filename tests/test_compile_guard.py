@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
+from tiny_models import make_tiny_model
 
 from jaxbatch import LLM, SamplingParams
 from jaxbatch.compile_guard import RecompileError
-from tiny_models import make_tiny_model
 
 
 def test_guard(tmp_path):

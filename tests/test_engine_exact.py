@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from jaxbatch import LLM, SamplingParams
-from tiny_models import make_tiny_model
 
 WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "workloads",
                         "bench64.jsonl")
@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     return get
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_greedy_cached(model_id: int, prompt: tuple[int, ...], n: int) -> list[int]:
     model = _MODELS[model_id]
     model.generation_config.eos_token_id = None

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from smollm2_common import chat_ids, torch_one_thread
 
 from jaxbatch import LLM, SamplingParams
-from smollm2_common import chat_ids, torch_one_thread
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain in one sentence what a CPU does.", "List three fruits."]

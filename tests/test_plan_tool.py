@@ -83,7 +83,7 @@ def test_trace_input_fits_cost_and_pads_each_step(tmp_path, capsys):
     trace = StepTrace(str(path))
     from test_planner_dp import make_batch
 
-    for n, (t, rows) in enumerate([(64, [(1, 1)] * 6 + [(100, 58)]), (7, [(1, 1)] * 7),
+    for _n, (t, rows) in enumerate([(64, [(1, 1)] * 6 + [(100, 58)]), (7, [(1, 1)] * 7),
                                    (30, [(1, 1)] * 5 + [(25, 25)])] * 5):
         batch = make_batch(rows)
         bucket = Bucket(64, 8) if t > 8 else Bucket(8, 8)

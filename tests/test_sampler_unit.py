@@ -3,12 +3,12 @@ top-256 path and the full-sort fallback), and inverse-CDF draws against the dist
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-from jaxbatch.sampler import _top_k_top_p, SamplingInputs, sample
+from jaxbatch.sampler import SamplingInputs, _top_k_top_p, sample
 
 
 def np_filter(x, k, p):

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from jaxbatch import LLM, SamplingParams
-from tiny_models import make_tiny_model
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8]
 

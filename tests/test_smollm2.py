@@ -7,21 +7,17 @@ differences.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import time
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
+from smollm2_common import chat_ids, torch_one_thread
 
 from jaxbatch.model import llama
 from jaxbatch.model.loader import LoadedModel, load_model
-from smollm2_common import chat_ids, torch_one_thread
 from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference as rpa,
 )

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from tiny_models import make_tiny_chat_model
 
 from jaxbatch import LLM, SamplingParams
 from jaxbatch.detokenizer import IncrementalDetokenizer
-from tiny_models import make_tiny_chat_model
 
 TEXTS = ["Hello, world! ünïcödé — 日本語のテキスト 🙂🚀 and emoji 👩‍👩‍👧 mixed in.",
          "def f(x):\n    return x ** 2  # naïve\n", "ÀÉÎÕÜ ßœæ ✓✗ ½ ¾ 中文 한국어 العربية"]

@@ -89,7 +89,7 @@ def make_tiny_chat_model(path: str, seed: int = 0):
     )
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0.0, 0.08)
             else:

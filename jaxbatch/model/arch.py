@@ -41,7 +41,7 @@ class ModelArch:
         return dict(self.rope_scaling).get("rope_type", "default")
 
     @classmethod
-    def from_hf_config(cls, cfg: Any) -> "ModelArch":
+    def from_hf_config(cls, cfg: Any) -> ModelArch:
         model_type = getattr(cfg, "model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(

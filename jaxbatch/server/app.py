@@ -120,7 +120,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         stream = await st.engine.add(response_id, parsed.prompts, parsed.sampling_params)
     except ValueError as e:  # the engine refused a prompt (token out of range, KV capacity ...)
-        raise protocol.bad_request(str(e), "prompt" if kind == "completion" else "messages")
+        raise protocol.bad_request(str(e), "prompt" if kind == "completion" else "messages") \
+            from None
     except QueueFullError as e:
         raise ApiError(429, str(e), "rate_limit_error", None, "rate_limit_exceeded") from None
     except EngineDeadError as e:
