@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32", help="comma list: float32,bfloat16")
     p.add_argument("--config", default=os.path.join(REPO, "configs", "smollm2-cpu.yaml"))
     p.add_argument("--engine-kwargs", default="{}", help="JSON of extra LLM(...) options")
+    p.add_argument("--planners", default=None,
+                   help="comma list (e.g. dp,pow2): run jaxbatch once per planner")
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-python", default=None)
     p.add_argument("--peer-model", default=None, help="HF dir (fp32); -fp32 -> -bf16 for bf16")
@@ -124,11 +126,16 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
     rows = []
     for dtype in args.dtypes.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--dtype", dtype,
-               "--workload", args.workload, "--passes", str(args.passes), "--config",
-               args.config, "--engine-kwargs", args.engine_kwargs]
-        log = os.path.join(args.out, f"jaxbatch-{dtype}.log") if args.out else None
-        rows.append(summarise(f"jaxbatch {dtype}", run_child(cmd, {}, log)))
+        for planner in (args.planners.split(",") if args.planners else [None]):
+            kw = json.loads(args.engine_kwargs)
+            if planner:
+                kw["planner"] = planner
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--dtype", dtype,
+                   "--workload", args.workload, "--passes", str(args.passes), "--config",
+                   args.config, "--engine-kwargs", json.dumps(kw)]
+            name = f"jaxbatch {dtype}" + (f" {planner}" if planner else "")
+            log = os.path.join(args.out, name.replace(" ", "-") + ".log") if args.out else None
+            rows.append(summarise(name, run_child(cmd, {}, log)))
         if args.peer:
             model = args.peer_model
             if dtype == "bfloat16" and model and model.endswith("-fp32"):
@@ -146,7 +153,14 @@ def main() -> None:
         print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
     by = {r["engine"]: r for r in rows}
     for dtype in args.dtypes.split(","):
-        a, b = by.get(f"jaxbatch {dtype}"), by.get(f"vllm-cpu {dtype}")
+        first = (args.planners.split(",")[0]) if args.planners else None
+        a = by.get(f"jaxbatch {dtype}" + (f" {first}" if first else ""))
+        b = by.get(f"vllm-cpu {dtype}")
+        if args.planners and len(args.planners.split(",")) > 1:
+            base = [by[f"jaxbatch {dtype} {p}"] for p in args.planners.split(",")]
+            for other in base[1:]:
+                print(f"{dtype}: steady wall {base[0]['engine']} / {other['engine']} = "
+                      f"{base[0]['steady_wall_s'] / other['steady_wall_s']:.2f}")
         if a and b:
             print(f"{dtype}: jaxbatch/vLLM steady throughput ratio "
                   f"{a['steady_total_tok_s'] / b['steady_total_tok_s']:.2f}x; "
