@@ -85,7 +85,7 @@ def test_greedy_exact_policies_and_pages(tiny, page_size, policy):
 def test_greedy_exact_architectures(tiny, kind):
     path, hf = tiny(kind)
     llm = LLM(path, page_size=16, max_num_batched_tokens=64, max_num_seqs=8, num_pages=64,
-              planner="pow2", **ENGINE)
+              planner="fixed:[(8,8),(64,8)]", **ENGINE)
     check_exact(llm, hf, prompts_of([3, 40, 100, 7], seed=1), [12, 12, 12, 12])
 
 
@@ -134,7 +134,7 @@ def test_bench64_lengths(tiny):
     prompts = [[t % 253 + 3 for t in r["prompt_token_ids"]] for r in rows]
     max_tokens = [r["max_tokens"] for r in rows]
     llm = LLM(path, page_size=16, num_pages=2048, max_num_batched_tokens=256, max_num_seqs=32,
-              planner="pow2", **{**ENGINE, "max_model_len": 1024})
+              planner="fixed:[(8,8),(32,32),(256,32)]", **{**ENGINE, "max_model_len": 1024})
     check_exact(llm, hf, prompts, max_tokens)
     assert llm.engine.compiles_since_warmup == 0
 
