@@ -44,11 +44,12 @@ def to_step_inputs(h: HostStepInputs) -> StepInputs:
     )
 
 
-def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn):
+def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn,
+            compute_dtype=None):
     """Model forward for one bucket -> (updated cache, logits f32[S, V] of the sampling rows)."""
     hidden, kv_cache = llama.forward(
         params, kv_cache, inputs.token_ids, inputs.positions, inputs.attn,
-        arch=arch, attention_fn=attention_fn,
+        arch=arch, attention_fn=attention_fn, compute_dtype=compute_dtype,
     )
     return kv_cache, llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch)
 
@@ -60,9 +61,16 @@ class Runner:
         self.params = params
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
-        self.kv_cache = llama.init_kv_cache(arch, num_pages, page_size, dtype)
+        # On CPU a bf16 scatter is float-normalised to f32 (the whole cache converted per layer:
+        # a 16-token step took 3.4 s), so there the cache is kept in f32 like the compute.
+        cache_dtype = jnp.float32 if jax.default_backend() == "cpu" else dtype
+        self.kv_cache = llama.init_kv_cache(arch, num_pages, page_size, cache_dtype)
+        # XLA:CPU has no fast bf16 GEMM: compute in f32 there (storage stays in `dtype`).
+        compute = jnp.float32 if jax.default_backend() == "cpu" else None
         self._jitted = jax.jit(
-            functools.partial(step_fn, arch=arch, attention_fn=attention_fn), donate_argnums=(1,)
+            functools.partial(step_fn, arch=arch, attention_fn=attention_fn,
+                              compute_dtype=compute),
+            donate_argnums=(1,),
         )
         # The sampler is compiled per sequence count only (it does not depend on T): separating
         # it from the step halves the per-bucket compile time (sorting and RNG compile slowly).

@@ -146,3 +146,19 @@ def test_pallas_kernel_interpret_end_to_end(tiny):
               planner="fixed:[(32,2)]", attention_backend="pallas",
               **{**ENGINE, "max_model_len": 128})
     check_exact(llm, hf, prompts_of([20, 5], seed=4), [4, 4])
+
+
+def test_bfloat16_engine_close_to_float32(tiny):
+    """bf16 weights (f32 compute and KV on CPU) stay close to the fp32 engine's logprobs."""
+    path, _ = tiny("llama_gqa")
+    opts = dict(page_size=16, num_pages=64, max_num_batched_tokens=32, max_num_seqs=4,
+                planner="fixed:[(32,4)]", **{**ENGINE, "max_model_len": 128})
+    sp = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([12, 7, 30], seed=5)]
+    ref = LLM(path, dtype="float32", **opts).generate(prompts, sp, use_tqdm=False)
+    got = LLM(path, dtype="bfloat16", **opts).generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(ref, got):
+        la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        for tok in set(la) & set(lb):
+            assert abs(la[tok].logprob - lb[tok].logprob) < 0.1
+        assert len(set(la) & set(lb)) >= 3

@@ -72,17 +72,25 @@ def forward(
     *,
     arch: ModelArch,
     attention_fn: AttentionFn,
+    compute_dtype=None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Returns hidden states [T, H] (before the final norm) and the updated KV cache."""
+    """Returns hidden states [T, H] (before the final norm) and the updated KV cache.
+
+    `compute_dtype` (default: the params' dtype) is what the matmuls run in. On CPU the runner
+    passes float32 for bfloat16 params: XLA:CPU has no fast bf16 GEMM (a bf16 decode step ran
+    ~50x slower), so weights and KV stay bf16 in memory and each layer is upcast in the loop.
+    """
     L, N_pages, P, K, D = kv_cache["k"].shape
     N, T = arch.num_heads, token_ids.shape[0]
-    x = params["embed"][token_ids]  # [T, H]
+    cdt = compute_dtype or params["embed"].dtype
+    x = params["embed"][token_ids].astype(cdt)  # [T, H]
     cos, sin = rope_tables(arch, positions)
     sm_scale = 1.0 / float(np.sqrt(D))
 
     def layer(carry, lp_and_idx):
         x, k_cache, v_cache = carry
         lp, li = lp_and_idx
+        lp = jax.tree.map(lambda w: w.astype(cdt), lp)
         h = rms_norm(x, lp["attn_norm"], arch.rms_norm_eps)
         q = h @ lp["wq"]
         k = h @ lp["wk"]
@@ -126,7 +134,8 @@ def forward(
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax.Array:
-    """hidden [S, H] (rows that sample) -> float32 logits [S, V]."""
-    h = rms_norm(hidden, params["final_norm"], arch.rms_norm_eps)
+    """hidden [S, H] (rows that sample) -> float32 logits [S, V] (matmul in hidden's dtype)."""
+    h = rms_norm(hidden, params["final_norm"].astype(hidden.dtype), arch.rms_norm_eps)
     w = params["embed"].T if arch.tie_word_embeddings else params["lm_head"]
+    w = w.astype(hidden.dtype)
     return jnp.dot(h, w, preferred_element_type=jnp.float32)
