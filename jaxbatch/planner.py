@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from jaxbatch.scheduler import ScheduledBatch, ScheduledSeq
-from jaxbatch.step_inputs import Bucket
+from .scheduler import ScheduledBatch, ScheduledSeq
+from .step_inputs import Bucket
 
 
 @dataclasses.dataclass
@@ -93,7 +93,7 @@ def make_planner(spec: str, max_tokens: int, max_seqs: int, **kwargs) -> Planner
     if spec.startswith("fixed:"):
         return FixedBucketPlanner("fixed", parse_fixed(spec[6:], max_seqs))
     if spec == "dp":
-        from jaxbatch.planner_dp import make_dp_planner  # noqa: PLC0415  (optional, [C])
+        from .planner_dp import make_dp_planner  # noqa: PLC0415  (optional, [C])
 
         return make_dp_planner(max_tokens, max_seqs, **kwargs)
     raise ValueError(f"unknown planner {spec!r}: use dp, pow2, linear:STEP or fixed:[...]")

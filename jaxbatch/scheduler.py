@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from jaxbatch.block_manager import BlockManager
-from jaxbatch.request import Request, RequestStatus
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
 
 POLICIES = ("mixed", "prefill_first", "decode_first")
 
