@@ -35,7 +35,7 @@ def test_bench64_measured_goal(capsys):
     steps, still far below pow2 and cheaper in predicted time."""
     out = run_json(capsys, BENCH + ["--cost", "tokens:4"])
     r = by_name(out)
-    print(f"bench64 simulated in {out['seconds']:.2f}s")  # issue [C]: < 5 s (no timing asserts)
+    # issue [C] wants bench64 simulated in < 5 s: out["seconds"] reports it (no timing asserts)
     assert r["dp"]["num_shapes"] <= 8 and r["dp"]["padding_fraction"] <= 0.03
     assert r["dp"]["real_tokens"] == r["pow2"]["real_tokens"] == 11237 + 5009 - 64
     assert r["pow2"]["padding_fraction"] > 0.10 and r["pow2"]["num_shapes"] > 8
