@@ -4,8 +4,6 @@ on tiny random models: any batch mix, chunk size, page size, policy, bucket set,
 from __future__ import annotations
 
 import functools
-import json
-import os
 
 import numpy as np
 import pytest
@@ -13,9 +11,6 @@ import torch
 from tiny_models import make_tiny_model
 
 from jaxbatch import LLM, SamplingParams
-
-WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "workloads",
-                        "bench64.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +122,15 @@ def test_requests_added_while_others_run(tiny):
 
 
 def test_bench64_lengths(tiny):
-    """64 requests with bench64's prompt and output lengths (ids folded into the tiny vocab)."""
+    """64 requests with bench64's prompt and output lengths (the package's copy of them; random
+    ids in the tiny vocabulary)."""
+    from jaxbatch.workload_sim import default_workload
+
     path, hf = tiny("llama_gqa")
-    with open(WORKLOAD) as f:
-        rows = [json.loads(line) for line in f]
-    prompts = [[t % 253 + 3 for t in r["prompt_token_ids"]] for r in rows]
-    max_tokens = [r["max_tokens"] for r in rows]
+    lengths = default_workload()
+    assert len(lengths) == 64
+    prompts = prompts_of([p for p, _ in lengths], seed=6)
+    max_tokens = [m for _, m in lengths]
     llm = LLM(path, page_size=16, num_pages=2048, max_num_batched_tokens=256, max_num_seqs=32,
               planner="fixed:[(8,8),(32,32),(256,32)]", **{**ENGINE, "max_model_len": 1024})
     check_exact(llm, hf, prompts, max_tokens)
