@@ -29,8 +29,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> str | None:
-        """Add one token. Returns the matched stop string if one completed, else None."""
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one token. Returns the matched stop string if one completed, else None.
+        `check_stop=False` (min_tokens not reached yet) decodes without looking for stops."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
         full = self._decode(self.ids[self._prefix_offset :])
@@ -39,7 +40,7 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.ids)
-            if self.stop:
+            if self.stop and check_stop:
                 return self._find_stop(start_search)
         return None
 

@@ -199,7 +199,7 @@ class Engine:
         n_out = len(req.output_token_ids)
         detok = self._detok[req.request_id]
         if detok is not None:
-            if detok.add(tok) is not None:
+            if detok.add(tok, check_stop=n_out >= sp.min_tokens) is not None:
                 req.stop_reason = detok.stopped_on
                 return RequestStatus.FINISHED_STOPPED
         if n_out >= sp.min_tokens:

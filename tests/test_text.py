@@ -94,6 +94,11 @@ def test_engine_stops(chat_llm):
             use_tqdm=False)[0].outputs[0]
         assert o.finish_reason == "stop" and o.stop_reason == needle
         assert o.text == text[: text.index(needle)]
+        # a stop string is not honoured before min_tokens (vLLM's semantics)
+        o = chat_llm.generate("Once upon a time", SamplingParams(
+            temperature=0, max_tokens=30, stop=[needle], min_tokens=30, ignore_eos=True),
+            use_tqdm=False)[0].outputs[0]
+        assert o.finish_reason == "length" and o.text == text
 
 
 def test_chat_and_mixed_prompt_kinds(chat_llm, tok):
