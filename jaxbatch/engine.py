@@ -182,7 +182,7 @@ class Engine:
                 n = req.sampling_params.logprobs
                 top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i][:n],
                                                              out.top_logprobs[i][:n])]
-                req.logprobs.append((float(out.logprobs[i]), top))
+                req.logprobs.append(_logprob_dict(tok, float(out.logprobs[i]), top))
             status = self._check_stop(req, tok)
             if status is not None:
                 self.scheduler.finish_request(req, status)
@@ -224,7 +224,7 @@ class Engine:
         ids = list(req.output_token_ids)
         logprobs = None
         if req.sampling_params.logprobs is not None:
-            logprobs = [_logprob_dict(t, chosen, top) for t, (chosen, top) in zip(ids, req.logprobs)]
+            logprobs = list(req.logprobs)
         comp = CompletionOutput(0, text, ids, req.finish_reason if finished else None,
                                 req.stop_reason, logprobs)
         return RequestOutput(

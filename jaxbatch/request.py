@@ -44,12 +44,21 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    # per generated token: (logprob of the token, [(token_id, logprob), ...] top-n), if asked
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
+    # per generated token, if asked: {token_id: Logprob} with the top-n and the sampled token
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating prompt and output (hot path)."""
+        n_p = len(self.prompt_token_ids)
+        if end <= n_p:
+            return self.prompt_token_ids[start:end]
+        if start >= n_p:
+            return self.output_token_ids[start - n_p : end - n_p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_p]
 
     @property
     def num_tokens(self) -> int:

@@ -86,10 +86,9 @@ def build_step_inputs(
     off = 0
     for i, s in enumerate(seqs):
         req, n = s.request, s.num_new_tokens
-        toks = req.all_token_ids
         pos = np.arange(s.start, s.start + n, dtype=i32)
         pt = np.asarray(req.page_table, i32)
-        token_ids[off : off + n] = toks[s.start : s.start + n]
+        token_ids[off : off + n] = req.token_slice(s.start, s.start + n)
         positions[off : off + n] = pos
         slot_mapping[off : off + n] = pt[pos // page_size] * page_size + pos % page_size
         kv_lens[i] = s.start + n
