@@ -35,3 +35,14 @@ def hf_smol(smol):
     from smollm2_common import load_hf_smol
 
     return load_hf_smol(smol)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, built once per session
+    (read-only for the tests that share it)."""
+    from tiny_models import make_tiny_chat_model
+
+    path = str(tmp_path_factory.mktemp("tiny_chat"))
+    make_tiny_chat_model(path)
+    return path

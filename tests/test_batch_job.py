@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-from tiny_models import make_tiny_chat_model
 
 from jaxbatch import LLM
 from jaxbatch.batch.files import BatchFileError, ResultWriter, iter_lines
@@ -26,10 +25,8 @@ CONFIG = os.path.join(REPO, "configs", "tiny-test.yaml")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tiny_chat"))
-    make_tiny_chat_model(path)
-    return path
+def model_dir(tiny_chat_dir):
+    return tiny_chat_dir
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_models import make_tiny_chat_model
 
 from jaxbatch import LLM, SamplingParams
 from jaxbatch.config import config_from_sources
@@ -56,10 +55,8 @@ class ServerThread:
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tinychat"))
-    make_tiny_chat_model(path)
-    return path
+def model_path(tiny_chat_dir):
+    return tiny_chat_dir
 
 
 @pytest.fixture(scope="module")

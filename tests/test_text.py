@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_models import make_tiny_chat_model
 
 from jaxbatch import LLM, SamplingParams
 from jaxbatch.detokenizer import IncrementalDetokenizer
@@ -59,10 +58,8 @@ def test_stop_string_is_excluded_and_held_back(tok):
 
 
 @pytest.fixture(scope="module")
-def chat_llm(tmp_path_factory, smol):
-    path = str(tmp_path_factory.mktemp("tiny_chat"))
-    make_tiny_chat_model(path)
-    return LLM(path, page_size=16, num_pages=256, max_num_batched_tokens=64, max_num_seqs=8,
+def chat_llm(tiny_chat_dir, smol):
+    return LLM(tiny_chat_dir, page_size=16, num_pages=256, max_num_batched_tokens=64, max_num_seqs=8,
                max_model_len=512, planner="fixed:[(16,8),(64,8)]", compile_guard=True,
                progress=False)
 
