@@ -10,6 +10,7 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from typing import Any
 
 from jaxbatch.block_manager import BlockManager
@@ -86,7 +87,7 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self._rng = random.Random(config.runner.seed)
-        self.last_finished: list[Request] = []  # recent finished requests (tests, metrics)
+        self.last_finished: deque[Request] = deque(maxlen=1000)  # recent finished (tests, metrics)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
@@ -234,14 +235,14 @@ class Engine:
         )
 
     def _forget(self, req: Request) -> None:
-        self.last_finished = (self.last_finished + [req])[-1000:]
+        self.last_finished.append(req)
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
 
     def _check_guard(self) -> None:
         from jaxbatch import compile_guard
 
-        extra = compile_guard.unplanned_count() - self.compiles_at_warmup
+        extra = self.compiles_since_warmup
         if extra and self.config.runner.compile_guard:
             raise compile_guard.RecompileError(
                 f"{extra} XLA compilation(s) happened after warm-up; every step shape must be "
