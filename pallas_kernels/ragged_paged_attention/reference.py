@@ -13,16 +13,18 @@ The new tokens of sequence s sit at positions kv_lens[s]-q_len[s] .. kv_lens[s]-
 causally (plus an optional sliding window and logits soft cap).
 
 Why this shape of computation (T tokens, S sequences, K = longest history):
-  * No per-token gather of KV history. Decode rows (q_len == 1) are batched across sequences: a
-    `while_loop` walks KV blocks of `kv_block` tokens up to the longest decode history (a dynamic
-    trip count, so K is not a compiled dimension), gathering [S, kv_block, Hkv, D] per iteration:
-    bytes ~ S*K*Hkv*D*2, FLOPs ~ 4*S*K*Hq*D.
+  * No per-token gather of KV history. Decode rows (q_len == 1) form a work list of
+    (sequence, KV block) items; a loop with a dynamic trip count (so K is not a compiled
+    dimension) takes `decode_chunk` items per iteration, gathers their [kv_block, Hkv, D] blocks
+    and merges partial softmaxes per row: bytes ~ sum_s kv_len_s*Hkv*D*2, FLOPs ~
+    4*sum_s kv_len_s*Hq*D (x Hkv for the block-diagonal GEMM form that XLA:CPU runs faster).
   * Prefill chunks (q_len > 1) loop over the real prefill sequences (dynamic count), their query
     blocks of `q_block` rows and only the causally visible KV blocks, so the work is
     ~ sum_s q_len_s * kv_len_s, rounded up to blocks, and each KV block is gathered once per query
     block rather than once per token.
-  * Softmax is online (flash-style) in float32; masked keys are zeroed on the value side too, so
-    NaN garbage in unused pages can never reach a real row.
+  * Softmax is online (flash-style) in float32. With `nan_safe` (the default) masked keys are also
+    zeroed on the value side, so NaN garbage in unused pages can never reach a real row; the
+    engine, whose cache only holds finite values, turns it off to save a pass over each block.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def _scale(s, sm_scale, soft_cap):
     return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
-def _online_update(m, l, acc, s, mask, v):
-    """One flash-softmax step. s [..., n] scores, mask [..., n], v gathered as the einsum needs."""
+def _online_update(m, l, acc, s, mask):
+    """One flash-softmax step. s [..., n] scores, mask [..., n]; returns the rescaled state and
+    the block's probabilities p (the caller adds p @ v to acc)."""
     s = jnp.where(mask, s, _NEG)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp(s - m_new[..., None])
@@ -192,8 +195,9 @@ def ragged_paged_attention_reference(
                     mask &= kpos[None, :] > (qpos[:, None] - sliding_window)
                 s = jnp.einsum("qhgd,nhd->hgqn", qblk, k, preferred_element_type=f32)
                 s = _scale(s, sm_scale, soft_cap)
-                m, l, acc, p = _online_update(m, l, acc, s, mask[None, None], v)
-                v = jnp.where((kpos < kl)[:, None, None], v, 0)
+                m, l, acc, p = _online_update(m, l, acc, s, mask[None, None])
+                if nan_safe:
+                    v = jnp.where((kpos < kl)[:, None, None], v, 0)
                 acc = acc + jnp.einsum(
                     "hgqn,nhd->hgqd", p.astype(v.dtype), v, preferred_element_type=f32
                 )
