@@ -59,15 +59,13 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("this model has no chat template")
+        from jaxbatch.chat import render_chat
+
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(
-            c, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False)),
-            "prompt": tok.apply_chat_template(c, tokenize=False,
-                                              add_generation_prompt=add_generation_prompt)}
-            for c in convs]
+        prompts = []
+        for c in convs:
+            text, ids = render_chat(self.engine.tokenizer, c, add_generation_prompt)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from jaxbatch.chat import render_chat
 from jaxbatch.request import RequestOutput
 from jaxbatch.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -290,10 +291,9 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        text, ids = render_chat(tokenizer, msgs)
     except Exception as e:  # a template that raises on this conversation (e.g. role order)
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     _check_length(len(ids), sp.max_tokens, max_model_len, "messages")
     return ParsedRequest("chat", model, [{"prompt_token_ids": ids, "prompt": text}], sp, stream,
                          include_usage, top_logprobs)
