@@ -1,7 +1,7 @@
 """jaxbatch: continuous-batching LLM inference on JAX/XLA."""
 
-from jaxbatch.request import CompletionOutput, RequestOutput
-from jaxbatch.sampling_params import SamplingParams
+from jaxbatch.core.outputs import CompletionOutput, RequestOutput
+from jaxbatch.core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -13,7 +13,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "Engine":
-        from jaxbatch.engine import Engine
+        from jaxbatch.engine.engine import Engine
 
         return Engine
     raise AttributeError(name)

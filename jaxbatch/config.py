@@ -1,20 +1,39 @@
 """Engine configuration: a few frozen dataclasses, validated on construction, loaded from
-configs/*.yaml (flat keys) with overrides from keyword arguments or the CLI.
+configs/*.yaml (flat keys) with overrides from keyword arguments or the CLI (host only).
 
-Each component receives only its part: ModelConfig -> loader, CacheConfig -> block manager and
+Each component receives only its part: ModelConfig -> loader, CacheConfig -> page allocator and
 runner, SchedulerConfig -> scheduler, PlannerConfig -> planner, RunnerConfig -> runner.
+`max_model_len` belongs to the model; `Engine.from_config` resolves a None against the loaded
+model once (`ModelConfig.resolve_max_model_len`) and every part reads it from there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
-
-from jaxbatch.scheduler import SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 DTYPES = ("float32", "bfloat16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "auto": "float32"}
+POLICIES = ("mixed", "prefill_first", "decode_first")
+DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len None: the model's positions, capped here
+
+
+def cache_dir(configured: str | None = None) -> str:
+    """Where downloads, converted params and XLA's compilation cache live: the configured
+    directory, else $JAXBATCH_CACHE, else ~/.cache/jaxbatch."""
+    return configured or os.environ.get("JAXBATCH_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxbatch")
+
+
+def canonical_dtype(name: str) -> str:
+    """'fp32' -> 'float32', 'bf16' -> 'bfloat16'; ValueError for anything else."""
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +45,18 @@ class ModelConfig:
     cache_dir: str | None = None  # None: $JAXBATCH_CACHE or ~/.cache/jaxbatch
 
     def __post_init__(self) -> None:
-        aliases = {"fp32": "float32", "bf16": "bfloat16", "auto": "float32"}
-        object.__setattr__(self, "dtype", aliases.get(self.dtype, self.dtype))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> ModelConfig:
+        """This config with max_model_len set: the given one (checked against the model's
+        positions) or the model's positions capped at DEFAULT_MAX_MODEL_LEN_CAP."""
+        n = self.max_model_len or min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        if n > max_position_embeddings:
+            raise ValueError(f"max_model_len {n} exceeds the model's {max_position_embeddings} "
+                             f"positions")
+        return dataclasses.replace(self, max_model_len=n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +72,30 @@ class CacheConfig:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    batching_policy: str = "mixed"
+    long_prefill_token_threshold: int | None = None  # None: half the token budget
+    max_consecutive_prefill_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.batching_policy not in POLICIES:
+            raise ValueError(f"batching_policy must be one of {POLICIES}, got "
+                             f"{self.batching_policy!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) cannot exceed "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @property
+    def chunk_cap(self) -> int:
+        t = self.long_prefill_token_threshold
+        return max(1, t if t else self.max_num_batched_tokens // 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +142,7 @@ class EngineConfig:
         """Flat keys (as in vLLM's LLM(...) and the YAML presets) -> the nested config."""
         parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
         owners: dict[str, str] = {}
-        for name, c in _PARTS.items():  # max_model_len belongs to the model (scheduler copies it)
+        for name, c in _PARTS.items():
             for f in dataclasses.fields(c):
                 owners.setdefault(f.name, name)
         unknown = sorted(k for k in kwargs if k not in owners)
@@ -101,15 +150,12 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(owners)}")
         for k, v in kwargs.items():
             parts[owners[k]][k] = v
-        # the scheduler needs max_model_len too; the engine fills it in once the model is known
-        parts["scheduler"]["max_model_len"] = kwargs.get("max_model_len") or 2048
         return cls(**{name: _PARTS[name](**vals) for name, vals in parts.items()})
 
     def flat(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in _PARTS:
-            for k, v in dataclasses.asdict(getattr(self, name)).items():
-                out.setdefault(k, v)
+            out.update(dataclasses.asdict(getattr(self, name)))
         return out
 
     def replace(self, **kwargs: Any) -> EngineConfig:

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbatch.config import EngineConfig, config_from_sources
-from jaxbatch.engine import Engine
-from jaxbatch.request import RequestOutput
-from jaxbatch.sampling_params import SamplingParams
-
-Prompt = str | list[int] | dict
+from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.core.prompts import Prompt, render_chat
+from jaxbatch.core.request import NewRequest
+from jaxbatch.core.sampling_params import SamplingParams
+from jaxbatch.engine.engine import Engine
 
 
 class LLM:
@@ -23,7 +23,7 @@ class LLM:
             cfg = config.replace(**({"model": model} if model else {}), **kwargs)
         else:
             cfg = config_from_sources(config, model=model, **kwargs)
-        self.engine = Engine(cfg)
+        self.engine = Engine.from_config(cfg)
         self._counter = 0
 
     def get_tokenizer(self):
@@ -42,25 +42,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = []
-        try:
-            for p, sp in zip(prompts, params):
-                rid = f"llm-{self._counter}"
-                self._counter += 1
-                self.engine.add_request(rid, p, sp)
-                ids.append(rid)
-        except Exception:
-            for rid in ids:  # a bad prompt fails the call whole: nothing half-submitted runs on
-                self.engine.abort_request(rid)
-            self.engine.drain_aborted()
-            raise
+        first = self._counter
+        ids = [f"llm-{first + i}" for i in range(len(prompts))]
+        # a bad prompt fails the call whole: nothing half-submitted runs on
+        self.engine.add_requests([NewRequest(rid, p, sp)
+                                  for rid, p, sp in zip(ids, prompts, params)])
+        self._counter += len(prompts)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        from jaxbatch.chat import render_chat
-
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for c in convs:

@@ -21,11 +21,8 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
 import jax.numpy as jnp

@@ -11,20 +11,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # params and XLA's compilation cache all live under <repo>/.cache/jaxbatch unless set.
 os.environ.setdefault("JAXBATCH_CACHE", os.path.join(_REPO, ".cache", "jaxbatch"))
 
-
-def pytest_configure(config):
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
 import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def smol():
     """The built-in SmolLM2-135M-Instruct, loaded once per test session (fp32)."""
-    from smollm2_common import load_smol
+    from tests.helpers.smollm2 import load_smol
 
     return load_smol()
 
@@ -32,7 +25,7 @@ def smol():
 @pytest.fixture(scope="session")
 def hf_smol(smol):
     """transformers' model on the same GGUF file: the reference."""
-    from smollm2_common import load_hf_smol
+    from tests.helpers.smollm2 import load_hf_smol
 
     return load_hf_smol(smol)
 
@@ -41,7 +34,7 @@ def hf_smol(smol):
 def tiny_chat_dir(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer and chat template, built once per session
     (read-only for the tests that share it)."""
-    from tiny_models import make_tiny_chat_model
+    from tests.helpers.tiny_models import make_tiny_chat_model
 
     path = str(tmp_path_factory.mktemp("tiny_chat"))
     make_tiny_chat_model(path)

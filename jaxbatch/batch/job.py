@@ -24,7 +24,8 @@ from jaxbatch.batch.records import (
     read_item,
     success,
 )
-from jaxbatch.server.protocol import ApiError, bad_request, new_id
+from jaxbatch.core.request import NewRequest
+from jaxbatch.openai_protocol import ApiError, bad_request, new_id
 
 
 @dataclasses.dataclass
@@ -93,16 +94,13 @@ class BatchJob:
         try:
             item.parsed = parse_body(url, body, eng.tokenizer, eng.max_model_len,
                                      self.served_models)
-            for j, prompt in enumerate(item.parsed.prompts):
-                rid = f"{item.response_id}-{j}"
-                eng.add_request(rid, prompt, item.parsed.sampling_params)
-                item.request_ids.append(rid)
+            rids = [f"{item.response_id}-{j}" for j in range(len(item.parsed.prompts))]
+            sp = item.parsed.sampling_params
+            eng.add_requests([NewRequest(rid, p, sp) for rid, p in zip(rids, item.parsed.prompts)])
+            item.request_ids = rids  # a bad prompt fails the line whole: none of it was added
+            for rid in rids:
                 self._by_rid[rid] = item
         except Exception as e:  # noqa: BLE001 - the line fails, the job goes on (as the server)
-            for rid in item.request_ids:  # a bad prompt fails the line whole
-                eng.abort_request(rid)
-                self._by_rid.pop(rid, None)
-            eng.drain_aborted()
             if isinstance(e, ApiError):
                 err = e
             elif isinstance(e, ValueError):  # the engine refused a prompt (KV capacity ...)

@@ -4,7 +4,7 @@ Input:  {"custom_id": str, "method": "POST", "url": "/v1/completions" | "/v1/cha
          "body": {...}}
 Output: {"id": "batch_req_...", "custom_id": str, "response": {"status_code", "request_id",
          "body"} | null, "error": {"code", "message"} | null}
-The response body is built by jaxbatch.server.protocol, exactly as the server's non-streaming
+The response body is built by jaxbatch.openai_protocol, exactly as the server's non-streaming
 route builds it.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbatch.batch.files import Key, custom_id_of
-from jaxbatch.server.protocol import (
+from jaxbatch.openai_protocol import (
     ApiError,
     ParsedRequest,
     bad_request,

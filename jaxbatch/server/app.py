@@ -18,10 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
-from jaxbatch.server import protocol
+from jaxbatch import openai_protocol as protocol
+from jaxbatch.openai_protocol import ApiError
 from jaxbatch.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from jaxbatch.server.metrics import CONTENT_TYPE, ServerMetrics
-from jaxbatch.server.protocol import ApiError
 
 log = logging.getLogger("jaxbatch.server")
 

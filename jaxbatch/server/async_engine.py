@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxbatch.request import RequestOutput
-from jaxbatch.sampling_params import SamplingParams
+from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.core.request import NewRequest
+from jaxbatch.core.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxbatch.server")
 
@@ -198,12 +199,8 @@ class AsyncEngine:
         if cmd[0] == "add":
             _, ids, prompts, params, fut = cmd
             try:
-                for rid, prompt in zip(ids, prompts):
-                    eng.add_request(rid, prompt, params)
+                eng.add_requests([NewRequest(rid, p, params) for rid, p in zip(ids, prompts)])
             except Exception as e:  # noqa: BLE001 -- a bad prompt fails the call; none of it runs
-                for rid in ids:
-                    eng.abort_request(rid)
-                eng.drain_aborted()
                 self._call(self._resolve, fut, len(ids), e)
             else:
                 self._call(self._resolve, fut, len(ids), None)

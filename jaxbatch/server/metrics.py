@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from jaxbatch.request import RequestOutput
+from jaxbatch.core.outputs import RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -86,15 +86,15 @@ class ServerMetrics:
     # ---- engine thread ------------------------------------------------------------------------
     def observe_step(self, engine: Any, outputs: list[RequestOutput], seconds: float) -> None:
         stats = engine.stats()
-        self.waiting.set(stats["num_waiting"])
-        self.running.set(stats["num_running"])
-        used, free = stats["kv_pages_used"], stats["kv_pages_free"]
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        used, free = stats.kv_pages_used, stats.kv_pages_free
         self.kv_used.set(used)
         self.kv_free.set(free)
         self.kv_usage.set(used / max(1, used + free))
-        self.padding.set(stats["padding_fraction"])
-        self.compiles.set(stats["compiles_since_warmup"])
-        real = engine.trace.real_tokens
+        self.padding.set(stats.padding_fraction)
+        self.compiles.set(stats.compiles_since_warmup)
+        real = stats.real_tokens
         if real > self._last_real_tokens:  # a step that only returned aborts computes nothing
             self.step_tokens.observe(real - self._last_real_tokens)
             self.step_seconds.observe(seconds)

@@ -49,6 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.ragged_paged_attention.tuning import DEFAULT
+
 _NEG = -1e30  # finite "minus infinity", as in the reference
 
 
@@ -216,17 +218,17 @@ def ragged_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    kv_block: int = 128,
-    q_block: int = 32,
+    kv_block: int = DEFAULT.kv_block,
+    q_block: int = DEFAULT.q_block,
     interpret: bool = False,
-    prefill_kv_block: int = 64,
-    max_prefill_rows: int = 128,
-    num_warps: int | None = None,
-    num_stages: int = 2,
-    decode_num_warps: int = 4,
-    decode_num_stages: int = 2,
-    decode_kv_splits: int | None = None,
-    num_sms: int = 132,
+    prefill_kv_block: int = DEFAULT.prefill_kv_block,
+    max_prefill_rows: int = DEFAULT.max_prefill_rows,
+    num_warps: int | None = DEFAULT.num_warps,
+    num_stages: int = DEFAULT.num_stages,
+    decode_num_warps: int = DEFAULT.decode_num_warps,
+    decode_num_stages: int = DEFAULT.decode_num_stages,
+    decode_kv_splits: int | None = DEFAULT.decode_kv_splits,
+    num_sms: int = DEFAULT.num_sms,
 ) -> jax.Array:
     """Kernel version of `ragged_paged_attention_reference` (same arguments and result).
 
@@ -238,7 +240,8 @@ def ragged_paged_attention(
       blocks, merged afterwards (flash decoding). None: enough to give `num_sms` streaming
       multiprocessors one program each, when S * Hkv alone does not (at most 16).
     The rest are Triton launch parameters (num_warps None: 8 for a 128 x 128 prefill
-    accumulator, else 4).
+    accumulator, else 4). Defaults come from tuning.py; `tuning.for_device(d).kwargs()` gives
+    them with the SM count of device d.
     """
     T, Hq, D = q.shape
     N, P, Hkv, _ = k_pages.shape

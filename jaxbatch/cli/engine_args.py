@@ -1,0 +1,33 @@
+"""The engine options every subcommand accepts: flags over a --config YAML preset (a leaf
+module: it imports only the config)."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxbatch.config import EngineConfig, config_from_sources
+
+_ENGINE_ARGS = [
+    ("--model", str), ("--dtype", str), ("--max-model-len", int), ("--page-size", int),
+    ("--num-pages", int), ("--kv-cache-memory-gb", float), ("--max-num-batched-tokens", int),
+    ("--max-num-seqs", int), ("--batching-policy", str), ("--planner", str),
+    ("--max-compiled-shapes", int), ("--attention-backend", str), ("--seed", int),
+    ("--trace-path", str), ("--tokenizer", str), ("--cache-dir", str),
+    ("--long-prefill-token-threshold", int), ("--planner-workload", str),
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (override the --config preset)")
+    g.add_argument("--config", help="YAML preset, e.g. configs/smollm2-cpu.yaml")
+    for flag, typ in _ENGINE_ARGS:
+        g.add_argument(flag, type=typ, default=None)
+    g.add_argument("--compile-guard", action="store_true", default=None,
+                   help="raise if anything compiles after warm-up")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+                 for flag, _ in _ENGINE_ARGS}
+    overrides["compile_guard"] = args.compile_guard
+    return config_from_sources(args.config, **overrides)

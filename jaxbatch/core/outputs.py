@@ -1,0 +1,47 @@
+"""What users get back: RequestOutput with one CompletionOutput per choice (vLLM's shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    # per token: {token_id: Logprob} holding the sampled token and the top-n
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    # streaming: the text and token ids added since the previous output of this request
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)

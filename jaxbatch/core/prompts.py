@@ -1,0 +1,43 @@
+"""The one path from a user's prompt to token ids (host only): text, token ids, or a chat.
+
+Used by the engine (`add_requests`), the OpenAI protocol (server and batch jobs), `LLM.chat` and
+the planner's workload reader, so one prompt always becomes the same ids everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# A prompt as callers give it: text, token ids, or {"prompt_token_ids": [...], "prompt": text}
+# (or {"prompt": text}).
+Prompt = str | list[int] | dict[str, Any]
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Text -> ids with the tokenizer's own special tokens (BOS for Llama-family models)."""
+    if tokenizer is None:
+        raise ValueError("text prompts need a tokenizer; pass prompt_token_ids")
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> tuple[str | None, list[int]]:
+    """-> (prompt text if known, token ids)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        prompt = prompt["prompt"]
+    if isinstance(prompt, str):
+        return prompt, encode_text(tokenizer, prompt)
+    return None, [int(t) for t in prompt]
+
+
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True
+                ) -> tuple[str, list[int]]:
+    """Messages through the model's chat template -> (prompt text, token ids). The template
+    carries its own special tokens, so the text is tokenized without adding more (what
+    apply_chat_template(tokenize=True) does)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])

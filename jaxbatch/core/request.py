@@ -1,0 +1,85 @@
+"""One request type, one status enum, progress as counters (host only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxbatch.core.outputs import Logprob
+from jaxbatch.core.prompts import Prompt
+from jaxbatch.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV is recomputed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+    prompt: str | None = None
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Progress: how many of all_token_ids have their KV in the cache. The scheduler always runs
+    # the tokens still owed, so prefill, chunked prefill, recompute and decode are one path.
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    page_table: list[int] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+    auto_seed: int = 0  # drawn by the engine at arrival; used when sampling_params.seed is None
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # per generated token, if asked: {token_id: Logprob} with the top-n and the sampled token
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating prompt and output (hot path)."""
+        n_p = len(self.prompt_token_ids)
+        if end <= n_p:
+            return self.prompt_token_ids[start:end]
+        if start >= n_p:
+            return self.output_token_ids[start - n_p : end - n_p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_p]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_owed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+
+@dataclasses.dataclass(frozen=True)
+class NewRequest:
+    """What a caller hands `Engine.add_requests`: an id (None: the engine picks one), the
+    prompt (text, token ids or a prompt dict; see core/prompts.py) and its sampling params."""
+
+    request_id: str | None
+    prompt: Prompt
+    sampling_params: SamplingParams | None = None

@@ -1,0 +1,53 @@
+"""What the front ends (server, batch jobs, LLM) may call on an engine: the `EngineClient`
+protocol, and the typed statistics it reports. Importing this module does not import jax."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from jaxbatch.config import EngineConfig
+from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.core.request import NewRequest, Request
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int  # requests queued (not yet admitted, or preempted)
+    num_running: int
+    kv_pages_used: int
+    kv_pages_free: int
+    compiles_since_warmup: int  # should stay 0
+    steps: int  # executed (sub-)steps since start
+    real_tokens: int  # tokens computed for requests
+    computed_tokens: int  # tokens computed including padding
+
+    @property
+    def padding_fraction(self) -> float:
+        pad = self.computed_tokens - self.real_tokens
+        return pad / self.computed_tokens if self.computed_tokens else 0.0
+
+
+class EngineClient(Protocol):
+    """The engine as the server (on its engine thread), batch jobs and `LLM` use it."""
+
+    config: EngineConfig  # resolved: config.model.max_model_len is set
+    tokenizer: Any  # a transformers tokenizer, or None (token-id prompts only)
+    max_model_len: int
+
+    def add_requests(self, new: Sequence[NewRequest]) -> list[Request]:
+        """All or nothing: ValueError (and nothing added) if any request is refused."""
+        ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def drain_aborted(self) -> list[RequestOutput]:
+        """Final outputs of aborted requests, without running a step."""
+        ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,276 @@
+"""The synchronous engine: one `step()` that LLM, the server and batch jobs all drive.
+
+step(): schedule -> plan -> run (one compiled step per sub-step) -> update -> detokenise/stop
+-> RequestOutputs for every request that advanced or finished.
+
+`Engine.from_config(config)` loads the model, resolves max_model_len once, builds the parts
+(runner and its KV cache, page allocator, scheduler, planner) and warms up; `Engine(...)` takes
+the parts as they are, so tests can hand it fakes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from jaxbatch.config import EngineConfig, cache_dir
+from jaxbatch.core.detokenizer import IncrementalDetokenizer
+from jaxbatch.core.kv_pages import PageAllocator
+from jaxbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxbatch.core.prompts import Prompt, encode_prompt
+from jaxbatch.core.request import NewRequest, Request, RequestStatus
+from jaxbatch.core.sampling_params import SamplingParams
+from jaxbatch.core.scheduler import Scheduler
+from jaxbatch.engine import compile_guard
+from jaxbatch.engine.attention import attention_fn
+from jaxbatch.engine.client import EngineStats
+from jaxbatch.engine.runner import Runner
+from jaxbatch.engine.step_inputs import build_step_inputs
+from jaxbatch.model.loader import LoadedModel, load_model
+from jaxbatch.planner import StepPlanner, make_planner
+from jaxbatch.planner.trace import StepTrace
+
+log = logging.getLogger("jaxbatch")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: LoadedModel, runner: Runner,
+                 scheduler: Scheduler, planner: StepPlanner) -> None:
+        """The parts, already built; `config.model.max_model_len` must be resolved."""
+        if config.model.max_model_len is None:
+            raise ValueError("Engine needs a resolved max_model_len (use Engine.from_config)")
+        compile_guard.install()
+        self.config = config
+        self.model = model
+        self.arch = model.arch
+        self.tokenizer = model.tokenizer
+        self.eos_token_ids = model.eos_token_ids
+        self.max_model_len: int = config.model.max_model_len
+        self.runner = runner
+        self.scheduler = scheduler
+        self.pages: PageAllocator = scheduler.pages
+        self.planner = planner
+        self.trace = StepTrace(config.planner.trace_path)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer | None] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._rng = random.Random(config.runner.seed)
+        self.last_finished: deque[Request] = deque(maxlen=1000)  # recent finished (tests, metrics)
+        self.warmup_seconds = 0.0
+        self.startup_seconds = 0.0
+        self.compiles_at_warmup = compile_guard.unplanned_count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: LoadedModel | None = None) -> Engine:
+        """Load (unless `model` is given), build every part and compile every bucket."""
+        t_start = time.perf_counter()
+        compile_guard.install()
+        root = cache_dir(config.model.cache_dir)
+        compile_guard.enable_persistent_cache(root)
+        if model is None:
+            model = load_model(config.model.model, config.model.dtype, cache_dir=root,
+                               tokenizer=config.model.tokenizer)
+        config = dataclasses.replace(
+            config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
+        runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
+                        attention_fn(config.runner.attention_backend))
+        scheduler = Scheduler(config.scheduler, PageAllocator(runner.num_pages,
+                                                               config.cache.page_size))
+        planner = make_planner(config, model.arch)
+        with compile_guard.planned():
+            warmup = runner.compile(planner.buckets, progress=config.runner.progress)
+            planner.calibrate(runner.time_bucket)
+        engine = cls(config, model, runner, scheduler, planner)
+        engine.warmup_seconds = warmup
+        engine.startup_seconds = time.perf_counter() - t_start
+        return engine
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_requests(self, new: Sequence[NewRequest]) -> list[Request]:
+        """Add several requests at once, atomically: if any is refused (ValueError: a bad prompt,
+        a duplicate id, more KV than the cache holds) none of them is added."""
+        added: list[Request] = []
+        try:
+            for item in new:
+                added.append(self._add(item))
+        except BaseException:
+            for req in added:  # roll back: no output, no trace of them
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                del self.requests[req.request_id]
+                del self._detok[req.request_id]
+            raise
+        return added
+
+    def add_request(self, request_id: str | None, prompt: Prompt,
+                    sampling_params: SamplingParams | None = None) -> Request:
+        return self.add_requests([NewRequest(request_id, prompt, sampling_params)])[0]
+
+    def _add(self, new: NewRequest) -> Request:
+        sp = new.sampling_params or SamplingParams()
+        request_id = new.request_id if new.request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = encode_prompt(self.tokenizer, new.prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.arch.vocab_size}): {bad[:5]}")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's maximum context "
+                             f"length is {self.max_model_len}")
+        if sp.max_tokens is None:
+            sp = dataclasses.replace(sp, max_tokens=room)
+        elif sp.max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(ids)} and max_tokens is {sp.max_tokens} ({len(ids) + sp.max_tokens} "
+                f"in all)")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        req = Request(request_id, ids, sp, time.time(), prompt=text,
+                      auto_seed=self._rng.getrandbits(63))
+        self.scheduler.add_request(req)  # may raise (KV capacity): nothing registered yet
+        self.requests[request_id] = req
+        self._detok[request_id] = None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, ids, sp.skip_special_tokens, tuple(sp.stop),
+            sp.include_stop_str_in_output)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.status.finished:
+            return
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        req.finish_time = time.time()
+        self._pending.append(self._output(req, finished=True))
+        self._forget(req)
+
+    def drain_aborted(self) -> list[RequestOutput]:
+        """Hand back the final outputs of aborted requests without running a step."""
+        out, self._pending = self._pending, []
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            self._check_guard()
+            return outputs
+        sampled: dict[str, tuple] = {}
+        subs = self.planner.plan(batch)
+        for sub in subs:
+            t_sub = time.perf_counter()
+            host = build_step_inputs(sub.seqs, sub.bucket, self.pages.page_size,
+                                     self.runner.pages_per_seq, self.eos_token_ids)
+            out = self.runner.execute(host, sub.bucket)
+            for i, s in enumerate(sub.seqs):
+                if s.samples:
+                    sampled[s.request.request_id] = (int(out.token_ids[i]), out, i)
+            self.trace.record(sub, time.perf_counter() - t_sub, self.planner.predict(sub.bucket))
+        new_tokens = self.scheduler.update(batch, {k: v[0] for k, v in sampled.items()})
+        now = time.time()
+        for req, tok in new_tokens:
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.sampling_params.logprobs is not None:
+                _, out, i = sampled[req.request_id]
+                n = req.sampling_params.logprobs
+                top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i][:n],
+                                                             out.top_logprobs[i][:n])]
+                req.logprobs.append(_logprob_dict(tok, float(out.logprobs[i]), top))
+            status = self._check_stop(req, tok)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+                req.finish_time = now
+            outputs.append(self._output(req, finished=status is not None, new_ids=[tok]))
+            if status is not None:
+                self._forget(req)
+        self._check_guard()
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        n_out = len(req.output_token_ids)
+        detok = self._detok[req.request_id]
+        if detok is not None:
+            if detok.add(tok, check_stop=n_out >= sp.min_tokens) is not None:
+                req.stop_reason = detok.stopped_on
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and tok in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in sp.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= (sp.max_tokens or 0) or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request, finished: bool, new_ids: list[int] | None = None
+                ) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        text, delta = "", ""
+        if detok is not None:
+            if finished:
+                detok.flush()
+            delta = detok.take_delta(finished)
+            text = detok.text if finished else detok.text[: detok.emitted]
+        ids = list(req.output_token_ids)
+        logprobs = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = list(req.logprobs)
+        comp = CompletionOutput(0, text, ids, req.finish_reason if finished else None,
+                                req.stop_reason, logprobs)
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, [comp], finished,
+            RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time),
+            delta_text=delta, delta_token_ids=new_ids or [],
+        )
+
+    def _forget(self, req: Request) -> None:
+        self.last_finished.append(req)
+        self.requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+
+    def _check_guard(self) -> None:
+        extra = self.compiles_since_warmup
+        if extra and self.config.runner.compile_guard:
+            raise compile_guard.RecompileError(
+                f"{extra} XLA compilation(s) happened after warm-up; every step shape must be "
+                f"compiled ahead of time")
+
+    @property
+    def compiles_since_warmup(self) -> int:
+        return compile_guard.unplanned_count() - self.compiles_at_warmup
+
+    def stats(self) -> EngineStats:
+        t = self.trace
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_pages_used=self.pages.num_used_pages,
+            kv_pages_free=self.pages.num_free_pages,
+            compiles_since_warmup=self.compiles_since_warmup,
+            steps=t.num_steps,
+            real_tokens=t.real_tokens,
+            computed_tokens=t.padded_tokens,
+        )
+
+
+def _logprob_dict(tok: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+    """vLLM's shape: the top-n by rank, plus the sampled token when it is not among them."""
+    d = {t: Logprob(lp, rank=r + 1) for r, (t, lp) in enumerate(top)}
+    d.setdefault(tok, Logprob(chosen))
+    return d

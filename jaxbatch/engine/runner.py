@@ -1,0 +1,118 @@
+"""Runs steps: one compiled executable per bucket, the KV cache donated and updated in place.
+
+`step_fn(params, kv_cache, inputs)` is a plain function: model forward over the flattened tokens
+and the logits of the S rows that sample. It is lowered and compiled ahead of time for every
+bucket at warm-up and kept in a dict keyed by the bucket, so an unplanned shape is a loud
+KeyError rather than a silent recompile. The sampler is compiled separately per S.
+
+The runner owns the KV cache, so it also decides its dtype and its size in pages: on XLA:CPU a
+bf16 scatter is float-normalised (the whole cache converted per layer: a 16-token step took
+3.4 s), so there the cache is f32 whatever the weights are, and the page count for a memory
+budget must use the cache's real element size.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.config import CacheConfig
+from jaxbatch.engine.sampler import SamplerOutput, sample
+from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs
+from jaxbatch.model import llama
+from jaxbatch.model.arch import ModelArch
+from jaxbatch.planner.buckets import Bucket
+
+DEFAULT_KV_CACHE_GB = 2.0
+
+
+def kv_cache_dtype(weights_dtype: Any) -> Any:
+    """The KV cache's element type: the weights' dtype, except f32 on CPU (see above)."""
+    return jnp.float32 if jax.default_backend() == "cpu" else weights_dtype
+
+
+def compute_dtype() -> Any:
+    """None: compute in the weights' dtype. XLA:CPU has no fast bf16 GEMM path for every shape,
+    so on CPU compute in f32 (storage stays in the weights' dtype)."""
+    return jnp.float32 if jax.default_backend() == "cpu" else None
+
+
+def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any) -> int:
+    """Pages of the KV cache: `num_pages` if given, else as many as `kv_cache_memory_gb` holds
+    (K and V, every layer, at the cache's element size)."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    gb = cache.kv_cache_memory_gb if cache.kv_cache_memory_gb is not None else DEFAULT_KV_CACHE_GB
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * \
+        jnp.dtype(cache_dtype).itemsize
+    return max(2, int(gb * 2**30 // (per_token * cache.page_size)))
+
+
+def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn,
+            compute_dtype=None):
+    """Model forward for one bucket -> (updated cache, logits f32[S, V] of the sampling rows)."""
+    hidden, kv_cache = llama.forward(
+        params, kv_cache, inputs.token_ids, inputs.positions, inputs.attn,
+        arch=arch, attention_fn=attention_fn, compute_dtype=compute_dtype,
+    )
+    return kv_cache, llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch)
+
+
+class Runner:
+    def __init__(self, arch: ModelArch, params: Any, cache: CacheConfig, max_model_len: int,
+                 attention_fn: Any) -> None:
+        self.arch = arch
+        self.params = params
+        self.page_size = cache.page_size
+        self.pages_per_seq = -(-max_model_len // cache.page_size)
+        weights_dtype = params["embed"].dtype
+        self.cache_dtype = kv_cache_dtype(weights_dtype)
+        self.num_pages = num_kv_pages(arch, cache, self.cache_dtype)
+        self.kv_cache = llama.init_kv_cache(arch, self.num_pages, self.page_size, self.cache_dtype)
+        self._jitted = jax.jit(
+            functools.partial(step_fn, arch=arch, attention_fn=attention_fn,
+                              compute_dtype=compute_dtype()),
+            donate_argnums=(1,),
+        )
+        # The sampler is compiled per sequence count only (it does not depend on T): separating
+        # it from the step halves the per-bucket compile time (sorting and RNG compile slowly).
+        self._sample_jitted = jax.jit(sample)
+        self.executables: dict[Bucket, jax.stages.Compiled] = {}
+        self.samplers: dict[int, jax.stages.Compiled] = {}
+
+    def compile(self, buckets: list[Bucket], progress: bool = True) -> float:
+        """Compile every bucket's step ahead of time. Returns the seconds it took."""
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        todo = [b for b in buckets if b not in self.executables]
+        for b in tqdm(todo, desc="compiling step shapes", disable=not progress or not todo):
+            example = dummy_step_inputs(b, self.pages_per_seq)
+            self.executables[b] = self._jitted.lower(self.params, self.kv_cache, example).compile()
+            if b.num_seqs not in self.samplers:
+                logits = jax.ShapeDtypeStruct((b.num_seqs, self.arch.vocab_size), jnp.float32)
+                self.samplers[b.num_seqs] = self._sample_jitted.lower(
+                    logits, example.sampling).compile()
+        return time.perf_counter() - t0
+
+    def execute(self, host: StepInputs, bucket: Bucket) -> SamplerOutput:
+        """Run one step; returns the sampler's output as numpy arrays."""
+        exe = self.executables[bucket]  # KeyError = a shape nobody planned for
+        inputs = jax.device_put(host)
+        self.kv_cache, logits = exe(self.params, self.kv_cache, inputs)
+        return jax.device_get(self.samplers[bucket.num_seqs](logits, inputs.sampling))
+
+    def time_bucket(self, bucket: Bucket, repeats: int = 3) -> float:
+        """Median seconds of an all-padding step of this bucket (for the planner's cost model)."""
+        host = dummy_step_inputs(bucket, self.pages_per_seq)
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            self.execute(host, bucket)  # returns host arrays: the step has finished
+            times.append(time.perf_counter() - t)
+        return float(np.median(times[1:]))

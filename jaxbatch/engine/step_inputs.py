@@ -1,0 +1,108 @@
+"""Host-side (numpy) construction of one step's padded inputs for a bucket.
+
+Layout (T = bucket tokens, S = bucket sequences, W = pages per sequence, B = banned-id width):
+  token_ids i32[T], positions i32[T], slot_mapping i32[T]   padding rows: token 0, dummy slot 0
+  kv_lens i32[S], page_indices i32[S, W], cu_q_lens i32[S+1], num_seqs i32[1]
+  logits_indices i32[S]                                       last new token of each sequence
+  sampling: temperature f32[S], top_k i32[S], top_p f32[S], min_p f32[S], seeds u32[S],
+            counters i32[S] (output index, folded into the seed), banned i32[S, B] (-1: none),
+            want_logprobs bool[S]
+Padding sequences have kv_len 0 and q_len 0, point at the dummy page and are never read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxbatch.core.sampling_params import MAX_BANNED_IDS
+from jaxbatch.core.scheduler import ScheduledSeq
+from jaxbatch.engine.sampler import SamplingInputs
+from jaxbatch.model.llama import AttentionInputs
+from jaxbatch.planner.buckets import Bucket
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    """One step's inputs: built on the host as numpy arrays, moved to the device whole
+    (`jax.device_put`), traced by the jitted step. Every leaf's shape depends only on the bucket."""
+
+    token_ids: Any  # i32[T]
+    positions: Any  # i32[T]
+    attn: AttentionInputs  # slot_mapping [T], kv_lens [S], page_indices [S, W], cu_q_lens [S+1]
+    logits_indices: Any  # i32[S]
+    sampling: SamplingInputs  # per-row sampling parameters [S]
+
+
+def request_seed(req) -> int:
+    """32-bit seed of a request (set by the engine at arrival when the user gave none)."""
+    s = int(req.sampling_params.seed if req.sampling_params.seed is not None else req.auto_seed)
+    return (s ^ (s >> 32)) & 0xFFFFFFFF
+
+
+def build_step_inputs(
+    seqs: list[ScheduledSeq],
+    bucket: Bucket,
+    page_size: int,
+    pages_per_seq: int,
+    eos_token_ids: tuple[int, ...],
+) -> StepInputs:
+    T, S = bucket
+    n_tok = sum(s.num_new_tokens for s in seqs)
+    assert n_tok <= T and len(seqs) <= S, (n_tok, len(seqs), bucket)
+    i32 = np.int32
+    token_ids = np.zeros(T, i32)
+    positions = np.zeros(T, i32)
+    slot_mapping = np.zeros(T, i32)  # padding writes to the dummy page
+    kv_lens = np.zeros(S, i32)
+    page_indices = np.zeros((S, pages_per_seq), i32)
+    cu_q_lens = np.full(S + 1, n_tok, i32)
+    logits_indices = np.zeros(S, i32)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, i32)
+    top_p = np.ones(S, np.float32)
+    min_p = np.zeros(S, np.float32)
+    seeds = np.zeros(S, np.uint32)
+    counters = np.zeros(S, i32)
+    banned = np.full((S, MAX_BANNED_IDS), -1, i32)
+    want_logprobs = np.zeros(S, bool)
+    off = 0
+    for i, s in enumerate(seqs):
+        req, n = s.request, s.num_new_tokens
+        pos = np.arange(s.start, s.start + n, dtype=i32)
+        pt = np.asarray(req.page_table, i32)
+        token_ids[off : off + n] = req.token_slice(s.start, s.start + n)
+        positions[off : off + n] = pos
+        slot_mapping[off : off + n] = pt[pos // page_size] * page_size + pos % page_size
+        kv_lens[i] = s.start + n
+        page_indices[i, : len(pt)] = pt
+        cu_q_lens[i] = off
+        logits_indices[i] = off + n - 1
+        sp = req.sampling_params
+        temperature[i] = sp.temperature
+        top_k[i] = sp.top_k if sp.top_k > 0 else 0
+        top_p[i] = sp.top_p
+        min_p[i] = sp.min_p
+        seeds[i] = request_seed(req)
+        counters[i] = len(req.output_token_ids)
+        if len(req.output_token_ids) < sp.min_tokens:
+            ban = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else eos_token_ids)
+            ban = ban[:MAX_BANNED_IDS]
+            banned[i, : len(ban)] = ban
+        want_logprobs[i] = sp.logprobs is not None
+        off += n
+    return StepInputs(
+        token_ids, positions,
+        AttentionInputs(slot_mapping, kv_lens, page_indices, cu_q_lens, np.array([len(seqs)], i32)),
+        logits_indices,
+        SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters, banned, want_logprobs),
+    )
+
+
+def dummy_step_inputs(bucket: Bucket, pages_per_seq: int) -> StepInputs:
+    """An all-padding step of the bucket's shape (used for warm-up and calibration timing)."""
+    return build_step_inputs([], bucket, 1, pages_per_seq, ())

@@ -1,0 +1,156 @@
+"""Step shapes of a workload without a model: the real Scheduler and PageAllocator driven by fake
+model outputs (host only: never imports jax).
+
+A workload is a list of (prompt_len, max_tokens) pairs; every request arrives at once (an offline
+batch, as in bench64) and generates exactly max_tokens tokens (greedy with ignore_eos), so the
+simulated steps are the steps the engine would schedule. When a planner is given it runs in the
+loop, exactly as in Engine.step(): it may trim a prefill chunk (the scheduler then advances by the
+trimmed amount) or split a step into sub-steps; one row is recorded per executed sub-step, with the
+fields of a StepTrace row.
+
+Workload files:
+  *.json   {"requests": [[prompt_len, max_tokens], ...]}  (the packaged bench64 lengths)
+  *.jsonl  one request per line: `prompt_token_ids` (ids), or `prompt` (text; see
+           `count_text_tokens`), or the OpenAI Batch format (`body` holding `prompt` or
+           `messages`), with `max_tokens` (default 16, as SamplingParams). Trace rows (with
+           `tokens` and `bucket`) are recognised and rejected here: use `read_trace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from jaxbatch.config import SchedulerConfig
+from jaxbatch.core.kv_pages import PageAllocator
+from jaxbatch.core.request import Request, RequestStatus
+from jaxbatch.core.sampling_params import SamplingParams
+from jaxbatch.core.scheduler import Scheduler
+
+Lengths = list[tuple[int, int]]
+DEFAULT_MAX_TOKENS = 16
+CHARS_PER_TOKEN = 4.0
+
+
+def default_workload() -> Lengths:
+    """bench64's (prompt_len, max_tokens) pairs, shipped inside the package."""
+    text = resources.files("jaxbatch").joinpath("data/bench64_lengths.json").read_text()
+    return [(int(p), int(m)) for p, m in json.loads(text)["requests"]]
+
+
+def count_text_tokens(text: str, tokenizer: Any = None) -> int:
+    """Tokens of a text prompt: the tokenizer's count when one is given; otherwise the usual
+    approximation for English BPE vocabularies, one token per 4 characters (rounded up, + 1 for
+    the BOS token). Token ids in the workload avoid the approximation."""
+    if tokenizer is not None:
+        return len(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return 1 + -(-len(text) // int(CHARS_PER_TOKEN))
+
+
+def _row_lengths(row: dict[str, Any], tokenizer: Any) -> tuple[int, int]:
+    if "tokens" in row and "bucket" in row:
+        raise ValueError("this is a step trace, not a workload: pass it with --trace")
+    body = row.get("body", row)  # OpenAI Batch lines keep the request in "body"
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", DEFAULT_MAX_TOKENS))
+    if "prompt_token_ids" in body:
+        n = len(body["prompt_token_ids"])
+    elif "prompt" in body:
+        prompt = body["prompt"]
+        n = len(prompt) if isinstance(prompt, list) else count_text_tokens(prompt, tokenizer)
+    elif "messages" in body:
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            n = len(tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True,
+                                                  tokenize=True))
+        else:  # approximate: the contents plus a few template tokens per message
+            n = sum(count_text_tokens(str(m.get("content", ""))) + 4 for m in body["messages"])
+    else:
+        raise ValueError(f"a workload line needs prompt_token_ids, prompt or messages: {row}")
+    return int(n), int(max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS)
+
+
+def read_workload(path: str, tokenizer: Any = None) -> Lengths:
+    with open(path) as f:
+        if path.endswith(".json"):
+            return [(int(p), int(m)) for p, m in json.load(f)["requests"]]
+        return [_row_lengths(json.loads(line), tokenizer) for line in f if line.strip()]
+
+
+def clip_lengths(lengths: Lengths, max_model_len: int) -> Lengths:
+    """Fit every request in the context: prompt <= max_model_len - 1, prompt + output <= it."""
+    out = []
+    for p, m in lengths:
+        p = max(1, min(p, max_model_len - 1))
+        out.append((p, max(1, min(m, max_model_len - p))))
+    return out
+
+
+@dataclasses.dataclass
+class SimResult:
+    rows: list[dict[str, Any]]  # one per executed sub-step (StepTrace fields, no timings)
+    num_steps: int  # scheduler steps (a split step counts once)
+    trimmed_steps: int
+    split_steps: int
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        return [(r["tokens"], r["seqs"]) for r in self.rows]
+
+
+def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page_size: int = 16,
+             num_pages: int | None = None, planner: Any = None,
+             on_step: Callable[[int], None] | None = None) -> SimResult:
+    """Run the workload through the real scheduler; the fake model samples token 7."""
+    lengths = clip_lengths(lengths, max_model_len)
+    if num_pages is None:  # room for everything at once: no preemption
+        num_pages = 1 + sum(-(-(p + m) // page_size) for p, m in lengths)
+    else:  # the engine refuses a request larger than the whole cache: shorten it instead
+        lengths = clip_lengths(lengths, max(2, (num_pages - 1) * page_size))
+    sched = Scheduler(config, PageAllocator(num_pages, page_size))
+    for i, (p, m) in enumerate(lengths):
+        sched.add_request(Request(f"sim-{i}", [7] * p,
+                                  SamplingParams(max_tokens=m, ignore_eos=True), arrival_time=0.0))
+    rows: list[dict[str, Any]] = []
+    steps = trimmed = split = 0
+    limit = 10 * (len(lengths) + sum(p + m for p, m in lengths))
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        if not batch.seqs:
+            raise RuntimeError("the scheduler scheduled nothing (KV cache too small?)")
+        before = batch.num_tokens
+        if planner is None:
+            subs = [(None, batch.seqs)]
+        else:
+            subs = [(sub.bucket, sub.seqs) for sub in planner.plan(batch)]
+            trimmed += batch.num_tokens < before
+            split += len(subs) > 1
+        for bucket, seqs in subs:
+            n = sum(s.num_new_tokens for s in seqs)
+            rows.append({
+                "step": steps, "tokens": n, "seqs": len(seqs),
+                "prefill_seqs": sum(1 for s in seqs if s.is_prefill),
+                "bucket": None if bucket is None else [int(bucket[0]), int(bucket[1])],
+                "padding": None if bucket is None else int(bucket[0]) - n,
+            })
+        sampled = {s.request.request_id: 7 for s in batch.seqs if s.samples}
+        for req, _ in sched.update(batch, sampled):
+            if (len(req.output_token_ids) >= req.sampling_params.max_tokens
+                    or req.num_tokens >= max_model_len):
+                sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        steps += 1
+        if on_step is not None:
+            on_step(steps)
+        if steps > limit:
+            raise RuntimeError("simulation made no progress")
+    return SimResult(rows, steps, trimmed, split)
+
+
+def write_lengths(lengths: Lengths, path: str, source: str) -> None:
+    """Write a lengths file (how jaxbatch/data/bench64_lengths.json was made)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"source": source, "requests": [list(x) for x in lengths]}, f)
+        f.write("\n")

@@ -1,0 +1,355 @@
+"""Offline batch jobs (OpenAI Batch format) on a tiny random chat model: the format round trip,
+bad lines, bodies equal to the server protocol's on LLM.generate's outputs, input order, the
+bound on lines in flight, torn-line repair, and kill -9 at random points then resume."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxbatch import LLM
+from jaxbatch import openai_protocol as protocol
+from jaxbatch.batch.files import BatchFileError, ResultWriter, iter_lines
+from jaxbatch.batch.job import BatchJob
+from jaxbatch.cli.batch import build_parser, run
+from tests.helpers import REPO, TINY_CONFIG
+
+CONFIG = TINY_CONFIG
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_chat_dir):
+    return tiny_chat_dir
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, config=CONFIG)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def line(cid, url="/v1/completions", **body):
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+
+def comp(cid, prompt, max_tokens, **kw):
+    return line(cid, prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
+
+
+def chat(cid, text, max_tokens, **kw):
+    return line(cid, "/v1/chat/completions", messages=[{"role": "user", "content": text}],
+                max_tokens=max_tokens, temperature=0, **kw)
+
+
+def write_jsonl(path, lines):
+    with open(path, "w") as f:
+        f.writelines((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+    return str(path)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f]
+
+
+def run_main(llm, inp, out, *extra):
+    args = build_parser().parse_args(["-i", str(inp), "-o", str(out), "--no-progress", *extra])
+    return run(args, engine=llm.engine)
+
+
+def key(rec):
+    return rec["custom_id"] if isinstance(rec["custom_id"], str) else ("line", rec["line"])
+
+
+def comparable(rec):
+    """A record without what differs between runs: ids and timestamps."""
+    rec = json.loads(json.dumps(rec))
+    rec.pop("id")
+    if rec["response"] is not None:
+        rec["response"].pop("request_id")
+        body = rec["response"]["body"]
+        body.pop("id", None)
+        body.pop("created", None)
+    return rec
+
+
+def input_keys(lines):
+    return [x["custom_id"] if isinstance(x, dict) else ("line", i)
+            for i, x in enumerate(lines, 1)]
+
+
+def mixed_lines(n, seed=0):
+    """n good lines (completions and chat, 1..12 tokens) with a bad line every 7th."""
+    rs = random.Random(seed)
+    bad = ["not json {", json.dumps([1, 2]), json.dumps({"method": "POST", "url": "/v1/completions",
+                                                         "body": {"prompt": "x"}})]
+    out = []
+    for i in range(n):
+        m = rs.randint(1, 12)
+        if i % 7 == 3:
+            out.append(bad[(i // 7) % len(bad)])
+        elif i % 3 == 0:
+            out.append(chat(f"c{i}", f"Tell me about number {i}", m))
+        else:
+            out.append(comp(f"p{i}", f"The number {i} is", m))
+    return out
+
+
+# ---- the format --------------------------------------------------------------------------------
+def test_round_trip_good_and_bad_lines(llm, tmp_path, capsys):
+    tok, max_len = llm.engine.tokenizer, llm.engine.max_model_len
+    bad_bodies = {
+        "hot": {"prompt": "x", "temperature": 7},
+        "penalty": {"prompt": "x", "presence_penalty": 0.5},
+        "stream": {"prompt": "x", "stream": True},
+        "long": {"prompt": "x", "max_tokens": 100000},
+        "noprompt": {"max_tokens": 3},
+        "othermodel": {"prompt": "x", "model": "gpt-4o-mini"},  # the server answers 404
+    }
+    refused = {  # bodies the protocol accepts and the engine refuses: 400 as from the server
+        "oov": {"prompt": [5, 10**9], "max_tokens": 2},
+        "oov2": {"prompt": [[5, 6], [10**9]], "max_tokens": 2},  # the first prompt is aborted
+    }
+    lines = [
+        comp("text", "Hello there", 6),
+        comp("ids", [1, 2, 3, 4], 3),
+        comp("two", ["one", "two"], 4),
+        chat("chat", "Hi!", 5, max_completion_tokens=5),
+        "not json {",
+        json.dumps(["a", "list"]),
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        json.dumps({"custom_id": 7, "method": "POST", "url": "/v1/completions", "body": {}}),
+        {"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}},
+        line("embed", "/v1/embeddings", input="x"),
+        {"custom_id": "nobody", "method": "POST", "url": "/v1/completions", "body": "x"},
+        "   ",  # blank lines are skipped
+        *[line(cid, **b) for cid, b in bad_bodies.items()],
+        *[line(cid, **b) for cid, b in refused.items()],
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert run_main(llm, inp, out) == 1  # some lines failed
+    err = capsys.readouterr().err
+    assert "4 succeeded, 15 failed of 19 lines" in err
+    recs = read_jsonl(out)
+    assert len(recs) == 19
+    by = {key(r): r for r in recs}
+    assert len(by) == 19
+    for r in recs:
+        assert set(r) - {"line"} == {"id", "custom_id", "response", "error"}
+        assert r["id"].startswith("batch_req_")
+    for cid, n_choices, obj in [("text", 1, "text_completion"), ("ids", 1, "text_completion"),
+                                ("two", 2, "text_completion"), ("chat", 1, "chat.completion")]:
+        r = by[cid]
+        assert r["error"] is None and r["response"]["status_code"] == 200
+        body = r["response"]["body"]
+        assert body["object"] == obj and body["id"] == r["response"]["request_id"]
+        assert len(body["choices"]) == n_choices
+    assert by["chat"]["response"]["body"]["usage"]["completion_tokens"] == 5
+    assert by["two"]["response"]["body"]["usage"]["completion_tokens"] == 8
+    # lines that are not requests: no response, an error code, the line number
+    assert by[("line", 5)]["error"]["code"] == "invalid_json"
+    assert by[("line", 6)]["error"]["code"] == "invalid_request"
+    assert by[("line", 7)]["error"]["code"] == "missing_custom_id"
+    assert by[("line", 8)]["custom_id"] == 7
+    assert by["get"]["error"]["code"] == "invalid_method"
+    assert by["embed"]["error"]["code"] == "invalid_url"
+    for k in [("line", 5), ("line", 6), ("line", 7), "get", "embed"]:
+        assert by[k]["response"] is None
+    assert by["get"]["error"]["message"].startswith("line 9: ")
+    # bad bodies: exactly the server protocol's status and error body
+    assert by["nobody"]["response"]["status_code"] == 400
+    for cid, body in bad_bodies.items():
+        r = by[cid]
+        if cid == "stream":
+            assert r["response"]["body"]["error"]["param"] == "stream"
+            continue
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.parse_completion_request(body, tok, max_len, [llm.engine.config.model.model])
+        assert r["response"]["status_code"] == e.value.status
+        assert r["response"]["body"] == e.value.body()
+        assert r["error"] == {"code": e.value.code or e.value.type, "message": e.value.message}
+    for cid in refused:
+        r = by[cid]
+        assert r["response"]["status_code"] == 400, r
+        assert r["response"]["body"]["error"]["param"] == "prompt"
+        assert "out of range" in r["error"]["message"]
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.pages.num_used_pages == 0
+    # a rerun finds everything done: no engine work, same exit status, file untouched
+    before = out.read_bytes()
+    assert run_main(llm, inp, out) == 1
+    assert out.read_bytes() == before
+    assert "19 of 19 lines already" in capsys.readouterr().err
+    assert by["othermodel"]["response"]["status_code"] == 404
+
+
+def test_bodies_equal_server_protocol_on_llm_generate(llm, tmp_path):
+    """Greedy: each body is what protocol.*_response builds from LLM.generate's outputs."""
+    tok, max_len = llm.engine.tokenizer, llm.engine.max_model_len
+    lines = [x for x in mixed_lines(40, seed=1) if isinstance(x, dict)]
+    lines.append(comp("multi", ["alpha", "beta gamma"], 7))
+    lines.append(comp("stop", "The number 5 is", 30, stop=["e"]))
+    lines.append(comp("named", "The number 5 is", 4, model="gpt-4o-mini"))
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert run_main(llm, inp, out, "--served-model-name", "tiny-chat", "gpt-4o-mini") == 0
+    by = {r["custom_id"]: r for r in read_jsonl(out)}
+    assert len(by) == len(lines)
+    for x in lines:
+        body = by[x["custom_id"]]["response"]["body"]
+        if x["url"] == "/v1/completions":
+            parsed = protocol.parse_completion_request(x["body"], tok, max_len)
+            outs = llm.generate(parsed.prompts, parsed.sampling_params, use_tqdm=False)
+            want = protocol.completion_response(parsed, outs, tok, body["model"], body["id"],
+                                                body["created"])
+        else:
+            parsed = protocol.parse_chat_request(x["body"], tok, max_len)
+            outs = llm.chat(x["body"]["messages"], parsed.sampling_params, use_tqdm=False)
+            assert outs[0].prompt_token_ids == parsed.prompts[0]["prompt_token_ids"]
+            want = protocol.chat_response(parsed, outs, tok, body["model"], body["id"],
+                                          body["created"])
+        assert body == json.loads(json.dumps(want)), x["custom_id"]
+        assert body["model"] == x["body"].get("model", "tiny-chat")
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_bounded_in_flight_and_order(llm, tmp_path, ordered):
+    """Input is streamed: never more than max_in_flight lines read but not written; with
+    --ordered the output is in input order although long lines finish after short ones."""
+    n, bound = 1500, 24
+    lines = [comp(f"r{i}", f"n{i}", 25 if i % 100 == 0 else 1) for i in range(n)]
+    lines[50] = "not json"
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = str(tmp_path / "out.jsonl")
+    pulled = [0]
+
+    def counting(it):
+        for x in it:
+            pulled[0] += 1
+            yield x
+
+    writer = ResultWriter(out)
+    job = BatchJob(llm.engine, writer, served_models=["tiny"], ordered=ordered,
+                   max_in_flight=bound, progress=False)
+    stats = job.run(counting(iter_lines(inp)), {}, n)
+    writer.close()
+    assert pulled[0] == n and stats.lines_read == n
+    assert stats.succeeded == n - 1 and stats.failed == 1
+    assert stats.max_open <= bound and stats.max_unwritten <= bound
+    recs = read_jsonl(out)
+    order = [r["custom_id"] if r["custom_id"] else f"r{r['line'] - 1}" for r in recs]
+    assert sorted(order) == sorted(f"r{i}" for i in range(n))
+    if ordered:
+        assert order == [f"r{i}" for i in range(n)]
+    else:
+        assert order != [f"r{i}" for i in range(n)]  # long lines finished late
+
+
+# ---- crash safety --------------------------------------------------------------------------------
+def test_torn_last_line_repaired_and_corruption_refused(llm, tmp_path, capsys):
+    lines = mixed_lines(30, seed=2)
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    full = tmp_path / "full.jsonl"
+    assert run_main(llm, inp, full) == 1
+    ref = {key(r): comparable(r) for r in read_jsonl(full)}
+    raw = full.read_bytes().splitlines(keepends=True)
+    # a partial last line (a crash mid-write), then zero bytes (a power cut)
+    for tail in [raw[11][:37], raw[11][:-1], b"\0" * 300, raw[11][:20] + b"\0" * 40 + b"\n\n"]:
+        part = tmp_path / "part.jsonl"
+        part.write_bytes(b"".join(raw[:11]) + tail)
+        assert run_main(llm, inp, part) == 1
+        assert "cut a torn last line" in capsys.readouterr().err
+        data = part.read_bytes()
+        assert data.startswith(b"".join(raw[:11]))  # what was written is kept as it was
+        recs = read_jsonl(part)
+        assert sorted(map(str, (key(r) for r in recs))) == sorted(map(str, ref))
+        assert {key(r): comparable(r) for r in recs} == ref
+    # an unreadable line with records after it is not a torn tail: refuse, touch nothing
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"".join(raw[:3]) + b"garbage\n" + b"".join(raw[3:5]))
+    before = bad.read_bytes()
+    assert run_main(llm, inp, bad) == 2
+    assert "line 4 is not a batch output record" in capsys.readouterr().err
+    assert bad.read_bytes() == before
+    # an output some other job holds is refused
+    held = ResultWriter(str(tmp_path / "held.jsonl"))
+    with pytest.raises(BatchFileError, match="locked"):
+        ResultWriter(str(tmp_path / "held.jsonl"))
+    held.close()
+
+
+def test_duplicate_custom_ids_refused_before_starting(tmp_path, capsys):
+    lines = [comp("a", "x", 1), comp("b", "x", 1), comp("a", "y", 1), comp("c", "x", 1),
+             comp("b", "z", 1), comp("a", "w", 1)]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = build_parser().parse_args(["-i", inp, "-o", str(out), "--model", "/nonexistent"])
+    assert run(args) == 2  # refused before any engine is built
+    err = capsys.readouterr().err
+    assert "2 duplicate custom_id(s)" in err
+    assert "'a' on lines 1, 3, 6" in err and "'b' on lines 2, 5" in err
+    assert not out.exists() or out.read_bytes() == b""
+
+
+def _count_lines(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_kill9_at_random_points_then_resume(llm, model_dir, tmp_path, ordered):
+    """`python -m jaxbatch.cli batch` killed with SIGKILL at random points, then run again:
+    every line exactly once, the same results as an uninterrupted run."""
+    lines = mixed_lines(150, seed=3 + ordered)
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    ref_path = tmp_path / "ref.jsonl"
+    assert run_main(llm, inp, ref_path) == 1
+    ref = {key(r): comparable(r) for r in read_jsonl(ref_path)}
+    n_failed = sum(r["error"] is not None for r in ref.values())
+    out = str(tmp_path / "out.jsonl")
+    cmd = [sys.executable, "-m", "jaxbatch.cli", "batch", "-i", inp, "-o", out,
+           "--config", CONFIG, "--model", model_dir, "--no-progress", "--fsync-every", "8",
+           "--max-in-flight", "12", *(["--ordered"] if ordered else [])]
+    rs = random.Random(10 + ordered)
+    kills = 0
+    targets = sorted(rs.sample(range(5, len(lines) - 10), 3))
+    # SIGKILL twice, then SIGTERM: a clean stop (status 130) that is resumable too
+    for target, sig in zip(targets, [signal.SIGKILL, signal.SIGKILL, signal.SIGTERM]):
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        deadline = time.time() + 60
+        while proc.poll() is None and _count_lines(out) < target and time.time() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(sig)
+        _, err = proc.communicate()
+        if sig == signal.SIGKILL:
+            kills += proc.returncode == -signal.SIGKILL
+        else:  # 130; or 1 if it had finished before the signal came
+            assert proc.returncode in (1, 130), err.decode()
+            if proc.returncode == 130:
+                assert b"interrupted; run the same command again" in err
+        recs = read_jsonl(out)
+        assert len({key(r) for r in recs}) == len(recs)  # nothing twice, even mid-job
+        if ordered:  # every run writes in input order, so the output is an input prefix
+            assert [key(r) for r in recs] == input_keys(lines)[: len(recs)]
+    assert kills >= 1
+    done = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          timeout=120, check=False)
+    err = done.stderr.decode()
+    assert done.returncode == 1, err
+    assert f"{len(lines) - n_failed} succeeded, {n_failed} failed of {len(lines)} lines" in err
+    recs = read_jsonl(out)
+    assert len(recs) == len(lines)
+    assert {key(r): comparable(r) for r in recs} == ref
+    if ordered:
+        assert [key(r) for r in recs] == input_keys(lines)

@@ -1,0 +1,92 @@
+"""Random ragged attention batches in the engine's layout, poisoned where nothing may read, and
+a naive float64 oracle (shared by the reference and kernel tests).
+
+`make_batch` poisons everything a correct implementation must not read: unused pages and the
+unused slots of partly filled pages hold NaN, unused page-table columns point at random pages,
+padding query rows are NaN, padding sequences have q_len 0 and kv_len 0.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def make_batch(seed, q_lens, ctx_lens, *, num_q_heads, num_kv_heads, head_dim, page_size,
+               dtype=np.float32, num_tokens=None, num_slots=None, width=None):
+    """Random ragged batch -> (args tuple for the attention functions, host copies as a dict).
+
+    Sequence s has ctx_lens[s] cached tokens and q_lens[s] new ones (kv_len = ctx + q).
+    num_tokens (T), num_slots (S) and width (W) default to the tight sizes; larger ones pad.
+    """
+    rng = np.random.default_rng(seed)
+    n = len(q_lens)
+    kv = [c + q for c, q in zip(ctx_lens, q_lens)]
+    T = num_tokens or sum(q_lens)
+    S = num_slots or n
+    P = page_size
+    W = width or max(1, max(-(-k // P) for k in kv))
+    assert T >= sum(q_lens) and S >= n and W * P >= max(kv)
+    used = sum(-(-k // P) for k in kv)
+    N = used + 3  # page 0 is the engine's dummy page; two spare pages stay unused
+    shape = (N, P, num_kv_heads, head_dim)
+    k_pages = np.full(shape, np.nan, np.float32)
+    v_pages = np.full(shape, np.nan, np.float32)
+    page_indices = rng.integers(0, N, size=(S, W)).astype(np.int32)  # garbage past the history
+    page_indices[n:] = 0
+    free = list(rng.permutation(np.arange(1, N)))
+    for s, k in enumerate(kv):
+        for w in range(-(-k // P)):
+            pg = free.pop()
+            page_indices[s, w] = pg
+            fill = min(P, k - w * P)
+            k_pages[pg, :fill] = rng.standard_normal((fill, num_kv_heads, head_dim))
+            v_pages[pg, :fill] = rng.standard_normal((fill, num_kv_heads, head_dim))
+    q = np.full((T, num_q_heads, head_dim), np.nan, np.float32)
+    q[: sum(q_lens)] = rng.standard_normal((sum(q_lens), num_q_heads, head_dim))
+    cu = np.zeros(S + 1, np.int32)
+    cu[1 : n + 1] = np.cumsum(q_lens)
+    cu[n + 1 :] = cu[n]
+    kv_lens = np.zeros(S, np.int32)
+    kv_lens[:n] = kv
+    host = {"q": q.astype(dtype), "k_pages": k_pages.astype(dtype),
+            "v_pages": v_pages.astype(dtype), "kv_lens": kv_lens, "page_indices": page_indices,
+            "cu_q_lens": cu, "num_seqs": np.array([n], np.int32)}
+    args = tuple(jnp.asarray(host[k]) for k in
+                 ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"))
+    return args, host
+
+
+def naive_attention(host, *, sm_scale, soft_cap=None, sliding_window=None):
+    """Per-sequence dense causal softmax in float64; padding rows are zeros."""
+    q = host["q"].astype(np.float64)
+    kp, vp = host["k_pages"].astype(np.float64), host["v_pages"].astype(np.float64)
+    T, Hq, D = q.shape
+    P, Hkv = kp.shape[1], kp.shape[2]
+    G = Hq // Hkv
+    cu, kv_lens = host["cu_q_lens"], host["kv_lens"]
+    out = np.zeros((T, Hq, D))
+    for s in range(int(host["num_seqs"][0])):
+        a, b, kl = int(cu[s]), int(cu[s + 1]), int(kv_lens[s])
+        if b == a:
+            continue
+        pos = np.arange(kl)
+        pages = host["page_indices"][s, pos // P]
+        k = np.repeat(kp[pages, pos % P], G, axis=1)  # [kl, Hq, D], query head h -> kv head h//G
+        v = np.repeat(vp[pages, pos % P], G, axis=1)
+        qpos = kl - (b - a) + np.arange(b - a)
+        logits = np.einsum("qhd,khd->hqk", q[a:b], k) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        mask = pos[None, :] <= qpos[:, None]
+        if sliding_window is not None:
+            mask &= pos[None, :] > qpos[:, None] - sliding_window
+        logits = np.where(mask[None], logits, -np.inf)
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        out[a:b] = np.einsum("hqk,khd->qhd", w, v)
+    return out

@@ -1,0 +1,169 @@
+"""The package's shape, computed from the source (nothing listed by hand):
+no import cycle anywhere in jaxbatch/ (lazy, function-level imports included), and the host-only
+layers never import jax, directly or through anything they import."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+PKG = pathlib.Path(REPO) / "jaxbatch"
+DEVICE_LIBS = {"jax", "jaxlib", "flax", "orbax"}
+# host-only: every module under these packages, and these modules
+HOST_ONLY_PACKAGES = ("jaxbatch.core", "jaxbatch.planner")
+HOST_ONLY_MODULES = ("jaxbatch.config", "jaxbatch.openai_protocol", "jaxbatch.batch.files",
+                     "jaxbatch.batch.records", "jaxbatch.engine.client")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(name: str, path: pathlib.Path, modules: set[str], eager_only: bool = False
+             ) -> tuple[set[str], set[str]]:
+    """-> (jaxbatch modules imported, top-level third-party names imported), from every import
+    statement in the file except those under `if TYPE_CHECKING:`; with `eager_only`, only those
+    that run when the module is imported (not inside a function)."""
+    tree = ast.parse(path.read_text())
+    deferred = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    skip = {id(n) for t in ast.walk(tree)
+            if _is_type_checking(t) or (eager_only and isinstance(t, deferred))
+            for n in ast.walk(t) if n is not t or _is_type_checking(t)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    internal, external = set(), set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            # `from pkg import mod` imports the module pkg.mod when there is one
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+            targets = subs if len(subs) == len(node.names) else [base, *subs]
+        for t in targets:
+            if t == "jaxbatch" or t.startswith("jaxbatch."):
+                while t not in modules:  # `import jaxbatch.x.y` of a name inside a module
+                    t = t.rpartition(".")[0]
+                internal.add(t)
+            else:
+                external.add(t.split(".")[0])
+    internal.discard(name)
+    return internal, external
+
+
+@pytest.fixture(scope="module")
+def graph():
+    mods = _modules()
+    return {n: _imports(n, p, set(mods)) for n, p in mods.items()}
+
+
+@pytest.fixture(scope="module")
+def eager_graph():
+    """Imports that run at import time (a package's lazy __getattr__ does not)."""
+    mods = _modules()
+    return {n: _imports(n, p, set(mods), eager_only=True) for n, p in mods.items()}
+
+
+def test_graph_is_read_from_the_source(graph):
+    """A guard against a vacuous pass: the parser sees the engine's real imports."""
+    assert "jaxbatch.core.scheduler" in graph["jaxbatch.engine.engine"][0]
+    assert "jax" in graph["jaxbatch.engine.runner"][1]
+    assert len(graph) > 40
+
+
+def test_no_import_cycles(graph):
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v][0]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def _host_only(graph) -> list[str]:
+    return sorted(m for m in graph if m in HOST_ONLY_MODULES
+                  or any(m == p or m.startswith(p + ".") for p in HOST_ONLY_PACKAGES))
+
+
+def test_host_only_layers_never_import_jax(graph, eager_graph):
+    """Everything a host-only module imports, at any depth and inside functions too, is free of
+    jax; importing a module also runs its parent packages' __init__ (their eager imports)."""
+    host = _host_only(graph)
+    assert "jaxbatch.core.scheduler" in host and "jaxbatch.planner.step" in host
+    bad = {}
+    for start in host:
+        todo, seen = [start], set()
+        parents_seen: set[str] = set()
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            todo += graph[m][0]
+            for i in range(1, m.count(".") + 1):
+                parent = ".".join(m.split(".")[:i])
+                if parent not in parents_seen:
+                    parents_seen.add(parent)
+                    todo += eager_graph[parent][0]
+                    if eager_graph[parent][1] & DEVICE_LIBS:
+                        bad.setdefault(start, []).append(f"{parent} imports a device library")
+        hits = sorted(f"{m} imports {lib}" for m in seen for lib in graph[m][1] & DEVICE_LIBS)
+        if hits:
+            bad.setdefault(start, []).extend(hits)
+    assert not bad, bad
+
+
+def test_host_only_layers_import_without_jax_at_run_time(graph):
+    names = ", ".join(_host_only(graph))
+    code = (f"import sys; import {names}; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in {'jax', 'jaxlib', 'flax', "
+            "'orbax'}]; assert not bad, bad[:5]")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

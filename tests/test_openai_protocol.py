@@ -1,0 +1,211 @@
+"""jaxbatch.openai_protocol on its own (host only, a fake tokenizer): request parsing, refusal of
+unsupported parameters by name, length checks, and the response/chunk bodies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxbatch import openai_protocol as P
+from jaxbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxbatch.openai_protocol import ApiError
+
+
+class FakeTokenizer:
+    """One token per character (id = ord(c)); a chat template like ChatML."""
+    chat_template = "chatml"
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=True):
+        assert not tokenize
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in msgs)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+TOK = FakeTokenizer()
+
+
+def comp(body, max_len=64, served=("m",)):
+    return P.parse_completion_request(body, TOK, max_len, list(served))
+
+
+def chat(body, max_len=256, served=("m",)):
+    return P.parse_chat_request(body, TOK, max_len, list(served))
+
+
+def error_of(fn, *args) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        fn(*args)
+    return e.value
+
+
+def test_importing_protocol_pulls_no_server_libraries():
+    code = ("import sys, jaxbatch.openai_protocol; "
+            "bad = [m for m in ('aiohttp', 'prometheus_client') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_completion_prompt_forms():
+    p = comp({"model": "m", "prompt": "ab", "max_tokens": 3, "temperature": 0})
+    assert p.kind == "completion" and p.model == "m" and not p.stream
+    assert p.prompts == [{"prompt_token_ids": [1, 97, 98], "prompt": "ab"}]
+    assert p.sampling_params.max_tokens == 3 and p.sampling_params.greedy
+    assert comp({"prompt": [5, 6]}).prompts == [{"prompt_token_ids": [5, 6], "prompt": None}]
+    many = comp({"prompt": ["a", [7, 8, 9]]}).prompts
+    assert [x["prompt_token_ids"] for x in many] == [[1, 97], [7, 8, 9]]
+    assert comp({"prompt": "a"}).sampling_params.max_tokens == P.COMPLETIONS_DEFAULT_MAX_TOKENS
+    for bad in ([], "", [[]], [1.5], [["a"]], None, 3, [True, 2]):
+        err = error_of(comp, {"prompt": bad} if bad is not None else {})
+        assert err.status == 400 and err.param == "prompt", bad
+
+
+def test_sampling_parameters_mapped():
+    p = comp({"prompt": "a", "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+              "seed": 7, "stop": ["x", "yz"], "stop_token_ids": [3], "ignore_eos": True,
+              "min_tokens": 2, "max_tokens": 9, "logprobs": 3, "user": "u"})
+    sp = p.sampling_params
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.seed) == (0.5, 0.9, 5, 0.1, 7)
+    assert sp.stop == ("x", "yz") and sp.stop_token_ids == (3,) and sp.ignore_eos
+    assert (sp.min_tokens, sp.max_tokens, sp.logprobs, p.top_logprobs) == (2, 9, 3, 3)
+    assert comp({"prompt": "a", "stop": "q"}).sampling_params.stop == ("q",)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("best_of", 2), ("echo", True),
+    ("suffix", "x"), ("logit_bias", {"5": 1}), ("n", 2), ("tools", [{"type": "function"}]),
+    ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2),
+    ("no_such_parameter", 1), ("best_of", True),
+])
+def test_unsupported_parameters_are_refused_by_name(key, value):
+    for parse, body in ((comp, {"prompt": "a"}),
+                        (chat, {"messages": [{"role": "user", "content": "a"}]})):
+        err = error_of(parse, {**body, key: value})
+        assert err.status == 400 and err.param == key and key in err.message
+
+
+def test_neutral_values_are_accepted():
+    comp({"prompt": "a", "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1,
+          "echo": False, "suffix": None, "logit_bias": {}, "n": 1, "user": "x"})
+    chat({"messages": [{"role": "user", "content": "a"}], "tools": [], "tool_choice": "none",
+          "response_format": {"type": "text"}, "presence_penalty": 0})
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temperature": -1}, "temperature"), ({"temperature": 3}, "temperature"),
+    ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.5},
+                                                                 "max_tokens"),
+    ({"seed": -1}, "seed"), ({"stop": [1]}, "stop"), ({"stop": ""}, "stop"),
+    ({"logprobs": 21}, "logprobs"), ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"), ({"stream": "yes"}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": 5}, "model"), ({"ignore_eos": 1}, "ignore_eos"),
+])
+def test_bad_values_are_400_naming_the_parameter(body, param):
+    err = error_of(comp, {"prompt": "a", **body})
+    assert err.status == 400 and err.param == param, err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_and_body_must_be_an_object():
+    err = error_of(comp, {"prompt": "a", "model": "other"})
+    assert err.status == 404 and err.code == "model_not_found"
+    assert P.parse_completion_request({"prompt": "a", "model": "any"}, TOK, 64).model == "any"
+    for body in ([], "x", None):
+        assert error_of(comp, body).status == 400
+
+
+def test_context_length():
+    comp({"prompt": "x" * 10, "max_tokens": 53}, max_len=64)  # 1 + 10 + 53 = 64 fits
+    err = error_of(comp, {"prompt": "x" * 10, "max_tokens": 54}, 64)
+    assert err.status == 400 and err.code == "context_length_exceeded" and "64" in err.message
+    err = error_of(chat, {"messages": [{"role": "user", "content": "x" * 300}]}, 256)
+    assert err.code == "context_length_exceeded" and err.param == "messages"
+    # chat without max_tokens: the room left (None -> the engine fills it in)
+    assert chat({"messages": [{"role": "user", "content": "x"}]}).sampling_params.max_tokens \
+        is None
+
+
+def test_chat_messages_and_logprobs():
+    p = chat({"model": "m", "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                    "text": "b"}]},
+        {"role": "assistant", "content": "c", "name": "bot"}, {"role": "user", "content": "d"}],
+        "max_completion_tokens": 4, "max_tokens": 99, "logprobs": True, "top_logprobs": 2,
+        "stream": True, "stream_options": {"include_usage": True}})
+    text = "<system>be brief\n<user>a\nb\n<assistant>c\n<user>d\n<assistant>"
+    assert p.prompts == [{"prompt_token_ids": [ord(c) for c in text], "prompt": text}]
+    assert p.sampling_params.max_tokens == 4 and p.top_logprobs == 2
+    assert p.sampling_params.logprobs == 2 and p.stream and p.include_usage
+    assert chat({"messages": [{"role": "user", "content": "a"}], "logprobs": True}
+                ).top_logprobs == 0
+    assert chat({"messages": [{"role": "user", "content": "a"}]}).top_logprobs is None
+    bad = [{"messages": []}, {"messages": "hi"}, {"messages": [{"role": "tool", "content": "x"}]},
+           {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+           {"messages": [{"role": "user"}]},
+           {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+           {"messages": [{"role": "user", "content": "a"}], "logprobs": 2}]
+    for body in bad:
+        assert error_of(chat, body).status == 400, body
+
+
+def _output(rid: str, prompt_ids, ids, text, delta_ids, delta_text, finished, reason=None,
+            logprobs=None) -> RequestOutput:
+    c = CompletionOutput(0, text, ids, reason if finished else None, None, logprobs)
+    return RequestOutput(rid, None, prompt_ids, [c], finished, RequestMetrics(0.0, None, None),
+                         delta_text=delta_text, delta_token_ids=delta_ids)
+
+
+def test_completion_response_and_chunks():
+    p = comp({"prompt": ["ab", "c"], "logprobs": 1})
+    lp = [{104: Logprob(-0.1, 1)}, {105: Logprob(-0.5, 2), 106: Logprob(-0.2, 1)}]
+    outs = [_output("r-0", [1, 97, 98], [104, 105], "hi", [105], "i", True, "length", lp),
+            _output("r-1", [1, 99], [106], "j", [106], "j", True, "stop",
+                    [{106: Logprob(-0.3, 1)}])]
+    body = P.completion_response(p, outs, TOK, "m", "cmpl-1", created=5)
+    assert body["object"] == "text_completion" and body["id"] == "cmpl-1"
+    assert [c["text"] for c in body["choices"]] == ["hi", "j"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    lp0 = body["choices"][0]["logprobs"]
+    assert lp0["tokens"] == ["h", "i"] and lp0["token_logprobs"] == [-0.1, -0.5]
+    assert lp0["text_offset"] == [0, 1] and lp0["top_logprobs"][1] == {"i": -0.5, "j": -0.2}
+    assert P.response_body(p, outs, TOK, "m")["object"] == "text_completion"
+    chunk = P.completion_chunk(p, "cmpl-1", 5, "m", 0, outs[0], TOK, text_offset=1)
+    assert chunk["choices"][0]["text"] == "i" and chunk["choices"][0]["finish_reason"] == "length"
+    assert chunk["choices"][0]["logprobs"]["tokens"] == ["i"]
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [1]
+    u = P.usage_chunk(p, "cmpl-1", 5, "m", outs)
+    assert u["choices"] == [] and u["usage"]["total_tokens"] == 8
+
+
+def test_chat_response_and_chunks():
+    p = chat({"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+              "top_logprobs": 1})
+    lp = [{104: Logprob(-0.1, 1), 120: Logprob(-3.0, 2)}]
+    out = _output("r-0", [1, 2], [104], "h", [104], "h", True, "stop", lp)
+    body = P.chat_response(p, [out], TOK, "m")
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    ch = body["choices"][0]
+    assert ch["message"] == {"role": "assistant", "content": "h"}
+    assert ch["logprobs"]["content"] == [{"token": "h", "logprob": -0.1, "bytes": [104],
+                                          "top_logprobs": [{"token": "h", "logprob": -0.1,
+                                                            "bytes": [104]}]}]
+    first = P.chat_chunk(p, "c", 1, "m", 0, None, TOK, first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = P.chat_chunk(p, "c", 1, "m", 0, out, TOK)
+    assert last["object"] == "chat.completion.chunk"
+    assert last["choices"][0]["delta"] == {"content": "h"}
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert P.models_response(["m"], 64)["data"][0]["id"] == "m"
+    assert ApiError(429, "full", "rate_limit_error").body() == {
+        "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": None}}
