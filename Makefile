@@ -1,6 +1,7 @@
 # Two set-up commands for a fresh machine with Python >= 3.11 and make:
 #   make serve   -> .venv, install, fetch the default model, start the server on 127.0.0.1:8000
 #   make test    -> .venv with the test extra, run the whole suite
+#   make lint    -> ruff and mypy (pyproject's [tool.ruff] and [tool.mypy]); CI runs it first
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -25,6 +26,7 @@ test: install-test
 
 lint: install-test
 	$(BIN)/ruff check jaxbatch pallas_kernels tests scripts
+	$(BIN)/mypy
 
 bench: install-test
 	$(BIN)/python scripts/bench_throughput.py

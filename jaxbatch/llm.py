@@ -53,8 +53,9 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
+        convs: list[list[dict]] = [messages] if messages and isinstance(messages[0], dict) \
+            else messages  # type: ignore[assignment,list-item]
+        prompts: list[Prompt] = []
         for c in convs:
             text, ids = render_chat(self.engine.tokenizer, c, add_generation_prompt)
             prompts.append({"prompt_token_ids": ids, "prompt": text})

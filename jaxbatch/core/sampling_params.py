@@ -56,5 +56,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
 
     @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """`stop` as normalised on construction (a str or list given is a tuple here)."""
+        return tuple(self.stop or ())
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.stop_token_ids or ())
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -105,7 +105,7 @@ class Scheduler:
             self._prefill_streak = self._prefill_streak + 1 if decodes and not any(
                 not s.is_prefill for s in batch.seqs) else 0
         else:  # decode_first
-            starved = self.waiting and self._prefill_streak >= cfg.max_consecutive_prefill_steps
+            starved = bool(self.waiting) and self._prefill_streak >= cfg.max_consecutive_prefill_steps
             if decodes and not starved:
                 batch = self._fill(decodes, admit=False)
             else:

@@ -25,7 +25,7 @@ _planned_depth = 0
 _installed = False
 
 
-def _listener(event: str, duration: float, **kwargs) -> None:
+def _listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
     global _total, _planned_total
     if event in _EVENTS:
         with _lock:

@@ -78,6 +78,7 @@ class Engine:
                                tokenizer=config.model.tokenizer)
         config = dataclasses.replace(
             config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
+        assert config.model.max_model_len is not None
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                         attention_fn(config.runner.attention_backend))
         scheduler = Scheduler(config.scheduler, PageAllocator(runner.num_pages,
@@ -140,7 +141,7 @@ class Engine:
         self.scheduler.add_request(req)  # may raise (KV capacity): nothing registered yet
         self.requests[request_id] = req
         self._detok[request_id] = None if self.tokenizer is None else IncrementalDetokenizer(
-            self.tokenizer, ids, sp.skip_special_tokens, tuple(sp.stop),
+            self.tokenizer, ids, sp.skip_special_tokens, sp.stop_strings,
             sp.include_stop_str_in_output)
         return req
 
@@ -211,7 +212,7 @@ class Engine:
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and tok in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if tok in sp.stop_token_ids:
+            if tok in sp.stop_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
         if n_out >= (sp.max_tokens or 0) or req.num_tokens >= self.max_model_len:

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxbatch.core.sampling_params import MAX_LOGPROBS
 
@@ -19,14 +20,14 @@ from jaxbatch.core.sampling_params import MAX_LOGPROBS
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingInputs:
-    temperature: jax.Array  # f32[S]; 0 = greedy
-    top_k: jax.Array  # i32[S]; 0 = off
-    top_p: jax.Array  # f32[S]; 1 = off
-    min_p: jax.Array  # f32[S]; 0 = off
-    seeds: jax.Array  # u32[S]
-    counters: jax.Array  # i32[S] output index of the token being drawn
-    banned: jax.Array  # i32[S, B] ids masked (min_tokens not reached); -1 = none
-    want_logprobs: jax.Array  # bool[S]
+    temperature: jax.Array | np.ndarray  # f32[S]; 0 = greedy
+    top_k: jax.Array | np.ndarray  # i32[S]; 0 = off
+    top_p: jax.Array | np.ndarray  # f32[S]; 1 = off
+    min_p: jax.Array | np.ndarray  # f32[S]; 0 = off
+    seeds: jax.Array | np.ndarray  # u32[S]
+    counters: jax.Array | np.ndarray  # i32[S] output index of the token being drawn
+    banned: jax.Array | np.ndarray  # i32[S, B] ids masked (min_tokens not reached); -1 = none
+    want_logprobs: jax.Array | np.ndarray  # bool[S]
 
 
 @jax.tree_util.register_dataclass

@@ -90,7 +90,7 @@ def build_step_inputs(
         seeds[i] = request_seed(req)
         counters[i] = len(req.output_token_ids)
         if len(req.output_token_ids) < sp.min_tokens:
-            ban = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else eos_token_ids)
+            ban = sp.stop_ids + (() if sp.ignore_eos else eos_token_ids)
             ban = ban[:MAX_BANNED_IDS]
             banned[i, : len(ban)] = ban
         want_logprobs[i] = sp.logprobs is not None

@@ -28,11 +28,11 @@ AttentionFn = Callable[..., jax.Array]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AttentionInputs:
-    slot_mapping: jax.Array  # i32[T]   flat KV slot (page * page_size + offset) of each token
-    kv_lens: jax.Array  # i32[S]        history length of each sequence, new tokens included
-    page_indices: jax.Array  # i32[S, W] pages of each sequence
-    cu_q_lens: jax.Array  # i32[S+1]     prefix sums of new tokens per sequence
-    num_seqs: jax.Array  # i32[1]        real sequences (the rest are padding)
+    slot_mapping: jax.Array | np.ndarray  # i32[T]   flat KV slot (page * page_size + offset) of each token
+    kv_lens: jax.Array | np.ndarray  # i32[S]        history length of each sequence, new tokens included
+    page_indices: jax.Array | np.ndarray  # i32[S, W] pages of each sequence
+    cu_q_lens: jax.Array | np.ndarray  # i32[S+1]     prefix sums of new tokens per sequence
+    num_seqs: jax.Array | np.ndarray  # i32[1]        real sequences (the rest are padding)
 
 
 def init_kv_cache(arch: ModelArch, num_pages: int, page_size: int, dtype) -> dict[str, jax.Array]:
