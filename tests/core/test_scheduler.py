@@ -1,4 +1,4 @@
-"""Scheduler + block manager driven by fake model outputs (host only, no jax)."""
+"""Scheduler + page allocator driven by fake model outputs (host only, no jax)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def run_fake(sched: Scheduler, arrivals: list[tuple[int, Request]], max_steps: i
              abort_at: dict[int, str] | None = None):
     """Drive the scheduler; the 'model' emits token 7 for every sampling row."""
     cfg = sched.config
-    bm = sched.pages
+    pages = sched.pages
     pending = sorted(arrivals, key=lambda x: x[0])
     finished: list[Request] = []
     step = 0
@@ -36,17 +36,17 @@ def run_fake(sched: Scheduler, arrivals: list[tuple[int, Request]], max_steps: i
         assert len(batch.seqs) <= cfg.max_num_seqs
         max_seen = max(max_seen, batch.num_tokens)
         for s in batch.seqs:  # every scheduled token has a page to go to
-            assert len(s.request.page_table) * bm.page_size >= s.start + s.num_new_tokens
+            assert len(s.request.page_table) * pages.page_size >= s.start + s.num_new_tokens
             assert s.num_new_tokens >= 1
         sampled = {s.request.request_id: 7 for s in batch.seqs if s.samples}
         for req, _ in sched.update(batch, sampled):
             if len(req.output_token_ids) >= req.sampling_params.max_tokens:
                 sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
                 finished.append(req)
-        bm.check()
+        pages.check()
         step += 1
         assert step < max_steps, "scheduler made no progress"
-    assert bm.num_used_pages == 0, "pages leaked"
+    assert pages.num_used_pages == 0, "pages leaked"
     return finished, step
 
 
@@ -88,8 +88,8 @@ def test_chunked_prefill_respects_budget_and_cap():
 
 
 def test_preemption_returns_to_front_and_frees_pages():
-    bm = PageAllocator(1 + 4, 4)  # 4 usable pages of 4 tokens
-    sched = Scheduler(SchedulerConfig(64, 4, "mixed"), bm)
+    pages = PageAllocator(1 + 4, 4)  # 4 usable pages of 4 tokens
+    sched = Scheduler(SchedulerConfig(64, 4, "mixed"), pages)
     a = Request("a", [1] * 7, SamplingParams(max_tokens=8))
     b = Request("b", [1] * 7, SamplingParams(max_tokens=8))
     sched.add_request(a)
@@ -132,14 +132,3 @@ def test_kv_capacity_error_is_clear():
     with pytest.raises(ValueError, match="KV pages"):
         sched.add_request(Request("x", [1] * 20, SamplingParams(max_tokens=5)))
     assert not sched.has_unfinished()
-
-
-def test_page_allocator_refcounts():
-    bm = PageAllocator(10, 4)
-    t: list[int] = []
-    assert bm.allocate(t, 9) and len(t) == 3
-    assert not bm.allocate([], 4 * 7)  # only 6 left
-    assert bm.num_used_pages == 3
-    bm.free(t)
-    assert t == [] and bm.num_used_pages == 0
-    bm.check()
