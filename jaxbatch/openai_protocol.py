@@ -5,7 +5,8 @@ parse_completion_request / parse_chat_request: a JSON body -> ParsedRequest (eng
 one SamplingParams), or ApiError with OpenAI's error shape. Parameters the engine cannot honour
 are refused by name, never silently ignored; a neutral value (presence_penalty=0, echo=false ...)
 is accepted. completion_response / chat_response build the non-streaming body from finished
-RequestOutputs (one per prompt); the *_chunk functions build streaming chunks.
+RequestOutputs (one per prompt); the *_chunk functions build streaming chunks. Text and chats
+become token ids through jaxbatch.core.prompts (encode_text, render_chat), as everywhere else.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbatch.core.outputs import RequestOutput
-from jaxbatch.core.prompts import render_chat
+from jaxbatch.core.prompts import encode_text, render_chat
 from jaxbatch.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat defaults to the room left
@@ -226,14 +227,14 @@ def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
     else:
         raise bad_request("'prompt' must be a string, a list of strings, a list of token ids "
                           "or a list of token-id lists, and not empty", "prompt")
-    prompts = []
+    prompts: list[dict[str, Any]] = []
     for item in items:
         if isinstance(item, str):
             if not item:
                 raise bad_request("the prompt is empty", "prompt")
             if tokenizer is None:
                 raise bad_request("text prompts need a tokenizer; send token ids", "prompt")
-            ids = list(tokenizer(item, add_special_tokens=True)["input_ids"])
+            ids = encode_text(tokenizer, item)
             prompts.append({"prompt_token_ids": ids, "prompt": item})
         else:
             prompts.append({"prompt_token_ids": list(_int_list(item, "prompt")), "prompt": None})

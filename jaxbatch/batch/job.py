@@ -1,5 +1,8 @@
-"""The batch loop: stream input lines into ONE Engine under a bound on lines in flight, step it,
+"""The batch loop: stream input lines into ONE engine under a bound on lines in flight, step it,
 write each result as it finishes (or in input order), show progress.
+
+A line's prompts enter the engine together through `add_requests`, all or none: a refused prompt
+fails its line whole and leaves nothing in the engine.
 
 Memory stays bounded by `max_in_flight`: a line is read only when fewer than that many engine
 requests are open (with --ordered, finished results waiting for an earlier line count too), and
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from typing import Any
 
 from jaxbatch.batch.files import Key, ResultWriter
@@ -24,7 +27,9 @@ from jaxbatch.batch.records import (
     read_item,
     success,
 )
+from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.core.request import NewRequest
+from jaxbatch.engine.client import EngineClient
 from jaxbatch.openai_protocol import ApiError, bad_request, new_id
 
 
@@ -41,9 +46,9 @@ class JobStats:
 
 
 class BatchJob:
-    def __init__(self, engine: Any, writer: ResultWriter, *, served_models: Sequence[str],
-                 ordered: bool = False,
-                 max_in_flight: int = 256, progress: bool = True) -> None:
+    def __init__(self, engine: EngineClient, writer: ResultWriter, *,
+                 served_models: Sequence[str], ordered: bool = False, max_in_flight: int = 256,
+                 progress: bool = True) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.engine = engine
@@ -58,13 +63,13 @@ class BatchJob:
         self._next_seq = 0  # --ordered: the next seq to write
         self._seq = 0
         self._unwritten = 0
-        self._bar: Any = None
+        self._bar: Any = None  # a tqdm bar while running
 
     # ---- admission ---------------------------------------------------------------------------
     def _open(self) -> int:
         return len(self._by_rid) + len(self._buffer)
 
-    def _admit(self, lines: Iterator[tuple[int, bytes]], done: set[Key] | dict) -> bool:
+    def _admit(self, lines: Iterator[tuple[int, bytes]], done: Container[Key]) -> bool:
         """Read lines until the bound is reached; False once the input is exhausted."""
         while self._open() < self.max_in_flight:
             nxt = next(lines, None)
@@ -79,7 +84,7 @@ class BatchJob:
             if item.record is None:
                 self._start(item, obj)
             if item.record is not None:
-                self._finish(item)
+                self._finish(item.seq, item.record)
             self._note_open()
         return True
 
@@ -92,12 +97,12 @@ class BatchJob:
             return
         item.response_id = new_id("chat" if url.endswith("/chat/completions") else "completion")
         try:
-            item.parsed = parse_body(url, body, eng.tokenizer, eng.max_model_len,
-                                     self.served_models)
-            rids = [f"{item.response_id}-{j}" for j in range(len(item.parsed.prompts))]
-            sp = item.parsed.sampling_params
-            eng.add_requests([NewRequest(rid, p, sp) for rid, p in zip(rids, item.parsed.prompts)])
-            item.request_ids = rids  # a bad prompt fails the line whole: none of it was added
+            parsed = item.parsed = parse_body(url, body, eng.tokenizer, eng.max_model_len,
+                                              self.served_models)
+            rids = [f"{item.response_id}-{j}" for j in range(len(parsed.prompts))]
+            sp = parsed.sampling_params
+            eng.add_requests([NewRequest(rid, p, sp) for rid, p in zip(rids, parsed.prompts)])
+            item.request_ids = rids  # added, all of them (a refused prompt adds none)
             for rid in rids:
                 self._by_rid[rid] = item
         except Exception as e:  # noqa: BLE001 - the line fails, the job goes on (as the server)
@@ -111,7 +116,7 @@ class BatchJob:
             item.record = api_error(item, err)
 
     # ---- results -----------------------------------------------------------------------------
-    def _on_output(self, out: Any) -> None:
+    def _on_output(self, out: RequestOutput) -> None:
         self.stats.completion_tokens += len(out.delta_token_ids)
         if not out.finished:
             return
@@ -121,18 +126,17 @@ class BatchJob:
         item.outputs[out.request_id] = out
         self.stats.prompt_tokens += len(out.prompt_token_ids)
         if len(item.outputs) == len(item.request_ids):
-            model = item.parsed.model or self.served_models[0]  # as the server answers
-            item.record = success(item, self.engine.tokenizer, model)
-            self._finish(item)
+            item.record = success(item, self.engine.tokenizer, self.served_models[0])
+            self._finish(item.seq, item.record)
 
-    def _finish(self, item: Item) -> None:
-        ok = item.record.get("error") is None
+    def _finish(self, seq: int, record: dict) -> None:
+        ok = record.get("error") is None
         self.stats.succeeded += ok
         self.stats.failed += not ok
         if not self.ordered:
-            self._write(item.record)
+            self._write(record)
             return
-        self._buffer[item.seq] = item.record
+        self._buffer[seq] = record
         while self._next_seq in self._buffer:
             self._write(self._buffer.pop(self._next_seq))
             self._next_seq += 1
@@ -148,7 +152,7 @@ class BatchJob:
         self.stats.max_unwritten = max(self.stats.max_unwritten, self._unwritten)
 
     # ---- the loop ----------------------------------------------------------------------------
-    def run(self, lines: Iterator[tuple[int, bytes]], done: set[Key] | dict,
+    def run(self, lines: Iterator[tuple[int, bytes]], done: Container[Key],
             total: int | None = None) -> JobStats:
         """Run every line of `lines` whose key is not in `done`; `total`: lines to do (bar)."""
         from tqdm import tqdm

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbatch.batch.files import Key, custom_id_of
+from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -50,7 +51,7 @@ class Item:
     response_id: str = ""
     parsed: ParsedRequest | None = None
     request_ids: list[str] = dataclasses.field(default_factory=list)
-    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    outputs: dict[str, RequestOutput] = dataclasses.field(default_factory=dict)
     record: dict | None = None
 
 
@@ -103,9 +104,14 @@ def _record_id() -> str:
     return "batch_req_" + uuid.uuid4().hex
 
 
-def success(item: Item, tokenizer: Any, model: str) -> dict:
+def success(item: Item, tokenizer: Any, default_model: str) -> dict:
+    """The 200 record of a line whose engine requests all finished; the body names the model the
+    request named, else `default_model` (as the server answers)."""
+    parsed = item.parsed
+    assert parsed is not None, "only a parsed line has engine requests"
     outs = [item.outputs[rid] for rid in item.request_ids]
-    body = response_body(item.parsed, outs, tokenizer, model, item.response_id)
+    body = response_body(parsed, outs, tokenizer, parsed.model or default_model,
+                         item.response_id)
     return {"id": _record_id(), "custom_id": item.custom_id,
             "response": {"status_code": 200, "request_id": item.response_id, "body": body},
             "error": None}

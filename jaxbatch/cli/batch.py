@@ -2,10 +2,10 @@
 
 Every line goes through one Engine (continuous batching), each result is appended to the output
 as it finishes, and running the same command again after a crash completes what is missing.
-See docs/batch.md. Exit status: 0 every line succeeded, 1 the job finished but some lines
-failed (their error lines are in the output), 2 refused to start (bad arguments, duplicate
-custom_ids, a corrupt or locked output file), 3 stopped by an unexpected error, 130 interrupted
-(SIGINT/SIGTERM); after 3 or 130 the same command resumes.
+The README's "Offline batch jobs" section shows the format. Exit status: 0 every line succeeded,
+1 the job finished but some lines failed (their error lines are in the output), 2 refused to
+start (bad arguments, duplicate custom_ids, a corrupt or locked output file), 3 stopped by an
+unexpected error, 130 interrupted (SIGINT/SIGTERM); after 3 or 130 the same command resumes.
 """
 
 from __future__ import annotations
@@ -14,9 +14,17 @@ import argparse
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Container, Iterator
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
+from jaxbatch.config import EngineConfig
+from jaxbatch.engine.client import EngineClient
+
+if TYPE_CHECKING:
+    from jaxbatch.batch.files import Key, ResultWriter
+    from jaxbatch.batch.job import JobStats
 
 EXIT_OK, EXIT_FAILED_LINES, EXIT_REFUSED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -53,7 +61,7 @@ class _Terminated(BaseException):  # like KeyboardInterrupt: no `except Exceptio
     pass
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise _Terminated()
 
 
@@ -61,7 +69,7 @@ def main(argv: list[str]) -> int:
     return run(build_parser().parse_args(argv))
 
 
-def run(args: argparse.Namespace, engine: Any = None) -> int:
+def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
     """The job for parsed arguments; `engine`: an already built Engine to use (tests), else one
     is built from the engine arguments once there is work to do."""
     from jaxbatch.batch.files import BatchFileError, ResultWriter, iter_lines, scan_input
@@ -126,8 +134,9 @@ def run(args: argparse.Namespace, engine: Any = None) -> int:
     return EXIT_OK if failed == 0 else EXIT_FAILED_LINES
 
 
-def _run(args: argparse.Namespace, config: Any, engine: Any, writer: Any, lines: Any, done: Any,
-         todo: int) -> Any:
+def _run(args: argparse.Namespace, config: EngineConfig, engine: EngineClient | None,
+         writer: ResultWriter, lines: Iterator[tuple[int, bytes]], done: Container[Key],
+         todo: int) -> JobStats:
     from jaxbatch.batch.job import BatchJob
 
     if engine is None:

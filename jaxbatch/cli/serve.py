@@ -13,6 +13,7 @@ import signal
 import sys
 
 from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
+from jaxbatch.engine.client import EngineClient
 
 log = logging.getLogger("jaxbatch.server")
 
@@ -35,10 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _serve(args: argparse.Namespace, engine: object) -> None:
+async def _serve(args: argparse.Namespace, engine: EngineClient) -> None:
     from jaxbatch.server.app import Server
 
-    names = args.served_model_name or [engine.config.model.model]  # type: ignore[attr-defined]
+    names = args.served_model_name or [engine.config.model.model]
     server = await Server.start(engine, args.host, args.port, names, args.api_key,
                                 args.max_waiting_requests)
     stop = asyncio.Event()

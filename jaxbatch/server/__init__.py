@@ -1,3 +1,4 @@
-"""OpenAI-compatible serving: protocol (aiohttp-free request parsing and response bodies, shared
-with the batch job), AsyncEngine (Engine.step() in one background thread), app (aiohttp routes),
-metrics (Prometheus) and cli (`jaxbatch serve`)."""
+"""OpenAI-compatible serving over one engine: AsyncEngine (the engine's step() in one background
+thread, typed commands in, outputs out to asyncio), app (aiohttp routes and Server) and metrics
+(Prometheus). Request parsing and response bodies are jaxbatch/openai_protocol.py (shared with
+the batch jobs); the command line is jaxbatch/cli/serve.py (`jaxbatch serve`)."""

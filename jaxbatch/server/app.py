@@ -1,9 +1,9 @@
 """aiohttp routes of the OpenAI-compatible server, over an AsyncEngine.
 
 POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models, GET /health,
-GET /metrics. Parsing and bodies come from `protocol`; errors are OpenAI's shape everywhere.
-A client that goes away cancels its handler (handler_cancellation=True), whose `finally` aborts
-its engine requests, so their KV pages are freed at the next step.
+GET /metrics. Parsing and bodies come from `jaxbatch.openai_protocol`; errors are OpenAI's
+shape everywhere. A client that goes away cancels its handler (handler_cancellation=True), whose
+`finally` aborts its engine requests, so their KV pages are freed at the next step.
 """
 
 from __future__ import annotations
@@ -17,10 +17,17 @@ import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from jaxbatch import openai_protocol as protocol
+from jaxbatch.engine.client import EngineClient
 from jaxbatch.openai_protocol import ApiError
-from jaxbatch.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from jaxbatch.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
 from jaxbatch.server.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("jaxbatch.server")
@@ -28,19 +35,15 @@ log = logging.getLogger("jaxbatch.server")
 
 @dataclasses.dataclass
 class ServerState:
+    """What the handlers share: the engine (only through AsyncEngine) and what parsing and
+    response bodies need to know of the model."""
     engine: AsyncEngine
     served_names: list[str]
     metrics: ServerMetrics
+    tokenizer: Any  # a transformers tokenizer, or None (token-id prompts only)
+    max_model_len: int
     api_key: str | None = None
     draining: bool = False
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
 
 
 STATE = web.AppKey("state", ServerState)
@@ -51,7 +54,7 @@ def _error_response(err: ApiError) -> web.Response:
 
 
 @web.middleware
-async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     st = request.app[STATE]
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "other"
@@ -143,8 +146,8 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _stream(request: web.Request, parsed: protocol.ParsedRequest, stream: Any,
-                  response_id: str, model: str) -> web.StreamResponse:
+async def _stream(request: web.Request, parsed: protocol.ParsedRequest,
+                  stream: RequestStream, response_id: str, model: str) -> web.StreamResponse:
     st = request.app[STATE]
     tok = st.tokenizer
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -174,7 +177,7 @@ async def _stream(request: web.Request, parsed: protocol.ParsedRequest, stream: 
             await resp.write(_sse({**chunk, **usage_null}))
         if parsed.include_usage:
             await resp.write(_sse(protocol.usage_chunk(parsed, response_id, created, model,
-                                                       stream.final)))
+                                                       await stream.results())))
     except EngineDeadError as e:
         await resp.write(_sse(ApiError(503, str(e), "server_error").body()))
     await resp.write(b"data: [DONE]\n\n")
@@ -200,10 +203,9 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=st.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-def create_app(engine: AsyncEngine, served_names: list[str], metrics_: ServerMetrics,
-               api_key: str | None = None) -> web.Application:
+def create_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_middleware], client_max_size=64 * 1024 * 1024)
-    app[STATE] = ServerState(engine, served_names, metrics_, api_key)
+    app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -223,16 +225,17 @@ class Server:
         self.port = port
 
     @classmethod
-    async def start(cls, engine: Any, host: str = "127.0.0.1", port: int = 8000,
+    async def start(cls, engine: EngineClient, host: str = "127.0.0.1", port: int = 8000,
                     served_names: list[str] | None = None, api_key: str | None = None,
                     max_waiting_requests: int | None = None) -> Server:
         names = served_names or [engine.config.model.model]
         m = ServerMetrics(names[0])
         aeng = AsyncEngine(engine, max_waiting_requests, on_step=m.observe_step,
                            on_output=m.observe_output)
-        m.observe_step(engine, [], 0.0)  # gauges from the idle engine before the first step
+        m.observe_step(engine.stats(), [], 0.0)  # gauges from the idle engine, before any step
         aeng.start()
-        app = create_app(aeng, names, m, api_key)
+        app = create_app(ServerState(aeng, names, m, engine.tokenizer, engine.max_model_len,
+                                     api_key))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=5.0)
         await runner.setup()

@@ -1,25 +1,28 @@
-"""AsyncEngine: the synchronous Engine driven by one background thread, for asyncio callers.
+"""AsyncEngine: the synchronous engine driven by one background thread, for asyncio callers.
 
-The engine is touched by that thread only. Callers hand it commands (add, abort, stop) through a
-thread-safe queue; the thread applies them between steps, steps while there is work and sleeps on
-the queue when there is none. After each step the outputs go back to the event loop in one
-`call_soon_threadsafe` and are sorted into per-request asyncio queues (one RequestStream per
-HTTP request, which may hold several engine requests: one per prompt).
+The engine is touched by that thread only. Callers hand it commands (`AddRequests`,
+`AbortRequests`, `Stop`) through a thread-safe queue; the thread applies them between steps,
+steps while there is work and sleeps on the queue when there is none. After each step the outputs
+go back to the event loop in one `call_soon_threadsafe` and are sorted into per-request asyncio
+queues (one RequestStream per HTTP request, which may hold several engine requests: one per
+prompt).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.core.prompts import Prompt
 from jaxbatch.core.request import NewRequest
 from jaxbatch.core.sampling_params import SamplingParams
+from jaxbatch.engine.client import EngineClient, EngineStats
 
 log = logging.getLogger("jaxbatch.server")
 
@@ -30,6 +33,30 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     pass
+
+
+# ---- commands: event loop -> engine thread ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class AddRequests:
+    """One engine request per prompt, all or none; `accepted` resolves on the event loop (None,
+    or the engine's ValueError)."""
+    ids: tuple[str, ...]
+    prompts: tuple[Prompt, ...]
+    params: SamplingParams
+    accepted: asyncio.Future[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortRequests:
+    ids: tuple[str, ...]  # unknown or finished ids are ignored
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    abort: bool  # True: abort what runs now; False: stop once it has finished
+
+
+Command = AddRequests | AbortRequests | Stop
 
 
 class RequestStream:
@@ -80,17 +107,17 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, max_waiting_requests: int | None = None,
-                 on_step: Callable[[Any, list[RequestOutput], float], None] | None = None,
+    def __init__(self, engine: EngineClient, max_waiting_requests: int | None = None,
+                 on_step: Callable[[EngineStats, list[RequestOutput], float], None] | None = None,
                  on_output: Callable[[RequestStream, int, RequestOutput], None] | None = None
                  ) -> None:
-        """on_step(engine, outputs, seconds) runs on the engine thread after each step (metrics);
+        """on_step(stats, outputs, seconds) runs on the engine thread after each step (metrics);
         on_output(stream, index, output) on the event loop for each delivered output."""
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
         self.on_output = on_output
-        self._cmds: queue.Queue[tuple] = queue.Queue()
+        self._cmds: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # engine request id -> stream (loop side)
         self._submitted = 0  # adds handed to the thread, not yet applied (loop side)
         self.num_waiting = 0  # the engine's waiting queue after the last step (thread writes)
@@ -99,6 +126,7 @@ class AsyncEngine:
         self.stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._live: set[str] = set()  # thread side: ids in the engine, not finished
         self._draining = False  # thread side: stop once nothing is left
 
     # ---- event-loop side ---------------------------------------------------------------------
@@ -116,41 +144,48 @@ class AsyncEngine:
         """Engine requests handed out and not finished (as seen from the event loop)."""
         return len(self._streams)
 
-    async def add(self, request_id: str, prompts: list[Any], params: SamplingParams
+    async def add(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams
                   ) -> RequestStream:
-        """Submit one engine request per prompt (ids request_id-0, -1, ...). Raises ValueError
-        (bad prompt, from the engine), QueueFullError or EngineDeadError; on success the
-        requests are in the engine."""
+        """Submit one engine request per prompt (ids request_id-0, -1, ...), all or none.
+        Raises ValueError (bad prompt, from the engine: none was added), QueueFullError or
+        EngineDeadError; on success the requests are in the engine."""
         if not self.healthy or self.stopped:
             raise EngineDeadError(f"the engine is not running: {self.error or 'stopped'}")
         limit = self.max_waiting_requests
         if limit is not None and self._submitted + self.num_waiting + len(prompts) > limit:
             raise QueueFullError(f"the server has {self._submitted + self.num_waiting} "
                                  f"requests waiting (limit {limit}); retry later")
-        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        stream = RequestStream(self, ids)
+        ids = tuple(f"{request_id}-{i}" for i in range(len(prompts)))
+        stream = RequestStream(self, list(ids))
         for rid in ids:
             self._streams[rid] = stream
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
-        self._submitted += len(prompts)
-        self._cmds.put(("add", ids, prompts, params, accepted))
+        self._submitted += len(ids)
+        self._cmds.put(AddRequests(ids, tuple(prompts), params, accepted))
         try:
             await accepted
+        except asyncio.CancelledError:
+            stream.close()  # the thread may still add them: abort them
+            raise
         except BaseException:
-            stream.close()  # cancelled while waiting: the thread may still add them; abort
+            stream.closed = True  # refused: nothing was added, nothing to abort
+            self._forget(stream)
             raise
         return stream
 
-    def abort(self, request_ids: list[str]) -> None:
-        self._cmds.put(("abort", request_ids))
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._cmds.put(AbortRequests(tuple(request_ids)))
 
     def _close(self, stream: RequestStream) -> None:
-        for rid in stream.ids:
-            self._streams.pop(rid, None)
+        self._forget(stream)
         unfinished = [rid for rid, o in zip(stream.ids, stream.final) if o is None]
         if unfinished:
             self.abort(unfinished)
+
+    def _forget(self, stream: RequestStream) -> None:
+        for rid in stream.ids:
+            self._streams.pop(rid, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -163,7 +198,7 @@ class AsyncEngine:
             if self.on_output is not None:
                 self.on_output(stream, stream.index[out.request_id], out)
 
-    def _resolve(self, fut: asyncio.Future, n: int, error: BaseException | None) -> None:
+    def _resolve(self, fut: asyncio.Future[None], n: int, error: BaseException | None) -> None:
         self._submitted -= n
         if fut.done():
             return
@@ -181,42 +216,53 @@ class AsyncEngine:
     async def stop(self, abort: bool = True, timeout: float = 30.0) -> None:
         """Stop the thread: abort what runs (abort=True) or let it finish first."""
         self.stopped = True
-        self._cmds.put(("stop", abort))
+        self._cmds.put(Stop(abort))
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
     # ---- engine thread -----------------------------------------------------------------------
-    def _call(self, fn: Callable, *args: Any) -> None:
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
-    def _apply(self, cmd: tuple) -> bool:
+    def _apply(self, cmd: Command) -> bool:
         """Apply one command; False when the thread should stop."""
         eng = self.engine
-        if cmd[0] == "add":
-            _, ids, prompts, params, fut = cmd
-            try:
-                eng.add_requests([NewRequest(rid, p, params) for rid, p in zip(ids, prompts)])
-            except Exception as e:  # noqa: BLE001 -- a bad prompt fails the call; none of it runs
-                self._call(self._resolve, fut, len(ids), e)
-            else:
-                self._call(self._resolve, fut, len(ids), None)
-        elif cmd[0] == "abort":
-            for rid in cmd[1]:
-                eng.abort_request(rid)
-        elif cmd[0] == "stop":
-            if cmd[1]:
-                for rid in list(eng.requests):
+        match cmd:
+            case AddRequests(ids, prompts, params, accepted):
+                error: Exception | None = None
+                try:  # all or nothing: a refused prompt leaves none of them in the engine
+                    eng.add_requests([NewRequest(rid, p, params) for rid, p in zip(ids, prompts)])
+                except Exception as e:  # noqa: BLE001 -- a bad prompt fails the call, not us
+                    error = e
+                else:
+                    self._live.update(ids)
+                self._call(self._resolve, accepted, len(ids), error)
+            case AbortRequests(ids):
+                for rid in ids:
                     eng.abort_request(rid)
-                self._call(self._deliver, eng.drain_aborted())
-            else:
+            case Stop(abort=True):
+                for rid in sorted(self._live):
+                    eng.abort_request(rid)
+                self._emit(eng.drain_aborted())
+                return False
+            case Stop(abort=False):
                 self._draining = True
                 return eng.has_unfinished_requests()
-            return False
         return True
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to the event loop; finished requests leave `_live`."""
+        self._live.difference_update(o.request_id for o in outputs if o.finished)
+        if outputs:
+            self._call(self._deliver, outputs)
+
+    def _note(self, stats: EngineStats) -> None:
+        self.num_waiting = stats.num_waiting
+        self.num_running = stats.num_running
 
     def _run(self) -> None:
         eng = self.engine
@@ -239,13 +285,12 @@ class AsyncEngine:
                 t0 = time.perf_counter()
                 outputs = eng.step()
                 seconds = time.perf_counter() - t0
-                self.num_waiting = len(eng.scheduler.waiting)
-                self.num_running = len(eng.scheduler.running)
-                if outputs:
-                    self._call(self._deliver, outputs)
+                stats = eng.stats()
+                self._note(stats)
+                self._emit(outputs)
                 if self.on_step is not None:
                     try:
-                        self.on_step(eng, outputs, seconds)
+                        self.on_step(stats, outputs, seconds)
                     except Exception:  # metrics must never take the engine down
                         log.exception("on_step callback failed")
         except BaseException as e:  # the engine is broken: fail every caller loudly
@@ -253,9 +298,8 @@ class AsyncEngine:
             self.error = e
             self._call(self._fail_all, EngineDeadError(f"the engine failed: {e!r}"))
         finally:
-            self.num_waiting = len(eng.scheduler.waiting)
-            self.num_running = len(eng.scheduler.running)
             self._reject_queued()
+            self._note(eng.stats())
 
     def _reject_queued(self) -> None:
         """After the thread ends: adds still queued fail (their callers must not hang)."""
@@ -264,6 +308,6 @@ class AsyncEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                self._call(self._resolve, cmd[4], len(cmd[1]),
+            if isinstance(cmd, AddRequests):
+                self._call(self._resolve, cmd.accepted, len(cmd.ids),
                            EngineDeadError("the engine stopped before this request started"))

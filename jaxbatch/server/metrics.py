@@ -4,18 +4,19 @@ tests, never collide in the global one).
 Request side (event loop): requests by route and HTTP status, finish reasons, TTFT, inter-token
 latency, end-to-end latency, tokens in and out. Engine side (engine thread, after each step):
 waiting/running requests, KV pages used/free, tokens per step, padding fraction, step time and
-compilations since warm-up, all read from engine.stats() and engine.trace.
+compilations since warm-up, all from the engine's EngineStats.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.engine.client import EngineStats
+from jaxbatch.server.async_engine import RequestStream
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -67,7 +68,7 @@ class ServerMetrics:
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 
-    def observe_output(self, stream: Any, index: int, out: RequestOutput) -> None:
+    def observe_output(self, stream: RequestStream, index: int, out: RequestOutput) -> None:
         """Called for every delivered output: token timing as seen by the server's clients."""
         now = time.perf_counter()
         if out.delta_token_ids:
@@ -84,8 +85,8 @@ class ServerMetrics:
             self.finished.labels(finish_reason=str(out.outputs[0].finish_reason)).inc()
 
     # ---- engine thread ------------------------------------------------------------------------
-    def observe_step(self, engine: Any, outputs: list[RequestOutput], seconds: float) -> None:
-        stats = engine.stats()
+    def observe_step(self, stats: EngineStats, outputs: list[RequestOutput], seconds: float
+                     ) -> None:
         self.waiting.set(stats.num_waiting)
         self.running.set(stats.num_running)
         used, free = stats.kv_pages_used, stats.kv_pages_free
