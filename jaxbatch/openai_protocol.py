@@ -21,6 +21,21 @@ from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.core.prompts import encode_text, render_chat
 from jaxbatch.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, checked before anything reaches the engine (server and
+    batch jobs alike). Each limit keeps one request from costing the host or the engine
+    unbounded work; every refusal is a 400 naming the parameter."""
+
+    max_stop_strings: int = 16  # `--max-stop-strings`
+    max_stop_string_chars: int = 1024  # each stop string is held back from streaming this long
+    max_stop_token_ids: int = 256
+    max_prompts_per_request: int = 128  # a completions `prompt` list is one engine request each
+    max_body_bytes: int = 8 * 2**20  # the server's request body (`--max-request-body-bytes`)
+    max_json_depth: int = 64  # nesting of objects/arrays in a body or a batch line
+
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat defaults to the room left
 
 
@@ -206,7 +221,8 @@ def _num_logprobs(body: dict, key: str) -> int | None:
 
 
 def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
-                             served_models: Sequence[str] | None = None) -> ParsedRequest:
+                             served_models: Sequence[str] | None = None,
+                             limits: RequestLimits = RequestLimits()) -> ParsedRequest:
     """POST /v1/completions body -> ParsedRequest (one engine prompt per prompt in the body)."""
     body = _check_keys(body, _COMPLETION_KEYS)
     model = _check_model(body, served_models)
@@ -273,7 +289,8 @@ def _message_text(msg: Any, i: int) -> dict[str, str]:
 
 
 def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
-                       served_models: Sequence[str] | None = None) -> ParsedRequest:
+                       served_models: Sequence[str] | None = None,
+                       limits: RequestLimits = RequestLimits()) -> ParsedRequest:
     """POST /v1/chat/completions body -> ParsedRequest (messages through the chat template)."""
     body = _check_keys(body, _CHAT_KEYS)
     model = _check_model(body, served_models)
