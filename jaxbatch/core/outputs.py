@@ -45,3 +45,6 @@ class RequestOutput:
     # streaming: the text and token ids added since the previous output of this request
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # set when the engine failed this request (finish_reason "error"); the front end answers it
+    # as an internal error, never as a normal completion
+    error: str | None = None

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine could not run this request (Request.error says why)
 
     @property
     def finished(self) -> bool:
@@ -25,6 +26,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -44,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     auto_seed: int = 0  # drawn by the engine at arrival; used when sampling_params.seed is None
     stop_reason: int | str | None = None
+    error: str | None = None  # set with FINISHED_ERROR
     first_token_time: float | None = None
     finish_time: float | None = None
     # per generated token, if asked: {token_id: Logprob} with the top-n and the sampled token

@@ -25,14 +25,15 @@ from jaxbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, Req
 from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
-from jaxbatch.core.scheduler import Scheduler
+from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from jaxbatch.engine import compile_guard
 from jaxbatch.engine.attention import attention_fn
 from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.runner import Runner
-from jaxbatch.engine.step_inputs import build_step_inputs
+from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.planner import StepPlanner, make_planner
+from jaxbatch.planner.buckets import SubStep
 from jaxbatch.planner.trace import StepTrace
 
 log = logging.getLogger("jaxbatch")
@@ -170,36 +171,79 @@ class Engine:
             self._check_guard()
             return outputs
         sampled: dict[str, tuple] = {}
-        subs = self.planner.plan(batch)
-        for sub in subs:
+        ran: list[ScheduledSeq] = []
+        for sub in self.planner.plan(batch):
             t_sub = time.perf_counter()
-            host = build_step_inputs(sub.seqs, sub.bucket, self.pages.page_size,
-                                     self.runner.pages_per_seq, self.eos_token_ids)
-            out = self.runner.execute(host, sub.bucket)
+            host = self._build_inputs(sub, outputs)
+            if host is None:
+                continue
+            out = self.runner.execute(host, sub.bucket)  # a device failure breaks the engine
+            ran.extend(sub.seqs)
             for i, s in enumerate(sub.seqs):
                 if s.samples:
                     sampled[s.request.request_id] = (int(out.token_ids[i]), out, i)
             self.trace.record(sub, time.perf_counter() - t_sub, self.planner.predict(sub.bucket))
-        new_tokens = self.scheduler.update(batch, {k: v[0] for k, v in sampled.items()})
+        # rows that did not run (their sub-step lost a failed request) are scheduled again
+        new_tokens = self.scheduler.update(ScheduledBatch(ran, batch.preempted),
+                                           {k: v[0] for k, v in sampled.items()})
         now = time.time()
         for req, tok in new_tokens:
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.sampling_params.logprobs is not None:
-                _, out, i = sampled[req.request_id]
-                n = req.sampling_params.logprobs
-                top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i][:n],
-                                                             out.top_logprobs[i][:n])]
-                req.logprobs.append(_logprob_dict(tok, float(out.logprobs[i]), top))
-            status = self._check_stop(req, tok)
-            if status is not None:
-                self.scheduler.finish_request(req, status)
-                req.finish_time = now
-            outputs.append(self._output(req, finished=status is not None, new_ids=[tok]))
-            if status is not None:
-                self._forget(req)
+            try:
+                outputs.append(self._advance(req, tok, sampled[req.request_id], now))
+            except Exception as e:  # noqa: BLE001 - this request's post-processing alone
+                self._fail(req, e, outputs)
         self._check_guard()
         return outputs
+
+    def _build_inputs(self, sub: SubStep, outputs: list[RequestOutput]) -> StepInputs | None:
+        """The sub-step's inputs; a request whose data cannot be written (RowError) is failed
+        alone and the rest rebuilt. None when no request is left to run."""
+        while sub.seqs:
+            try:
+                return build_step_inputs(sub.seqs, sub.bucket, self.pages.page_size,
+                                         self.runner.pages_per_seq, self.eos_token_ids)
+            except RowError as e:
+                self._fail(sub.seqs.pop(e.row).request, e.cause, outputs)
+        return None
+
+    def _advance(self, req: Request, tok: int, sample: tuple, now: float) -> RequestOutput:
+        """A sampled token joins its request: logprobs, stop checks, the output delta."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.sampling_params.logprobs is not None:
+            _, out, i = sample
+            n = req.sampling_params.logprobs
+            top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i][:n],
+                                                         out.top_logprobs[i][:n])]
+            req.logprobs.append(_logprob_dict(tok, float(out.logprobs[i]), top))
+        status = self._check_stop(req, tok)
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+            req.finish_time = now
+        output = self._output(req, finished=status is not None, new_ids=[tok])
+        if status is not None:
+            self._forget(req)
+        return output
+
+    def _fail(self, req: Request, cause: BaseException, outputs: list[RequestOutput]) -> None:
+        """Finish one request with an error (its pages freed) and let the engine go on."""
+        log.error("request %s failed in the engine: %s: %s", req.request_id,
+                  type(cause).__name__, cause, exc_info=cause)
+        if req.status.finished:
+            return
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+        req.error = f"{type(cause).__name__}: {cause}"
+        req.finish_time = time.time()
+        try:
+            out = self._output(req, finished=True)
+        except Exception:  # noqa: BLE001 - the detokenizer may be what failed
+            out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                                [CompletionOutput(0, "", list(req.output_token_ids), "error")],
+                                True, RequestMetrics(req.arrival_time, req.first_token_time,
+                                                     req.finish_time))
+        out.error = req.error
+        outputs.append(out)
+        self._forget(req)
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -38,6 +38,16 @@ class StepInputs:
     sampling: SamplingInputs  # per-row sampling parameters [S]
 
 
+class RowError(Exception):
+    """Row `row` of the step (one request's data) could not be written into the step inputs,
+    e.g. a value outside int32; the engine fails that request alone and rebuilds the step."""
+
+    def __init__(self, row: int, cause: BaseException) -> None:
+        super().__init__(f"row {row}: {type(cause).__name__}: {cause}")
+        self.row = row
+        self.cause = cause
+
+
 def request_seed(req) -> int:
     """32-bit seed of a request (set by the engine at arrival when the user gave none)."""
     s = int(req.sampling_params.seed if req.sampling_params.seed is not None else req.auto_seed)
@@ -72,29 +82,32 @@ def build_step_inputs(
     want_logprobs = np.zeros(S, bool)
     off = 0
     for i, s in enumerate(seqs):
-        req, n = s.request, s.num_new_tokens
-        pos = np.arange(s.start, s.start + n, dtype=i32)
-        pt = np.asarray(req.page_table, i32)
-        token_ids[off : off + n] = req.token_slice(s.start, s.start + n)
-        positions[off : off + n] = pos
-        slot_mapping[off : off + n] = pt[pos // page_size] * page_size + pos % page_size
-        kv_lens[i] = s.start + n
-        page_indices[i, : len(pt)] = pt
-        cu_q_lens[i] = off
-        logits_indices[i] = off + n - 1
-        sp = req.sampling_params
-        temperature[i] = sp.temperature
-        top_k[i] = sp.top_k if sp.top_k > 0 else 0
-        top_p[i] = sp.top_p
-        min_p[i] = sp.min_p
-        seeds[i] = request_seed(req)
-        counters[i] = len(req.output_token_ids)
-        if len(req.output_token_ids) < sp.min_tokens:
-            ban = sp.stop_ids + (() if sp.ignore_eos else eos_token_ids)
-            ban = ban[:MAX_BANNED_IDS]
-            banned[i, : len(ban)] = ban
-        want_logprobs[i] = sp.logprobs is not None
-        off += n
+        try:
+            req, n = s.request, s.num_new_tokens
+            pos = np.arange(s.start, s.start + n, dtype=i32)
+            pt = np.asarray(req.page_table, i32)
+            token_ids[off : off + n] = req.token_slice(s.start, s.start + n)
+            positions[off : off + n] = pos
+            slot_mapping[off : off + n] = pt[pos // page_size] * page_size + pos % page_size
+            kv_lens[i] = s.start + n
+            page_indices[i, : len(pt)] = pt
+            cu_q_lens[i] = off
+            logits_indices[i] = off + n - 1
+            sp = req.sampling_params
+            temperature[i] = sp.temperature
+            top_k[i] = sp.top_k if sp.top_k > 0 else 0
+            top_p[i] = sp.top_p
+            min_p[i] = sp.min_p
+            seeds[i] = request_seed(req)
+            counters[i] = len(req.output_token_ids)
+            if len(req.output_token_ids) < sp.min_tokens:
+                ban = sp.stop_ids + (() if sp.ignore_eos else eos_token_ids)
+                ban = ban[:MAX_BANNED_IDS]
+                banned[i, : len(ban)] = ban
+            want_logprobs[i] = sp.logprobs is not None
+            off += n
+        except Exception as e:  # noqa: BLE001 - one request's data; the caller isolates it
+            raise RowError(i, e) from e
     return StepInputs(
         token_ids, positions,
         AttentionInputs(slot_mapping, kv_lens, page_indices, cu_q_lens, np.array([len(seqs)], i32)),
