@@ -1,18 +1,23 @@
 """Step cost models for the planner: c(T, S) = seconds of one step compiled for T tokens x S
 sequences (host only: numpy, never jax).
 
-Every model here is monotone non-decreasing in T and in S (the bucket-selection DP relies on it):
-  AffineCost   c = overhead + per_token * T + per_seq * S, all coefficients >= 0. Built either
-               analytically from the model's dimensions (`analytic_cost`, the fallback used to pick
-               the buckets before anything is compiled) or by a non-negative least-squares fit to
-               measured step times (`AffineCost.fit`: warm-up calibration, or a recorded trace).
+  AffineCost   c = overhead + per_token * T + per_seq * S, all coefficients >= 0, so monotone
+               non-decreasing in T and in S (the bucket-selection DP relies on it). Built either
+               analytically from the model's dimensions (`analytic_cost`, used to pick the buckets
+               before anything is compiled) or by a non-negative least-squares fit to measured
+               step times (`AffineCost.fit`: warm-up calibration, or a recorded trace).
   TableCost    measured seconds of the compiled buckets, exact where measured, a fit elsewhere.
+               Measurements need not be monotone; they only drive per-step decisions (which
+               bucket, trim, split) once the set is compiled, and those take any cost.
 
 The analytic model counts FLOPs: every token pays the transformer body (2 FLOPs per body weight),
 every sequence pays the LM head row that produces its logits (2 * hidden * vocab) and the sampler
 over the vocabulary, and every step pays a fixed overhead: streaming the weights from memory once
 plus dispatch. The absolute scale (nominal hardware) does not matter for choosing buckets; the
-ratios overhead : per-token : per-sequence do.
+ratios overhead : per-token : per-sequence do. SmolLM2-135M in float32: 5.48 ms/step + 212
+us/token + 113 us/seq, so a step is worth 25.8 tokens of padding and a sequence 0.53 tokens;
+those ratios follow the model (a wider vocabulary makes sequences dearer, more layers make
+tokens dearer), which is why the engine prices with the loaded model's dimensions.
 """
 
 from __future__ import annotations
@@ -21,16 +26,22 @@ import dataclasses
 import itertools
 import json
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 
 class CostModel(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def __call__(self, T: Any, S: Any) -> Any:
         """Seconds of a step of bucket (T, S); numpy-broadcasting over arrays."""
+        ...
+
+    def describe(self) -> str:
+        """One line for logs and `jaxbatch plan`."""
         ...
 
 
@@ -50,7 +61,7 @@ class AffineCost:
                 + self.per_seq_s * np.asarray(S, np.float64))
 
     @classmethod
-    def fit(cls, shapes: list[tuple[int, int]], seconds: list[float],
+    def fit(cls, shapes: Sequence[tuple[int, int]], seconds: Sequence[float],
             name: str = "fit") -> AffineCost:
         """Non-negative least squares of seconds ~ a + b*T + c*S.
 
@@ -88,7 +99,7 @@ class AffineCost:
 class TableCost:
     """Measured seconds for the buckets that were timed; `fallback` for every other shape."""
 
-    def __init__(self, table: dict[tuple[int, int], float], fallback: CostModel,
+    def __init__(self, table: Mapping[tuple[int, int], float], fallback: CostModel,
                  name: str = "measured") -> None:
         self.table = {(int(t), int(s)): float(v) for (t, s), v in table.items()}
         self.fallback = fallback
@@ -104,11 +115,33 @@ class TableCost:
         return out if out.ndim else float(out)
 
     def describe(self) -> str:
-        fb = getattr(self.fallback, "describe", lambda: self.fallback.name)()
-        return f"{self.name} ({len(self.table)} buckets timed); elsewhere {fb}"
+        return (f"{self.name} ({len(self.table)} buckets timed); elsewhere "
+                f"{self.fallback.describe()}")
 
 
 # ---- the analytic fallback ------------------------------------------------------------------
+class ArchDims(Protocol):
+    """The dimensions the analytic cost reads: model.arch.ModelArch has them (the planner takes
+    any object that does, so it needs nothing of the model package)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
     hidden: int
@@ -130,6 +163,14 @@ class ModelDims:
         return self.hidden * self.vocab
 
     @classmethod
+    def from_arch(cls, arch: ArchDims) -> ModelDims:
+        """The loaded model's dimensions (whatever format it was loaded from)."""
+        return cls(hidden=arch.hidden_size, intermediate=arch.intermediate_size,
+                   layers=arch.num_layers, heads=arch.num_heads, kv_heads=arch.num_kv_heads,
+                   head_dim=arch.head_dim, vocab=arch.vocab_size,
+                   tied=bool(arch.tie_word_embeddings))
+
+    @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelDims:
         heads = int(cfg["num_attention_heads"])
         return cls(
@@ -141,8 +182,9 @@ class ModelDims:
         )
 
 
-# SmolLM2-135M (the built-in default model): used when the model's dimensions cannot be read
-# without loading it (built-in names, GGUF files).
+# SmolLM2-135M (the built-in default model): what `jaxbatch plan`, which loads no model, prices
+# steps with when --model is not an HF directory (built-in names, GGUF files). The engine always
+# prices with the loaded model's own dimensions (ModelDims.from_arch).
 SMOLLM2_135M = ModelDims(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3,
                          head_dim=64, vocab=49152, tied=True)
 
@@ -158,7 +200,8 @@ class Hardware:
 
 
 def model_dims(model: str | None) -> ModelDims:
-    """Dimensions from an HF model directory's config.json; SmolLM2-135M otherwise."""
+    """Without loading the model (`jaxbatch plan`): an HF directory's config.json, else
+    SmolLM2-135M."""
     if model and os.path.isfile(os.path.join(model, "config.json")):
         with open(os.path.join(model, "config.json")) as f:
             return ModelDims.from_hf_config(json.load(f))

@@ -1,4 +1,5 @@
-"""Choosing the bucket set: dynamic programs over a histogram of step shapes (host only, numpy).
+"""Choosing the bucket set (host only, numpy): dynamic programs over a histogram of step shapes,
+the workload loop around them (`dp`), and the one factory for every bucket-set spec.
 
 Problem. Steps have shapes (t, s) = (tokens, sequences) with weights w (how often they occur). A
 bucket set B (at most K buckets, always holding the top bucket (T_max, S_max) so nothing can fail
@@ -33,17 +34,35 @@ What is exact, and what is bounded:
                Histograms with more distinct closure points than `max_points` are coarsened first
                (t rounded up to a multiple of a quantum q, then s likewise): exact for the rounded
                histogram, reported as `quantum`.
+
+For a workload (`choose_for_workload`): simulate it through the real scheduler (simulate.py),
+take the histogram of step shapes and select_buckets on it. The chosen set is then re-simulated
+with a StepPlanner in the loop (trimming and splitting change the steps that follow), the
+histogram of the executed sub-steps is fed back once more, and the set with the lower simulated
+total cost is kept. On bench64 (512 x 64, page 16, mixed, SmolLM2's analytic cost) that is
+3x3 9x9 20x20 30x30 39x39 49x49 63x63 512x64: 4.23% padding, certified within 2.6% of the best
+expected cost of any 8 buckets, in 0.06 s on a 2-core CPU.
+
+`build_planner(spec, ...)` is the factory the engine (through `make_planner`) and `jaxbatch plan`
+share: dp, or a set from buckets.py, always in a StepPlanner, and refused unless it holds the
+largest step the scheduler can emit (max_num_batched_tokens x max_num_seqs).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from jaxbatch.planner.buckets import Bucket
+from jaxbatch.config import SchedulerConfig
+from jaxbatch.planner import simulate
+from jaxbatch.planner.buckets import Bucket, bucket_set, set_name
 from jaxbatch.planner.cost import CostModel
+from jaxbatch.planner.step import StepPlanner
+from jaxbatch.planner.trace import is_trace_row, read_trace
 
 Histogram = dict[tuple[int, int], float]
 INF = float("inf")
@@ -106,7 +125,7 @@ def optimal_1d(sizes: np.ndarray, weights: np.ndarray, max_buckets: int,
     return sorted(chosen), float(best[K - 1][m - 1])
 
 
-# ---- two dimensions: chains -----------------------------------------------------------------------
+# ---- two dimensions: chains ----------------------------------------------------------------------
 def _closure_points(t: np.ndarray, s: np.ndarray, w: np.ndarray, top: Bucket):
     Tc = np.unique(np.append(t, top[0]))
     Sc = np.unique(np.append(s, top[1]))
@@ -224,7 +243,7 @@ def select_buckets(hist: Histogram, max_buckets: int, cost: CostModel, max_token
     top = Bucket(max_tokens, max_seqs)
     hist = {(min(t, max_tokens), min(s, max_seqs)): w for (t, s), w in hist.items() if w > 0}
     if not hist:
-        hist = {tuple(top): 1.0}
+        hist = {(top.num_tokens, top.num_seqs): 1.0}
     qt = qs = 1
     work = hist
     while len(_closure_points(*_arrays(work), top)[0]) > max_points:
@@ -241,3 +260,70 @@ def select_buckets(hist: Histogram, max_buckets: int, cost: CostModel, max_token
     rho = float(np.max(np.asarray(cost(Ts, np.minimum(Ts, max_seqs)), np.float64)
                        / np.asarray(cost(Ts, 1), np.float64)))
     return Selection(buckets, expected_cost(buckets, work, cost), chain_cost, lb, rho, (qt, qs))
+
+
+# ---- for a workload -----------------------------------------------------------------------------
+def choose_for_workload(lengths: simulate.Lengths, sched: SchedulerConfig, max_model_len: int,
+                        page_size: int, num_pages: int | None, cost: CostModel, max_shapes: int,
+                        hist: Histogram | None = None, rounds: int = 2
+                        ) -> tuple[StepPlanner, Selection]:
+    """Buckets for a workload (or for a given histogram, e.g. from a trace; then `lengths` may be
+    empty and no simulation runs): DP on the scheduler's step shapes, then feedback rounds on
+    the sub-steps executed with the planner in the loop; the lowest simulated total cost wins."""
+    T, S = sched.max_num_batched_tokens, sched.max_num_seqs
+    if hist is None:
+        hist = histogram(simulate.simulate(lengths, sched, max_model_len, page_size,
+                                           num_pages).shapes if lengths else [])
+    seen: set[tuple[Bucket, ...]] = set()
+    best: tuple[StepPlanner, Selection] | None = None
+    best_total = INF
+    for _ in range(rounds if lengths else 1):
+        sel = select_buckets(hist, max_shapes, cost, T, S)
+        if tuple(sel.buckets) in seen:
+            break
+        seen.add(tuple(sel.buckets))
+        planner = StepPlanner(sel.buckets, cost, name="dp")
+        if not lengths:
+            return planner, sel
+        res = simulate.simulate(lengths, sched, max_model_len, page_size, num_pages, planner)
+        total = res.total_cost(cost)
+        if total < best_total:
+            best, best_total = (planner, sel), total
+        hist = histogram(res.shapes)
+    assert best is not None
+    return best
+
+
+def workload_source(path: str) -> tuple[simulate.Lengths, Histogram | None]:
+    """A workload file -> its lengths; a step trace (StepRecord lines) -> the histogram of its
+    steps (and no lengths)."""
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            first: dict[str, Any] = next((json.loads(line) for line in f if line.strip()), {})
+        if is_trace_row(first):
+            return [], histogram(r.shape for r in read_trace(path))
+    return simulate.read_workload(path), None
+
+
+def build_planner(spec: str, sched: SchedulerConfig, cost: CostModel, max_shapes: int, *,
+                  max_model_len: int, page_size: int, num_pages: int | None,
+                  lengths: Sequence[tuple[int, int]] = (), hist: Histogram | None = None
+                  ) -> tuple[StepPlanner, Selection | None]:
+    """The planner of a spec (dp | pow2 | linear:STEP | fixed:[...]) and, for dp, the selection
+    certificate. dp chooses its buckets for `lengths` (or `hist`); `max_model_len`, `page_size`
+    and `num_pages` shape that simulation. ValueError if the set cannot hold the scheduler's
+    largest step: that step would otherwise fail mid-run, with requests in flight."""
+    T, S = sched.max_num_batched_tokens, sched.max_num_seqs
+    sel: Selection | None = None
+    if spec == "dp":
+        planner, sel = choose_for_workload(list(lengths), sched, max_model_len, page_size,
+                                           num_pages, cost, max_shapes, hist)
+    else:
+        planner = StepPlanner(bucket_set(spec, T, S), cost, name=set_name(spec))
+    if not planner.holds(T, S):
+        raise ValueError(
+            f"planner {spec}: no bucket holds the scheduler's largest step ({T} tokens x {S} "
+            f"sequences = max_num_batched_tokens x max_num_seqs); buckets: "
+            f"{' '.join(f'{t}x{s}' for t, s in planner.buckets)}. Add a bucket of at least "
+            f"{T}x{S}, or lower max_num_batched_tokens / max_num_seqs.")
+    return planner, sel

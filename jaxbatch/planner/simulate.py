@@ -5,22 +5,21 @@ A workload is a list of (prompt_len, max_tokens) pairs; every request arrives at
 batch, as in bench64) and generates exactly max_tokens tokens (greedy with ignore_eos), so the
 simulated steps are the steps the engine would schedule. When a planner is given it runs in the
 loop, exactly as in Engine.step(): it may trim a prefill chunk (the scheduler then advances by the
-trimmed amount) or split a step into sub-steps; one row is recorded per executed sub-step, with the
-fields of a StepTrace row.
+trimmed amount) or split a step into sub-steps; one StepRecord is kept per executed sub-step, as
+in the engine's trace (without timings).
 
 Workload files:
   *.json   {"requests": [[prompt_len, max_tokens], ...]}  (the packaged bench64 lengths)
   *.jsonl  one request per line: `prompt_token_ids` (ids), or `prompt` (text; see
            `count_text_tokens`), or the OpenAI Batch format (`body` holding `prompt` or
            `messages`), with `max_tokens` (default 16, as SamplingParams). Trace rows (with
-           `tokens` and `bucket`) are recognised and rejected here: use `read_trace`.
+           `tokens` and `bucket`) are recognised and rejected here: use trace.read_trace.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -30,6 +29,9 @@ from jaxbatch.core.kv_pages import PageAllocator
 from jaxbatch.core.request import Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import Scheduler
+from jaxbatch.planner.cost import CostModel
+from jaxbatch.planner.step import StepPlanner
+from jaxbatch.planner.trace import StepRecord, is_trace_row
 
 Lengths = list[tuple[int, int]]
 DEFAULT_MAX_TOKENS = 16
@@ -52,7 +54,7 @@ def count_text_tokens(text: str, tokenizer: Any = None) -> int:
 
 
 def _row_lengths(row: dict[str, Any], tokenizer: Any) -> tuple[int, int]:
-    if "tokens" in row and "bucket" in row:
+    if is_trace_row(row):
         raise ValueError("this is a step trace, not a workload: pass it with --trace")
     body = row.get("body", row)  # OpenAI Batch lines keep the request in "body"
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", DEFAULT_MAX_TOKENS))
@@ -90,18 +92,22 @@ def clip_lengths(lengths: Lengths, max_model_len: int) -> Lengths:
 
 @dataclasses.dataclass
 class SimResult:
-    rows: list[dict[str, Any]]  # one per executed sub-step (StepTrace fields, no timings)
+    rows: list[StepRecord]  # one per executed sub-step (no timings)
     num_steps: int  # scheduler steps (a split step counts once)
     trimmed_steps: int
     split_steps: int
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
-        return [(r["tokens"], r["seqs"]) for r in self.rows]
+        return [r.shape for r in self.rows]
+
+    def total_cost(self, cost: CostModel) -> float:
+        """The predicted cost of the run: every executed sub-step priced at its bucket."""
+        return float(sum(float(cost(*r.bucket)) for r in self.rows if r.bucket is not None))
 
 
 def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page_size: int = 16,
-             num_pages: int | None = None, planner: Any = None,
+             num_pages: int | None = None, planner: StepPlanner | None = None,
              on_step: Callable[[int], None] | None = None) -> SimResult:
     """Run the workload through the real scheduler; the fake model samples token 7."""
     lengths = clip_lengths(lengths, max_model_len)
@@ -113,7 +119,7 @@ def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page
     for i, (p, m) in enumerate(lengths):
         sched.add_request(Request(f"sim-{i}", [7] * p,
                                   SamplingParams(max_tokens=m, ignore_eos=True), arrival_time=0.0))
-    rows: list[dict[str, Any]] = []
+    rows: list[StepRecord] = []
     steps = trimmed = split = 0
     limit = 10 * (len(lengths) + sum(p + m for p, m in lengths))
     while sched.has_unfinished():
@@ -122,22 +128,15 @@ def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page
             raise RuntimeError("the scheduler scheduled nothing (KV cache too small?)")
         before = batch.num_tokens
         if planner is None:
-            subs = [(None, batch.seqs)]
+            rows.append(StepRecord.of(batch.seqs, None, steps))
         else:
-            subs = [(sub.bucket, sub.seqs) for sub in planner.plan(batch)]
+            subs = planner.plan(batch)
             trimmed += batch.num_tokens < before
             split += len(subs) > 1
-        for bucket, seqs in subs:
-            n = sum(s.num_new_tokens for s in seqs)
-            rows.append({
-                "step": steps, "tokens": n, "seqs": len(seqs),
-                "prefill_seqs": sum(1 for s in seqs if s.is_prefill),
-                "bucket": None if bucket is None else [int(bucket[0]), int(bucket[1])],
-                "padding": None if bucket is None else int(bucket[0]) - n,
-            })
+            rows += [StepRecord.of(sub.seqs, sub.bucket, steps) for sub in subs]
         sampled = {s.request.request_id: 7 for s in batch.seqs if s.samples}
         for req, _ in sched.update(batch, sampled):
-            if (len(req.output_token_ids) >= req.sampling_params.max_tokens
+            if (len(req.output_token_ids) >= (req.sampling_params.max_tokens or 0)
                     or req.num_tokens >= max_model_len):
                 sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
         steps += 1
@@ -147,10 +146,3 @@ def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page
             raise RuntimeError("simulation made no progress")
     return SimResult(rows, steps, trimmed, split)
 
-
-def write_lengths(lengths: Lengths, path: str, source: str) -> None:
-    """Write a lengths file (how jaxbatch/data/bench64_lengths.json was made)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"source": source, "requests": [list(x) for x in lengths]}, f)
-        f.write("\n")

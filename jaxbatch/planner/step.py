@@ -1,124 +1,149 @@
-"""The dynamic-programming padding planner (host only: numpy, never jax).
+"""The per-step planner: how each scheduled batch runs in a set of compiled buckets (host only:
+numpy, never jax).
 
-Two decisions, both driven by one cost model c(T, S) (cost_model.py):
-  1. Which buckets to compile (once, at engine start or in `jaxbatch plan`): simulate a
-     representative workload through the real scheduler (workload_sim.py), take the histogram of
-     step shapes and choose at most `max_shapes` buckets minimising the expected step cost
-     (bucket_dp.select_buckets: exact over chains of buckets, with certified bounds against any
-     bucket set). The chosen set is then re-simulated with this planner in the loop (trimming and
-     splitting change the steps that follow), the histogram of the executed sub-steps is fed back
-     once more, and the set with the lower simulated total cost is kept.
-  2. How each scheduled batch runs (`DPPlanner.plan`), the cheapest per useful token of:
-       pad    the whole batch in its cheapest bucket that holds it;
+One class, `StepPlanner`, for every bucket set (pow2, linear, fixed, dp: buckets.py and
+select.py only choose the set). Given the buckets and a cost model c(T, S) (cost.py) it answers
+  fit(t, s)     the cheapest bucket that holds t tokens of s sequences (ties: the smaller bucket).
+                Precomputed once per cost on the grid of the buckets' distinct T and S values:
+                a bucket holds (t, s) iff it holds (T_i, S_j), the smallest T_i >= t and
+                S_j >= s, so a suffix minimum over that small grid answers every query.
+                (select.py routes a whole histogram the same way, vectorised, while it searches
+                for a set; a test holds the two to the same answer.)
+  plan(batch)   the cheapest per useful token of
+       pad    the whole batch in fit(t, s);
        trim   shorten the batch's last prefill chunk so the step lands exactly on a smaller
               bucket. No compute is wasted: the remainder runs next step (the scheduler reads the
               trimmed num_new_tokens; the row stops sampling). Considered only when it defers fewer
               tokens than padding would waste, so a chunk is never starved into one-token slivers.
        split  several sub-steps, each padded to its own bucket: TurboTransformers' DP over the
               requests sorted by length (groups contiguous in that order;
-              best[j] = min_i best[i] + c(bucket of rows i+1..j)). Exact over such groupings.
-`padded_rect_dp` is the same DP for rectangular [batch, length] shapes (padded attention), kept
-as a documented, tested function although the engine's attention is ragged.
+              best[j] = min_i best[i] + c(fit of rows i+1..j)). Exact over such groupings.
+  calibrate(time_bucket)  after warm-up: every compiled bucket is timed, the measured times
+                replace the model's costs for those buckets (an affine NNLS fit covers any other
+                shape), and from then on plan() and predict() use measured costs.
+  predict(bucket)  the predicted seconds of a step in that bucket (the engine's trace).
 
-After warm-up the engine calls `calibrate(runner)`: every compiled bucket is timed, the measured
-times replace the analytic costs for those buckets (an affine NNLS fit covers anything else), and
-from then on per-step decisions and `predict` use measured costs.
+Trim and split are on for every bucket set. Each is taken only when the cost model predicts it
+cheaper per useful token than padding, so they can only help a set; and with one per-step
+policy `jaxbatch plan` compares bucket *sets* like for like. On bench64 (512 x 64, analytic
+SmolLM2 cost) they take pow2 from 13.26% to 10.97% padding (5.91 -> 5.85 s predicted) and
+linear:16 from 12.21% to 10.73%; dp's 8 chosen shapes stay at 4.23% (5.47 s). A set of one
+bucket can neither trim nor split (there is no other bucket to land on): it pads.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxbatch.config import SchedulerConfig
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq
-from jaxbatch.planner import simulate as workload_sim
 from jaxbatch.planner.buckets import Bucket, SubStep
-from jaxbatch.planner.cost import AffineCost, CostModel, TableCost, analytic_cost, model_dims
-from jaxbatch.planner.select import Histogram, Selection, histogram, select_buckets
+from jaxbatch.planner.cost import AffineCost, CostModel, TableCost
 
 log = logging.getLogger("jaxbatch")
 INF = float("inf")
+_EPS = 1e-9  # an alternative must beat padding by this relative margin (float noise)
 
 
-class DPPlanner:
-    def __init__(self, buckets: list[Bucket], cost: CostModel, name: str = "dp",
-                 trim: bool = True, split: bool = True,
-                 selection: Selection | None = None) -> None:
+class StepPlanner:
+    def __init__(self, buckets: Sequence[tuple[int, int]], cost: CostModel, name: str = "custom",
+                 trim: bool = True, split: bool = True) -> None:
         if not buckets:
             raise ValueError("a planner needs at least one bucket")
         self.name = name
         self.buckets = sorted({Bucket(int(t), int(s)) for t, s in buckets})
-        self.max_tokens = max(b.num_tokens for b in self.buckets)
-        self.max_seqs = max(b.num_seqs for b in self.buckets)
         self.trim, self.split = trim, split
-        self.selection = selection
-        self.report: dict[str, Any] = {}
+        # the grid of distinct sizes: fit(t, s) is read at (first T >= t, first S >= s)
+        self._sizes_t = sorted({b.num_tokens for b in self.buckets})
+        self._sizes_s = sorted({b.num_seqs for b in self.buckets})
         self.set_cost(cost)
 
     # ---- cost -------------------------------------------------------------------------------
     def set_cost(self, cost: CostModel) -> None:
-        """Precompute, for every (tokens, seqs), the cheapest bucket that holds it."""
+        """Price every bucket and precompute, for every grid cell, its cheapest holder."""
         self.cost = cost
-        costs = [float(cost(b.num_tokens, b.num_seqs)) for b in self.buckets]
-        self.bucket_cost = dict(zip(self.buckets, costs))
-        self._min_cost = min(costs)
-        fit_cost = np.full((self.max_tokens + 1, self.max_seqs + 1), INF)
-        fit_idx = np.full(fit_cost.shape, -1, np.int64)
-        for i, (b, c) in enumerate(zip(self.buckets, costs)):
-            region = fit_cost[: b.num_tokens + 1, : b.num_seqs + 1]
-            better = c < region  # ties keep the earlier (smaller) bucket
-            region[better] = c
-            fit_idx[: b.num_tokens + 1, : b.num_seqs + 1][better] = i
-        self._fit_cost, self._fit_idx = fit_cost, fit_idx
+        costs = np.array([float(cost(b.num_tokens, b.num_seqs)) for b in self.buckets])
+        self.bucket_cost = dict(zip(self.buckets, costs.tolist()))
+        self._min_cost = float(costs.min())
+        # rank by (cost, T, S): the suffix minimum of ranks is the cheapest, then smallest, bucket
+        order = np.lexsort((np.array([b.num_seqs for b in self.buckets]),
+                            np.array([b.num_tokens for b in self.buckets]), costs))
+        rank = np.empty(len(order), np.int64)
+        rank[order] = np.arange(len(order))
+        none = len(self.buckets)
+        grid = np.full((len(self._sizes_t), len(self._sizes_s)), none, np.int64)
+        for b, r in zip(self.buckets, rank):
+            i, j = self._cell(b.num_tokens, b.num_seqs)
+            grid[i, j] = min(grid[i, j], r)
+        back = grid[::-1, ::-1]  # suffix minimum over T_i' >= T_i and S_j' >= S_j
+        grid = np.minimum.accumulate(np.minimum.accumulate(back, 0), 1)[::-1, ::-1]
+        self._fit_idx = np.where(grid < none, np.append(order, -1)[grid], -1)
+        self._fit_cost = np.where(self._fit_idx >= 0, np.append(costs, INF)[self._fit_idx], INF)
+
+    def _cell(self, t: int, s: int) -> tuple[int, int]:
+        return bisect.bisect_left(self._sizes_t, t), bisect.bisect_left(self._sizes_s, s)
+
+    def holds(self, num_tokens: int, num_seqs: int) -> bool:
+        i, j = self._cell(num_tokens, num_seqs)
+        return i < len(self._sizes_t) and j < len(self._sizes_s) and self._fit_idx[i, j] >= 0
+
+    def fit(self, num_tokens: int, num_seqs: int) -> Bucket:
+        """The cheapest bucket that holds the step; KeyError when none does (a step shape nobody
+        planned for: make_planner refuses such sets up front)."""
+        if not self.holds(num_tokens, num_seqs):
+            raise KeyError(f"no compiled bucket holds {num_tokens} tokens x {num_seqs} sequences;"
+                           f" buckets: {self.buckets}")
+        return self.buckets[int(self._fit_idx[self._cell(num_tokens, num_seqs)])]
+
+    def _fit_cost_of(self, tokens: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """Vectorised c(fit(t, s)); inf where no bucket holds the step."""
+        i = np.searchsorted(self._sizes_t, tokens)
+        j = np.searchsorted(self._sizes_s, count)
+        ok = (i < len(self._sizes_t)) & (j < len(self._sizes_s))
+        return np.where(ok, self._fit_cost[np.minimum(i, len(self._sizes_t) - 1),
+                                           np.minimum(j, len(self._sizes_s) - 1)], INF)
 
     def predict(self, bucket: Bucket) -> float:
-        return self.bucket_cost.get(Bucket(*bucket)) or float(self.cost(*bucket))
+        """Predicted seconds of a step in `bucket` (measured, once calibrated)."""
+        known = self.bucket_cost.get(Bucket(*bucket))
+        return known if known is not None else float(self.cost(*bucket))
 
     def calibrate(self, time_bucket: Callable[[Bucket], float]) -> None:
         """Time every compiled bucket (an all-padding step) and plan with the measured costs."""
-        times = {tuple(b): time_bucket(b) for b in self.buckets}
+        times = {(b.num_tokens, b.num_seqs): float(time_bucket(b)) for b in self.buckets}
         fit = AffineCost.fit(list(times), list(times.values()), name="calibrated fit")
         self.set_cost(TableCost(times, fit))
         log.info("planner calibrated on %d buckets: %s", len(times), fit.describe())
 
-    def fit(self, num_tokens: int, num_seqs: int) -> Bucket:
-        if num_tokens > self.max_tokens or num_seqs > self.max_seqs \
-                or self._fit_idx[num_tokens, num_seqs] < 0:
-            raise KeyError(f"no compiled bucket holds {num_tokens} tokens x {num_seqs} sequences;"
-                           f" buckets: {self.buckets}")
-        return self.buckets[int(self._fit_idx[num_tokens, num_seqs])]
-
     # ---- per step ---------------------------------------------------------------------------
     def plan(self, batch: ScheduledBatch) -> list[SubStep]:
+        """The sub-steps of one scheduled batch (a trim shortens a row's num_new_tokens in place:
+        the scheduler's update() reads it)."""
         seqs = batch.seqs
         t, s = batch.num_tokens, len(seqs)
         pad = self.fit(t, s)
-        pad_cost = self._fit_cost[t, s]
+        pad_cost = self.bucket_cost[pad]
         padding = pad.num_tokens - t
-        best: tuple[float, str, Any] = (pad_cost / t, "pad", None)
+        best_score, best = pad_cost / t, [SubStep(pad, list(seqs))]
+        trim: tuple[int, int] | None = None  # (row, its new num_new_tokens)
         if self.trim and padding > 0:
             opt = self._trim_option(seqs, t, s, padding)
-            if opt is not None and opt[0] < best[0] * (1 - 1e-9):
-                best = opt
+            if opt is not None and opt[0] < best_score * (1 - _EPS):
+                best_score, best, trim = opt[0], [SubStep(opt[1], list(seqs))], opt[2]
         # any split runs >= 2 sub-steps, each costing at least the cheapest bucket
         if self.split and s > 1 and padding > 0 and pad_cost > 2 * self._min_cost:
-            opt = self._split_option(seqs, t)
-            if opt is not None and opt[0] < best[0] * (1 - 1e-9):
-                best = opt
-        kind, arg = best[1], best[2]
-        if kind == "trim":
-            i, bucket, n = arg
-            seqs[i].num_new_tokens = n  # the scheduler's update() reads the trimmed size
-            return [SubStep(bucket, list(seqs))]
-        if kind == "split":
-            return arg
-        return [SubStep(pad, list(seqs))]
+            split = self._split_option(seqs, t)
+            if split is not None and split[0] < best_score * (1 - _EPS):
+                best_score, best, trim = split[0], split[1], None
+        if trim is not None:
+            seqs[trim[0]].num_new_tokens = trim[1]
+        return best
 
-    def _trim_option(self, seqs: list[ScheduledSeq], t: int, s: int, padding: int):
+    def _trim_option(self, seqs: list[ScheduledSeq], t: int, s: int, padding: int
+                     ) -> tuple[float, Bucket, tuple[int, int]] | None:
         """Land on a smaller bucket by shortening the last prefill chunk (>= 1 token stays)."""
         i = next((k for k in range(len(seqs) - 1, -1, -1) if seqs[k].is_prefill), None)
         if i is None or seqs[i].num_new_tokens < 2:
@@ -131,28 +156,22 @@ class DPPlanner:
                 continue
             score = self.bucket_cost[b] / b.num_tokens
             if best is None or score < best[0]:
-                best = (score, "trim", (i, b, n - defer))
+                best = (score, b, (i, n - defer))
         return best
 
-    def _split_option(self, seqs: list[ScheduledSeq], t: int):
+    def _split_option(self, seqs: list[ScheduledSeq], t: int
+                      ) -> tuple[float, list[SubStep]] | None:
         lens = [s.num_new_tokens for s in seqs]
-        groups, total = split_dp(lens, self._group_cost)
+        groups, total = split_dp(lens, self._fit_cost_of)
         if len(groups) < 2:
             return None
         subs = []
         for g in groups:
             members = [seqs[k] for k in sorted(g)]
-            n = sum(lens[k] for k in g)
-            subs.append(SubStep(self.fit(n, len(members)), members))
-        return (total / t, "split", subs)
-
-    def _group_cost(self, tokens: np.ndarray, count: np.ndarray) -> np.ndarray:
-        ok = (tokens <= self.max_tokens) & (count <= self.max_seqs)
-        return np.where(ok, self._fit_cost[np.minimum(tokens, self.max_tokens),
-                                           np.minimum(count, self.max_seqs)], INF)
+            subs.append(SubStep(self.fit(sum(lens[k] for k in g), len(members)), members))
+        return total / t, subs
 
 
-# ---- the two grouping DPs ---------------------------------------------------------------------
 def split_dp(lengths: list[int], group_cost: Callable[[np.ndarray, np.ndarray], np.ndarray]
              ) -> tuple[list[list[int]], float]:
     """Ragged split: partition rows, sorted by length, into contiguous groups; a group of `count`
@@ -165,124 +184,13 @@ def split_dp(lengths: list[int], group_cost: Callable[[np.ndarray, np.ndarray], 
     best[0] = 0.0
     arg = np.zeros(n + 1, np.int64)
     for j in range(1, n + 1):
-        i = np.arange(j)
-        c = best[:j] + group_cost(pre[j] - pre[:j], j - i)
+        c = best[:j] + group_cost(pre[j] - pre[:j], j - np.arange(j))
         arg[j] = int(np.argmin(c))
         best[j] = c[arg[j]]
-    groups, j = [], n
-    while j > 0:
-        i = int(arg[j])
-        groups.append([int(k) for k in order[i:j]])
-        j = i
+    groups: list[list[int]] = []
+    k = n
+    while k > 0:
+        i = int(arg[k])
+        groups.append([int(x) for x in order[i:k]])
+        k = i
     return groups[::-1], float(best[n])
-
-
-def padded_rect_dp(lengths: list[int], cost: Callable[[int, int], float] | None = None,
-                   max_batch: int | None = None) -> tuple[list[list[int]], float]:
-    """Rectangular mode (padded attention): group requests into [batch, length] rectangles, each
-    padded to its longest member (TurboTransformers' batch scheduler). Requests sorted by length;
-    best[j] = min_i best[i] + cost(j - i, length of the j-th shortest).
-
-    Default cost: batch * length (the padded tokens computed). Exact over contiguous groups of the sorted order; when
-    cost(b, L) = alpha * b * L + beta and there is no batch cap, exact over ALL partitions (moving
-    a request into a group whose longest member is at least as long never raises the cost: the
-    receiving group pays alpha * L_a, the giving group saves at least alpha * L_b >= alpha * L_a).
-    Returns (groups of request indices, total cost)."""
-    cost = cost or (lambda b, L: float(b * L))
-    n = len(lengths)
-    order = sorted(range(n), key=lambda k: lengths[k])
-    L = [lengths[k] for k in order]
-    best = [0.0] + [INF] * n
-    arg = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(max(0, j - max_batch) if max_batch else 0, j):
-            c = best[i] + cost(j - i, L[j - 1])
-            if c < best[j]:
-                best[j], arg[j] = c, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[arg[j]:j])
-        j = arg[j]
-    return groups[::-1], best[n]
-
-
-# ---- choosing the buckets for a workload ----------------------------------------------------------
-def simulated_cost(res: workload_sim.SimResult, cost: CostModel) -> float:
-    return float(sum(float(cost(*r["bucket"])) for r in res.rows))
-
-
-def choose_for_workload(lengths: workload_sim.Lengths, sched: SchedulerConfig, max_model_len: int,
-                        page_size: int,
-                        num_pages: int | None, cost: CostModel, max_shapes: int,
-                        hist: Histogram | None = None, rounds: int = 2) -> DPPlanner:
-    """Buckets for a workload (or for a given histogram, e.g. from a trace; then `lengths` may be
-    empty and no simulation runs): DP on the scheduler's step shapes, then feedback rounds on
-    the sub-steps executed with the planner in the loop; the lowest simulated total cost wins."""
-    T, S = sched.max_num_batched_tokens, sched.max_num_seqs
-    if hist is None:
-        hist = histogram(workload_sim.simulate(lengths, sched, max_model_len, page_size, num_pages).shapes)
-    seen: dict[tuple[Bucket, ...], float] = {}
-    best: DPPlanner | None = None
-    best_total = INF
-    for _ in range(rounds if lengths else 1):
-        sel = select_buckets(hist, max_shapes, cost, T, S)
-        key = tuple(sel.buckets)
-        if key in seen:
-            break
-        planner = DPPlanner(sel.buckets, cost, selection=sel)
-        if not lengths:
-            return planner
-        res = workload_sim.simulate(lengths, sched, max_model_len, page_size, num_pages, planner=planner)
-        seen[key] = total = simulated_cost(res, cost)
-        if total < best_total:
-            best, best_total = planner, total
-        hist = histogram(res.shapes)
-    assert best is not None
-    best.report = {"simulated_cost": best_total, "candidates": len(seen)}
-    return best
-
-
-def load_histogram_source(path: str) -> tuple[workload_sim.Lengths, Histogram | None]:
-    """A workload file -> its lengths; a step trace (JSONL rows with `tokens`, `seqs`) -> the
-    histogram of its steps."""
-    import json
-
-    if path.endswith(".jsonl"):
-        with open(path) as f:
-            first = next((json.loads(line) for line in f if line.strip()), {})
-        if "tokens" in first and "bucket" in first:
-            from jaxbatch.planner.trace import read_trace
-
-            return [], histogram((r["tokens"], r["seqs"]) for r in read_trace(path))
-    return workload_sim.read_workload(path), None
-
-
-def make_dp_planner(max_tokens: int, max_seqs: int, max_shapes: int = 8, config: Any = None,
-                    workload: workload_sim.Lengths | None = None,
-                    cost: CostModel | None = None) -> DPPlanner:
-    """The engine's entry point (planner: dp). `config` is the EngineConfig: the scheduler part,
-    page size and page count drive the simulation; `planner_workload` (a workload or a step
-    trace) replaces the packaged bench64 lengths; the model's dimensions feed the analytic cost."""
-    sched = SchedulerConfig(max_tokens, max_seqs)
-    page_size, num_pages, hist = 16, None, None
-    if config is not None:
-        import dataclasses
-
-        sched = dataclasses.replace(config.scheduler, max_num_batched_tokens=max_tokens,
-                                    max_num_seqs=max_seqs)
-        page_size, num_pages = config.cache.page_size, config.cache.num_pages
-        if cost is None:
-            cost = analytic_cost(model_dims(config.model.model), config.model.dtype)
-        source = getattr(config.planner, "planner_workload", None)
-        if workload is None and source:
-            workload, hist = load_histogram_source(source)
-    cost = cost or analytic_cost()
-    if workload is None:
-        workload = workload_sim.default_workload()
-    max_model_len = (config.model.max_model_len if config is not None else None) or 4096
-    planner = choose_for_workload(workload, sched, max_model_len, page_size, num_pages, cost,
-                                  max_shapes, hist)
-    sel = planner.selection
-    log.info("dp planner: %d buckets %s (expected cost within %.2f%% of optimal)",
-             len(planner.buckets), planner.buckets, 100 * (sel.gap - 1) if sel else float("nan"))
-    return planner

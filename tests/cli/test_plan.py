@@ -12,6 +12,7 @@ from jaxbatch.cli import main as cli_main
 from jaxbatch.cli import plan as plan_tool
 from jaxbatch.planner.buckets import Bucket, SubStep
 from jaxbatch.planner.trace import StepTrace
+from tests.planner.test_step import make_batch
 
 BENCH = ["--max-num-batched-tokens", "512", "--max-num-seqs", "64", "--page-size", "16",
          "--policy", "mixed"]
@@ -38,6 +39,8 @@ def test_bench64_measured_goal(capsys):
     assert r["dp"]["num_shapes"] <= 8 and r["dp"]["padding_fraction"] <= 0.03
     assert r["dp"]["real_tokens"] == r["pow2"]["real_tokens"] == 11237 + 5009 - 64
     assert r["pow2"]["padding_fraction"] > 0.10 and r["pow2"]["num_shapes"] > 8
+    # one per-step policy for every set: pow2 trims and splits too, and still pads > 10%
+    assert r["pow2"]["split_steps"] > 0 and r["pow2"]["sub_steps"] > r["pow2"]["steps"]
     out = run_json(capsys, BENCH)
     r = by_name(out)
     assert "analytic" in out["cost_model"]
@@ -80,14 +83,12 @@ def test_workload_files_text_ids_and_batch_format(tmp_path, capsys):
 def test_trace_input_fits_cost_and_pads_each_step(tmp_path, capsys):
     path = tmp_path / "trace.jsonl"
     trace = StepTrace(str(path))
-    from tests.planner.test_planner_dp import make_batch
-
     for _n, (t, rows) in enumerate([(64, [(1, 1)] * 6 + [(100, 58)]), (7, [(1, 1)] * 7),
                                    (30, [(1, 1)] * 5 + [(25, 25)])] * 5):
         batch = make_batch(rows)
         bucket = Bucket(64, 8) if t > 8 else Bucket(8, 8)
         trace.record(SubStep(bucket, batch.seqs), 0.01 + 0.001 * bucket.num_tokens, None)
-    trace._file.close()
+    trace.close()
     out = run_json(capsys, ["--trace", str(path), "--max-num-batched-tokens", "64",
                             "--max-num-seqs", "8", "--max-shapes", "3"])
     assert out["cost_model"].startswith("fit to trace")
@@ -97,6 +98,16 @@ def test_trace_input_fits_cost_and_pads_each_step(tmp_path, capsys):
     # a trace passed as a workload is refused with a hint
     with pytest.raises(ValueError, match="--trace"):
         plan_tool.main([str(path)])
+
+
+def test_a_fixed_set_too_small_for_the_scheduler_is_refused(capsys):
+    assert plan_tool.split_specs("dp, pow2,fixed:[(16,8),(64,8)],") == [
+        "dp", "pow2", "fixed:[(16,8),(64,8)]"]
+    argv = ["--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--json"]
+    with pytest.raises(ValueError, match=r"64 tokens x 8 sequences.*buckets: 16x8 32x8"):
+        plan_tool.main(argv + ["--planners", "fixed:[(16,8),(32,8)]"])
+    out = run_json(capsys, argv[:-1] + ["--planners", "fixed:[(16,8),(64,8)]"])
+    assert by_name(out)["fixed"]["buckets"] == [[16, 8], [64, 8]]
 
 
 def test_plot(tmp_path, capsys):

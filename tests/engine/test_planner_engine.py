@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from jaxbatch import LLM, SamplingParams
+from jaxbatch.planner import StepPlanner
 from jaxbatch.planner.cost import TableCost, token_cost
-from jaxbatch.planner.step import DPPlanner
 from tests.helpers.tiny_models import make_tiny_model
 
 ENGINE = {"max_model_len": 512, "seed": 0, "compile_guard": True, "progress": False}
@@ -44,7 +44,7 @@ def prompts_of(lengths, seed=0, vocab=256):
 class Spy:
     """Wraps planner.plan: counts trimmed steps and split steps, checks every plan."""
 
-    def __init__(self, planner: DPPlanner) -> None:
+    def __init__(self, planner: StepPlanner) -> None:
         self.planner, self.inner = planner, planner.plan
         self.trimmed = self.split = self.steps = 0
         planner.plan = self
@@ -79,7 +79,7 @@ def test_dp_engine_exact_with_trims_and_splits(tiny):
     llm = LLM(path, page_size=16, num_pages=300, max_num_batched_tokens=64, max_num_seqs=8,
               planner="dp", max_compiled_shapes=5, **ENGINE)
     planner = llm.engine.planner
-    assert isinstance(planner, DPPlanner) and len(planner.buckets) <= 5
+    assert isinstance(planner, StepPlanner) and len(planner.buckets) <= 5
     assert (64, 8) in planner.buckets
     # warm-up calibrated the planner on the compiled buckets
     assert isinstance(planner.cost, TableCost) and len(planner.cost.table) == len(planner.buckets)
@@ -91,7 +91,7 @@ def test_dp_engine_exact_with_trims_and_splits(tiny):
     run_exact(llm, hf, prompts, [9, 20, 3, 12, 15, 6, 11, 7, 14, 5, 8, 16])
     assert spy.trimmed > 0 and spy.split > 0, (spy.trimmed, spy.split, planner.buckets)
     rows = llm.engine.trace.rows
-    assert rows and all(r["predicted_s"] is not None for r in rows)
+    assert rows and all(r.predicted_s is not None for r in rows)
 
 
 def test_dp_engine_exact_decode_first_with_preemption(tiny):
