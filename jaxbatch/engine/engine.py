@@ -32,9 +32,7 @@ from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.runner import Runner
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
 from jaxbatch.model.loader import LoadedModel, load_model
-from jaxbatch.planner import StepPlanner, make_planner
-from jaxbatch.planner.buckets import SubStep
-from jaxbatch.planner.trace import StepTrace
+from jaxbatch.planner import StepPlanner, StepTrace, SubStep, make_planner
 
 log = logging.getLogger("jaxbatch")
 

@@ -26,7 +26,7 @@ from jaxbatch.engine.sampler import SamplerOutput, sample
 from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs
 from jaxbatch.model import llama
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.planner.buckets import Bucket
+from jaxbatch.planner import Bucket
 
 DEFAULT_KV_CACHE_GB = 2.0
 

@@ -22,7 +22,7 @@ from jaxbatch.core.sampling_params import MAX_BANNED_IDS
 from jaxbatch.core.scheduler import ScheduledSeq
 from jaxbatch.engine.sampler import SamplingInputs
 from jaxbatch.model.llama import AttentionInputs
-from jaxbatch.planner.buckets import Bucket
+from jaxbatch.planner import Bucket
 
 
 @jax.tree_util.register_dataclass
