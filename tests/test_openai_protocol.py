@@ -3,6 +3,8 @@ unsupported parameters by name, length checks, and the response/chunk bodies."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 
@@ -209,3 +211,196 @@ def test_chat_response_and_chunks():
     assert P.models_response(["m"], 64)["data"][0]["id"] == "m"
     assert ApiError(429, "full", "rate_limit_error").body() == {
         "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": None}}
+
+
+# ---- hostile values: refused at the door, a 400 naming the parameter -------------------------
+HUGE = 10**400  # json.loads gives Python ints of any size up to 4300 digits
+
+
+def assert_clean(err: ApiError) -> None:
+    """OpenAI's shape, a short message, valid Unicode, and no Python repr of an exception."""
+    body = json.dumps(err.body(), ensure_ascii=False).encode("utf-8")
+    assert len(body) < 2000, body[:200]
+    assert not re.search(r"[A-Za-z]+(Error|Exception)\(|Traceback| object at 0x", err.message)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"top_k": 2**31}, "top_k"), ({"top_k": HUGE}, "top_k"), ({"top_k": -HUGE}, "top_k"),
+    ({"max_tokens": 2**31}, "max_tokens"), ({"max_tokens": HUGE}, "max_tokens"),
+    ({"min_tokens": 2**31, "max_tokens": None}, "min_tokens"), ({"seed": 2**63}, "seed"),
+    ({"seed": HUGE}, "seed"), ({"seed": 1.5}, "seed"), ({"top_k": 2.0}, "top_k"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"min_tokens": 1, "stop_token_ids": [HUGE]}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"logprobs": HUGE}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"n": HUGE}, "n"),
+    ({"temperature": HUGE}, "temperature"), ({"top_p": HUGE}, "top_p"),
+    ({"min_p": -HUGE}, "min_p"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": float("nan")}, "min_p"), ({"top_p": float("-inf")}, "top_p"),
+    ({"temperature": True}, "temperature"), ({"stream_options": {"include_usage": 1},
+                                               "stream": True}, "stream_options"),
+    ({"prompt": [2**31]}, "prompt"), ({"prompt": [[1], [-1]]}, "prompt"),
+    ({"prompt": [HUGE]}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt"),
+])
+def test_values_the_engine_cannot_represent_are_400(body, param):
+    err = error_of(comp, {"prompt": "a", **body})
+    assert err.status == 400 and err.param == param, err.message
+    assert_clean(err)
+
+
+def test_limits_are_400_naming_the_parameter():
+    cases = [({"stop": "x" * 1025}, "stop"), ({"stop": ["a"] * 17}, "stop"),
+             ({"stop": ["ok", "y" * 2**20]}, "stop"), ({"stop_token_ids": [1] * 257},
+                                                        "stop_token_ids"),
+             ({"stop_token_ids": list(range(100_000))}, "stop_token_ids"),
+             ({"prompt": ["a"] * 129}, "prompt"), ({"prompt": [[1]] * 1000}, "prompt")]
+    for body, param in cases:
+        err = error_of(comp, {"prompt": "a", **body})
+        assert err.status == 400 and err.param == param and "at most" in err.message, body
+        assert_clean(err)
+    ok = {"prompt": ["a"] * 128, "stop": ["s" * 1024] * 16, "stop_token_ids": [1] * 256}
+    assert len(comp(ok).prompts) == 128
+    small = P.RequestLimits(max_stop_strings=1, max_stop_string_chars=2, max_stop_token_ids=1,
+                            max_prompts_per_request=1, max_json_depth=3)
+    for body, param in [({"stop": ["a", "b"]}, "stop"), ({"stop": "abc"}, "stop"),
+                        ({"stop_token_ids": [1, 2]}, "stop_token_ids"),
+                        ({"prompt": ["a", "b"]}, "prompt"), ({"user": [[[1]]]}, "user")]:
+        with pytest.raises(ApiError) as e:
+            P.parse_completion_request({"prompt": "a", **body}, TOK, 64, None, small)
+        assert e.value.param == param, body
+
+
+def test_stop_token_ids_with_min_tokens_fit_the_banned_ids():
+    """Until min_tokens is reached, stop ids and EOS ids are masked through MAX_BANNED_IDS
+    slots: more than fit are refused, never dropped."""
+    assert comp({"prompt": "a", "min_tokens": 1, "stop_token_ids": list(range(6))}
+                ).sampling_params.stop_token_ids == tuple(range(6))
+    err = error_of(comp, {"prompt": "a", "min_tokens": 1, "stop_token_ids": list(range(7))})
+    assert err.param == "stop_token_ids" and "min_tokens" in err.message
+    comp({"prompt": "a", "min_tokens": 1, "ignore_eos": True, "stop_token_ids": list(range(8))})
+    err = error_of(comp, {"prompt": "a", "min_tokens": 1, "ignore_eos": True,
+                          "stop_token_ids": list(range(9))})
+    assert err.param == "stop_token_ids"
+    comp({"prompt": "a", "stop_token_ids": list(range(200))})  # no min_tokens: not banned
+
+
+def test_lone_surrogates_are_400_naming_the_parameter():
+    msgs = [{"role": "user", "content": "hi"}]
+    for parse, body, param in [
+            (comp, {"prompt": "a\ud800b"}, "prompt"), (comp, {"prompt": ["ok", "\udfff"]}, "prompt"),
+            (comp, {"prompt": "a", "stop": ["\ud800"]}, "stop"),
+            (comp, {"prompt": "a", "model": "m\ud800"}, "model"),
+            (comp, {"prompt": "a", "user": {"x": ["\ud800"]}}, "user"),
+            (comp, {"prompt": "a", "\ud800": 1}, "\\ud800"),
+            (comp, {"prompt": "a", "\ud800" * 10**5: 1}, "\\ud800" * 50),
+            (chat, {"messages": [{"role": "user", "content": "\udc00"}]}, "messages"),
+            (chat, {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                "text": "\ud83d"}]}]}, "messages"),
+            (chat, {"messages": [{"role": "user", "content": "a", "name": "\ud800"}]},
+             "messages"),
+            (chat, {"messages": msgs, "stop": "\ud800"}, "stop")]:
+        err = error_of(parse, body)
+        assert err.status == 400 and err.param == param and "surrogate" in err.message, body
+        assert_clean(err)
+    err = error_of(comp, {"prompt": "a", "k" * 10**6: 1})  # an unknown key: named, cut short
+    assert err.param == "k" * 300 and err.code == "unsupported_parameter"
+    assert_clean(err)
+    assert comp({"prompt": "\U0001F600 é"}).prompts[0]["prompt"] == "\U0001F600 é"  # a pair is fine
+
+
+def test_a_python_body_nested_too_deep_is_400():
+    deep: list = []
+    for _ in range(10_000):
+        deep = [deep]
+    for key in ("prompt", "user", "stop", "logit_bias"):
+        err = error_of(comp, {"prompt": "a", key: deep})
+        assert err.status == 400 and err.param == key and "nested" in err.message
+
+
+def test_message_name_is_passed_to_the_chat_template():
+    class NamedTemplate(FakeTokenizer):
+        def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=True):
+            return "".join(f"<{m['role']}{':' + m['name'] if 'name' in m else ''}>{m['content']}"
+                           for m in msgs)
+
+    msgs = [{"role": "user", "content": "a", "name": "ann"}, {"role": "user", "content": "b"}]
+    p = P.parse_chat_request({"messages": msgs}, NamedTemplate(), 64)
+    assert p.prompts[0]["prompt"] == "<user:ann>a<user>b"
+    for name in (5, ["x"], {"a": 1}, True):
+        err = error_of(chat, {"messages": [{"role": "user", "content": "a", "name": name}]})
+        assert err.param == "messages" and "name" in err.message
+
+
+def test_tokenizer_and_template_failures_are_400_without_a_repr():
+    class Broken(FakeTokenizer):
+        def __call__(self, text, add_special_tokens=True):
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+
+        def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=True):
+            raise ValueError("Conversation roles must alternate user/assistant")
+
+    err = error_of(P.parse_completion_request, {"prompt": "a"}, Broken(), 64)
+    assert err.status == 400 and err.param == "prompt" and "TypeError" in err.message
+    assert_clean(err)
+    err = error_of(P.parse_chat_request, {"messages": [{"role": "user", "content": "a"}]},
+                   Broken(), 64)
+    assert err.param == "messages" and "must alternate" in err.message
+    assert_clean(err)
+    err = error_of(P.parse_completion_request, {"prompt": [1], "stop": "x"}, None, 64)
+    assert err.param == "stop"
+
+
+def test_min_tokens_beyond_the_room_left_is_400():
+    err = error_of(chat, {"messages": [{"role": "user", "content": "a"}], "min_tokens": 300},
+                   256)
+    assert err.param == "min_tokens"
+    p = chat({"messages": [{"role": "user", "content": "a"}], "min_tokens": 5})
+    assert p.sampling_params.min_tokens == 5 and p.sampling_params.max_tokens is None
+
+
+def test_both_max_token_keys_are_checked():
+    err = error_of(chat, {"messages": [{"role": "user", "content": "a"}],
+                          "max_completion_tokens": 4, "max_tokens": "x"})
+    assert err.param == "max_tokens"
+
+
+def test_tiny_temperature_is_raised_to_vllms_floor():
+    assert comp({"prompt": "a", "temperature": 1e-30}).sampling_params.temperature == 0.01
+    assert comp({"prompt": "a", "temperature": 0}).sampling_params.greedy
+
+
+# ---- the body: size, encoding, depth, JSON ---------------------------------------------------
+def test_load_json_body():
+    lim = P.RequestLimits(max_body_bytes=100, max_json_depth=4)
+    assert P.load_json_body(b'{"a": [1, {"b": "[[[[[["}]}', lim) == {"a": [1, {"b": "[[[[[["}]}
+    assert P.load_json_body(b'\xef\xbb\xbf{"a": 1}', lim) == {"a": 1}  # a BOM is ignored
+    assert P.load_json_body(b'{"a": "\\ud800"}', lim) == {"a": "\ud800"}  # the parsers refuse it
+    assert P.load_json_body(b'{"a": 1e400}', lim) == {"a": float("inf")}  # likewise
+    cases = [(b"x" * 101, 413), (b'{"a": "\xff"}', 400), (b'"\xed\xa0\x80"', 400),
+             (b"[[[[[]]]]]", 400), (b"{not json", 400), (b"", 400), (b'{"t": NaN}', 400),
+             (b'{"t": Infinity}', 400), (b'[-Infinity]', 400), (b"[" + b"9" * 5000 + b"]", 400)]
+    big = P.RequestLimits()
+    for raw, status in cases:
+        with pytest.raises(ApiError) as e:
+            P.load_json_body(raw, lim if len(raw) < 1000 else big)
+        assert e.value.status == status, raw[:40]
+        assert e.value.body()["error"]["type"] == "invalid_request_error"
+        assert "sys.set_int_max_str_digits" not in e.value.message
+        assert_clean(e.value)
+    for raw in (b"[" * 10_000 + b"]" * 10_000, b'{"a":' * 10_000, b"[" * 2**20):
+        with pytest.raises(ApiError) as e:
+            P.load_json_body(raw)
+        assert e.value.status == 400 and "64 levels" in e.value.message
+
+
+@pytest.mark.parametrize("text,depth", [
+    ("1", 0), ('"[[["', 0), ("[]", 1), ('{"a": [1, {"b": []}]}', 4), ('["\\"[", [[]]]', 3),
+    ('["\\\\", [[]]]', 3), ('[["]]]]"]]', 2), ("[][][]", 1), ('[{"a": "{{{{"}, [[]]]', 3),
+])
+def test_check_json_depth_counts_brackets_outside_strings(text, depth):
+    for raw in (text, text.encode()):
+        P.check_json_depth(raw, depth)
+        if depth:
+            with pytest.raises(ApiError) as e:
+                P.check_json_depth(raw, depth - 1)
+            assert e.value.status == 400

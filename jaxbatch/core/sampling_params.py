@@ -1,17 +1,62 @@
-"""SamplingParams in vLLM's shape, validated on construction."""
+"""SamplingParams in vLLM's shape, validated on construction.
+
+Every value must be one the engine can represent in its step inputs, so the Python API
+(`LLM.generate`) is protected as much as the OpenAI server: floats are finite and fit float32,
+integers fit int32 (token ids, top_k, max_tokens, min_tokens) or 63 bits (seed), and at most
+MAX_BANNED_IDS_WITH_EOS stop token ids come with min_tokens > 0. A refusal is a ValueError
+"SamplingParams.<name>: <why>" (the OpenAI protocol maps <name> to the error's `param`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
+from typing import Any
 
 MAX_LOGPROBS = 20  # top-n logprobs are computed for a static n on device; requests ask for <= n
 MAX_BANNED_IDS = 8  # eos/stop ids masked while min_tokens is not reached (static width on device)
+# While min_tokens is not reached, stop_token_ids and the model's EOS ids share the
+# MAX_BANNED_IDS slots; the EOS count is the model's, so two slots are kept for it (all of them
+# with ignore_eos, which bans no EOS id). More stop ids than fit are refused, never truncated.
+MAX_BANNED_IDS_WITH_EOS = MAX_BANNED_IDS - 2
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_TEMPERATURE = 1e-2  # vLLM's floor: 0 < temperature < 0.01 overflows the scaled logits
+
+
+def show(value: Any, limit: int = 40) -> str:
+    """A short, safe rendering of a caller's value for an error message: never a huge string
+    (long text is cut), never str() of a huge int (which Python refuses past 4300 digits)."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 64 else \
+            f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        text = repr(value[:limit])  # repr escapes lone surrogates: the message stays valid
+        return text if len(value) <= limit else f"{text[:-1]}...{text[-1]} ({len(value)} chars)"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a value of type {type(value).__name__}"
+
+
+def _is_int(x: Any) -> bool:
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)  # int, numpy integers; not floats or strings
+    except TypeError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy; 0 < t < MIN_TEMPERATURE is raised to it (as vLLM)
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
@@ -29,30 +74,65 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}: {why}")
 
-        if self.n != 1:
-            raise bad("n", f"only n=1 is supported, got {self.n}")
-        if self.temperature < 0:
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, float) or _is_int(value)
+                                               or hasattr(value, "__float__")):
+                raise bad(name, f"must be a number, got {show(value)}")
+            try:
+                x = float(value)
+            except (OverflowError, TypeError, ValueError):
+                x = math.inf
+            if not math.isfinite(x) or abs(x) > FLOAT32_MAX:
+                raise bad(name, f"must be a finite number, got {show(value)}")
+            object.__setattr__(self, name, x)
+            return x
+
+        def integer(name: str, lo: int, hi: int, why: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if not _is_int(value) or not lo <= operator.index(value) <= hi:
+                raise bad(name, f"{why}, got {show(value)}")
+            object.__setattr__(self, name, operator.index(value))
+
+        if not _is_int(self.n) or self.n != 1:
+            raise bad("n", f"only n=1 is supported, got {show(self.n)}")
+        if number("temperature") < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        if not 0.0 < number("top_p") <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
+        integer("top_k", -1, INT32_MAX, f"must be -1, 0 (off) or in [1, {INT32_MAX}]")
+        if not 0.0 <= number("min_p") <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise bad("seed", f"must be a non-negative 64-bit integer, got {self.seed}")
+        integer("max_tokens", 1, INT32_MAX, f"must be an integer in [1, {INT32_MAX}]",
+                optional=True)
+        if self.max_tokens is None:
+            integer("min_tokens", 0, INT32_MAX, f"must be an integer in [0, {INT32_MAX}]")
+        else:
+            integer("min_tokens", 0, self.max_tokens, "must be an integer in [0, max_tokens]")
+        integer("logprobs", 0, MAX_LOGPROBS, f"must be an integer in [0, {MAX_LOGPROBS}]",
+                optional=True)
+        integer("seed", 0, 2**63 - 1, "must be a non-negative 64-bit integer", optional=True)
         stop = self.stop
-        stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise bad("stop", "must be non-empty strings")
-        object.__setattr__(self, "stop", stop)
-        ids = tuple(int(i) for i in (self.stop_token_ids or ()))
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s
+                                                      for s in stop):
+            raise bad("stop", "must be a non-empty string or a list of them")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        ids = () if ids is None else ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or \
+                any(not _is_int(t) or not 0 <= operator.index(t) <= INT32_MAX for t in ids):
+            raise bad("stop_token_ids", f"must be a list of token ids in [0, {INT32_MAX}]")
+        ids = tuple(operator.index(t) for t in ids)
+        room = MAX_BANNED_IDS if self.ignore_eos else MAX_BANNED_IDS_WITH_EOS
+        if self.min_tokens > 0 and len(ids) > room:
+            raise bad("stop_token_ids", f"at most {room} stop token ids with "
+                      f"min_tokens > 0 (they are banned until min_tokens is reached, with the "
+                      f"EOS ids unless ignore_eos, in {MAX_BANNED_IDS} slots), got {len(ids)}")
         object.__setattr__(self, "stop_token_ids", ids)
 
     @property

@@ -1,0 +1,151 @@
+"""OpenAI response bodies from finished or streamed RequestOutputs, host only (no aiohttp, no jax):
+the server and the offline batch job share them; jaxbatch.openai_protocol re-exports them.
+
+response_body builds the non-streaming body (completion or chat, after the parsed request's
+kind); completion_chunk / chat_chunk / usage_chunk build streaming chunks; models_response the
+GET /v1/models list. Logprobs are made JSON-safe (-inf becomes -9999.0).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxbatch.core.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from jaxbatch.openai_protocol import ParsedRequest
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _finite(logprob: float) -> float:
+    return max(-9999.0, logprob)  # -inf (a masked token) is not JSON
+
+
+def _token_text(tokenizer: Any, tok: int) -> str:
+    return f"token_id:{tok}" if tokenizer is None else tokenizer.decode([tok])
+
+
+def completion_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[dict],
+                        text_offset: int = 0) -> dict[str, list]:
+    """Legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for tok, d in zip(token_ids, logprobs):
+        text = _token_text(tokenizer, tok)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_finite(d[tok].logprob))
+        out["top_logprobs"].append({_token_text(tokenizer, t): _finite(lp.logprob)
+                                    for t, lp in d.items()})
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[dict],
+                  top_n: int) -> dict[str, list]:
+    """Chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, tok)
+        return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for tok, d in zip(token_ids, logprobs):
+        ranked = sorted((lp.rank, t, lp.logprob) for t, lp in d.items() if lp.rank is not None)
+        content.append({**entry(tok, d[tok].logprob),
+                        "top_logprobs": [entry(t, lp) for _, t, lp in ranked[:top_n]]})
+    return {"content": content}
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    return out.outputs[0].finish_reason if out.finished else None
+
+
+def response_body(parsed: ParsedRequest, outputs: Sequence[RequestOutput], tokenizer: Any,
+                  model: str, response_id: str | None = None,
+                  created: int | None = None) -> dict[str, Any]:
+    """The non-streaming body (completion or chat, after parsed.kind) from final outputs."""
+    chat = parsed.kind == "chat"
+    choices = []
+    for i, o in enumerate(outputs):
+        c = o.outputs[0]
+        lp = None
+        if parsed.top_logprobs is not None:
+            lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], parsed.top_logprobs) \
+                if chat else completion_logprobs(tokenizer, c.token_ids, c.logprobs or [])
+        text = {"message": {"role": "assistant", "content": c.text}} if chat else \
+            {"text": c.text}
+        choices.append({"index": i, **text, "logprobs": lp, "finish_reason": _finish_reason(o),
+                        "stop_reason": c.stop_reason})
+    return {"id": response_id or new_id(parsed.kind),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created or int(time.time()), "model": model, "choices": choices,
+            "usage": usage(outputs)}
+
+
+completion_response = chat_response = response_body  # one builder; kind comes from `parsed`
+
+
+def completion_chunk(parsed: ParsedRequest, response_id: str, created: int, model: str,
+                     index: int, out: RequestOutput, tokenizer: Any,
+                     text_offset: int = 0) -> dict[str, Any]:
+    """One streamed delta of prompt `index` (text, new tokens' logprobs, finish reason)."""
+    c = out.outputs[0]
+    lp = None
+    if parsed.top_logprobs is not None and out.delta_token_ids and c.logprobs:
+        k = len(out.delta_token_ids)
+        lp = completion_logprobs(tokenizer, out.delta_token_ids, c.logprobs[-k:], text_offset)
+    choice = {"index": index, "text": out.delta_text, "logprobs": lp,
+              "finish_reason": _finish_reason(out)}
+    if out.finished:
+        choice["stop_reason"] = c.stop_reason
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def chat_chunk(parsed: ParsedRequest, response_id: str, created: int, model: str,
+               index: int, out: RequestOutput | None, tokenizer: Any,
+               first: bool = False) -> dict[str, Any]:
+    """One streamed chat delta; `first` adds the assistant role (out may then be None)."""
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+    lp, finish = None, None
+    if out is not None:
+        c = out.outputs[0]
+        if out.delta_text:
+            delta["content"] = out.delta_text
+        if parsed.top_logprobs is not None and out.delta_token_ids and c.logprobs:
+            k = len(out.delta_token_ids)
+            lp = chat_logprobs(tokenizer, out.delta_token_ids, c.logprobs[-k:],
+                               parsed.top_logprobs)
+        finish = _finish_reason(out)
+    return {"id": response_id, "object": "chat.completion.chunk", "created": created,
+            "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+
+def usage_chunk(parsed: ParsedRequest, response_id: str, created: int, model: str,
+                outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """The last chunk when stream_options.include_usage: no choices, the usage."""
+    obj = "chat.completion.chunk" if parsed.kind == "chat" else "text_completion"
+    return {"id": response_id, "object": obj, "created": created, "model": model,
+            "choices": [], "usage": usage(outputs)}
+
+
+def models_response(names: Sequence[str], max_model_len: int | None = None,
+                    created: int | None = None) -> dict[str, Any]:
+    created = created or int(time.time())
+    data = [{"id": n, "object": "model", "created": created, "owned_by": "jaxbatch",
+             **({"max_model_len": max_model_len} if max_model_len else {})} for n in names]
+    return {"object": "list", "data": data}
