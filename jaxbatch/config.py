@@ -16,7 +16,7 @@ from typing import Any
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 DTYPES = ("float32", "bfloat16")
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "auto": "float32"}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 POLICIES = ("mixed", "prefill_first", "decode_first")
 DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len None: the model's positions, capped here
 
@@ -39,13 +39,15 @@ def canonical_dtype(name: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    # float32 | bfloat16 | auto: the faster on this device, measured at start-up (engine/precision)
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped 4096)
     tokenizer: str | None = None  # a directory with a tokenizer, when the model has none
     cache_dir: str | None = None  # None: $JAXBATCH_CACHE or ~/.cache/jaxbatch
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.dtype != "auto":
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -64,8 +66,11 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_memory_gb: float | None = None  # used when num_pages is None; default 2 GB
+    kv_cache_dtype: str = "auto"  # auto: the compute dtype | float32 | bfloat16
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto":
+            object.__setattr__(self, "kv_cache_dtype", canonical_dtype(self.kv_cache_dtype))
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:

@@ -9,7 +9,7 @@ from jaxbatch.config import EngineConfig, config_from_sources
 
 _ENGINE_ARGS = [
     ("--model", str), ("--dtype", str), ("--max-model-len", int), ("--page-size", int),
-    ("--num-pages", int), ("--kv-cache-memory-gb", float), ("--max-num-batched-tokens", int),
+    ("--num-pages", int), ("--kv-cache-memory-gb", float), ("--kv-cache-dtype", str), ("--max-num-batched-tokens", int),
     ("--max-num-seqs", int), ("--batching-policy", str), ("--planner", str),
     ("--max-compiled-shapes", int), ("--attention-backend", str), ("--seed", int),
     ("--trace-path", str), ("--tokenizer", str), ("--cache-dir", str),

@@ -29,6 +29,7 @@ from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from jaxbatch.engine import compile_guard
 from jaxbatch.engine.attention import attention_fn
 from jaxbatch.engine.client import EngineStats
+from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype
 from jaxbatch.engine.runner import Runner
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
 from jaxbatch.model.loader import LoadedModel, load_model
@@ -61,6 +62,7 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random(config.runner.seed)
         self.last_finished: deque[Request] = deque(maxlen=1000)  # recent finished (tests, metrics)
+        self.precision: PrecisionChoice | None = None  # set when dtype auto measured the device
         self.warmup_seconds = 0.0
         self.startup_seconds = 0.0
         self.compiles_at_warmup = compile_guard.unplanned_count()
@@ -72,9 +74,17 @@ class Engine:
         compile_guard.install()
         root = cache_dir(config.model.cache_dir)
         compile_guard.enable_persistent_cache(root)
+        precision: PrecisionChoice | None = None
         if model is None:
-            model = load_model(config.model.model, config.model.dtype, cache_dir=root,
-                               tokenizer=config.model.tokenizer)
+            model = load_model(config.model.model,
+                               "float32" if config.model.dtype == "auto" else config.model.dtype,
+                               cache_dir=root, tokenizer=config.model.tokenizer)
+        if config.model.dtype == "auto":
+            arch = model.arch
+            precision = choose_compute_dtype(arch.hidden_size, arch.intermediate_size, root)
+            model = model.with_dtype(precision.dtype)
+            config = dataclasses.replace(
+                config, model=dataclasses.replace(config.model, dtype=precision.dtype))
         config = dataclasses.replace(
             config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
         assert config.model.max_model_len is not None
@@ -87,6 +97,7 @@ class Engine:
             warmup = runner.compile(planner.buckets, progress=config.runner.progress)
             planner.calibrate(runner.time_bucket)
         engine = cls(config, model, runner, scheduler, planner)
+        engine.precision = precision
         engine.warmup_seconds = warmup
         engine.startup_seconds = time.perf_counter() - t_start
         return engine

@@ -5,10 +5,11 @@ and the logits of the S rows that sample. It is lowered and compiled ahead of ti
 bucket at warm-up and kept in a dict keyed by the bucket, so an unplanned shape is a loud
 KeyError rather than a silent recompile. The sampler is compiled separately per S.
 
-The runner owns the KV cache, so it also decides its dtype and its size in pages: on XLA:CPU a
-bf16 scatter is float-normalised (the whole cache converted per layer: a 16-token step took
-3.4 s), so there the cache is f32 whatever the weights are, and the page count for a memory
-budget must use the cache's real element size.
+The runner owns the KV cache, so it also decides its dtype and its size in pages. The cache
+holds K/V in `kv_cache_dtype` (auto: the compute dtype, i.e. the weights' dtype); on XLA:CPU a
+bf16 cache is stored as uint16 bit patterns, because XLA:CPU float-normalises a bf16 scatter
+(the whole cache converted per layer: a 16-token step took 3.4 s) while a 16-bit integer scatter
+is in place. The page count for a memory budget uses the bytes really allocated per element.
 """
 
 from __future__ import annotations
@@ -31,15 +32,18 @@ from jaxbatch.planner import Bucket
 DEFAULT_KV_CACHE_GB = 2.0
 
 
-def kv_cache_dtype(weights_dtype: Any) -> Any:
-    """The KV cache's element type: the weights' dtype, except f32 on CPU (see above)."""
-    return jnp.float32 if jax.default_backend() == "cpu" else weights_dtype
+def kv_cache_dtype(setting: str, compute_dtype: Any) -> Any:
+    """The KV values' dtype: `setting` (float32 | bfloat16), or the compute dtype for auto."""
+    if setting == "auto":
+        return jnp.dtype(compute_dtype).type
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[setting]
 
 
-def compute_dtype() -> Any:
-    """None: compute in the weights' dtype. XLA:CPU has no fast bf16 GEMM path for every shape,
-    so on CPU compute in f32 (storage stays in the weights' dtype)."""
-    return jnp.float32 if jax.default_backend() == "cpu" else None
+def kv_storage_dtype(values_dtype: Any) -> Any:
+    """What the cache array holds: the values' dtype, or uint16 bits for bf16 on CPU."""
+    if jnp.dtype(values_dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return jnp.uint16
+    return values_dtype
 
 
 def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any) -> int:
@@ -53,12 +57,11 @@ def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any) -> int:
     return max(2, int(gb * 2**30 // (per_token * cache.page_size)))
 
 
-def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn,
-            compute_dtype=None):
+def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn):
     """Model forward for one bucket -> (updated cache, logits f32[S, V] of the sampling rows)."""
     hidden, kv_cache = llama.forward(
         params, kv_cache, inputs.token_ids, inputs.positions, inputs.attn,
-        arch=arch, attention_fn=attention_fn, compute_dtype=compute_dtype,
+        arch=arch, attention_fn=attention_fn,
     )
     return kv_cache, llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch)
 
@@ -70,13 +73,14 @@ class Runner:
         self.params = params
         self.page_size = cache.page_size
         self.pages_per_seq = -(-max_model_len // cache.page_size)
-        weights_dtype = params["embed"].dtype
-        self.cache_dtype = kv_cache_dtype(weights_dtype)
+        # compute in the weights' dtype: the loader already chose it (dtype: auto measures)
+        self.compute_dtype = params["embed"].dtype
+        self.kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.compute_dtype)
+        self.cache_dtype = kv_storage_dtype(self.kv_dtype)
         self.num_pages = num_kv_pages(arch, cache, self.cache_dtype)
         self.kv_cache = llama.init_kv_cache(arch, self.num_pages, self.page_size, self.cache_dtype)
         self._jitted = jax.jit(
-            functools.partial(step_fn, arch=arch, attention_fn=attention_fn,
-                              compute_dtype=compute_dtype()),
+            functools.partial(step_fn, arch=arch, attention_fn=attention_fn),
             donate_argnums=(1,),
         )
         # The sampler is compiled per sequence count only (it does not depend on T): separating

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxbatch.config import DTYPES, canonical_dtype
@@ -40,6 +41,13 @@ class LoadedModel:
     # every id that ends generation: the tokenizer's EOS and generation_config.json's eos_token_id
     # (an int or a list: Llama 3 instruct models stop on <|eot_id|> as well as <|end_of_text|>)
     eos_token_ids: tuple[int, ...] = ()
+
+    def with_dtype(self, dtype: str | Any) -> LoadedModel:
+        """The same model with its params converted to `dtype` (a no-op when they already are)."""
+        dt = resolve_dtype(dtype)
+        if self.params["embed"].dtype == dt:
+            return self
+        return dataclasses.replace(self, params=jax.tree.map(lambda p: p.astype(dt), self.params))
 
 
 def resolve_dtype(dtype: str | Any) -> Any:

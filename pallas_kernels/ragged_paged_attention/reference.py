@@ -3,8 +3,10 @@
 Signature (shared with kernel.py):
   q            [T, Hq, D]      new tokens of all sequences, flattened; rows >= cu_q_lens[num_seqs]
                                are padding (their output is zeros)
-  k_pages      [N, P, Hkv, D]  paged KV cache (N pages of P tokens), already holding the new tokens
-  v_pages      [N, P, Hkv, D]
+  k_pages      [N, P, Hkv, D]  paged KV cache (N pages of P tokens), already holding the new tokens;
+  v_pages      [N, P, Hkv, D]  uint16 pages hold bf16 bit patterns (how XLA:CPU stores a bf16
+                               cache: it float-normalises bf16 scatters); each gathered block is
+                               bitcast back, never the whole cache (that was a copy of it per layer)
   kv_lens      i32[S]          tokens in each sequence's history, new tokens included
   page_indices i32[S, W]       the pages of each sequence, in order
   cu_q_lens    i32[S+1]        prefix sums of the per-sequence new-token counts
@@ -50,12 +52,17 @@ def _online_update(m, l, acc, s, mask):
     return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc, p
 
 
+def _values(x: jax.Array) -> jax.Array:
+    """Gathered cache blocks as values: uint16 storage holds bf16 bits."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+
+
 def _gather_block(pages_2d, k_pages, v_pages, j, pages_per_block):
     """KV for block j of every row of pages_2d [R, W'] -> k, v [R, Bk, Hkv, D]."""
     rows = pages_2d.shape[0]
     blk = jax.lax.dynamic_slice(pages_2d, (0, j * pages_per_block), (rows, pages_per_block))
-    k = k_pages[blk]  # [R, ppb, P, Hkv, D]
-    v = v_pages[blk]
+    k = _values(k_pages[blk])  # [R, ppb, P, Hkv, D]
+    v = _values(v_pages[blk])
     r, b, p, h, d = k.shape
     return k.reshape(r, b * p, h, d), v.reshape(r, b * p, h, d)
 
@@ -123,8 +130,8 @@ def ragged_paged_attention_reference(
         blk = jnp.where(ok, blk, 0)
         cols = blk[:, None] * ppb + jnp.arange(ppb)[None, :]  # [C, ppb]
         pg = jnp.take_along_axis(pages[row], cols, axis=1)
-        k = k_pages[pg].reshape(chunk, bk, Hkv, D)
-        v = v_pages[pg].reshape(chunk, bk, Hkv, D)
+        k = _values(k_pages[pg]).reshape(chunk, bk, Hkv, D)
+        v = _values(v_pages[pg]).reshape(chunk, bk, Hkv, D)
         kpos = blk[:, None] * bk + jnp.arange(bk)[None, :]  # [C, bk]
         kv_r = dec_kv[row]
         mask = (kpos < kv_r[:, None]) & ok[:, None]

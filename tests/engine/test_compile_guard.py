@@ -16,12 +16,12 @@ def test_guard(tmp_path):
     make_tiny_model("llama_gqa", path)
     opts = dict(max_num_seqs=4, compile_guard=True, progress=False, max_model_len=128,
                 num_pages=64)
-    a = LLM(path, planner="fixed:[(4,4),(16,4)]", max_num_batched_tokens=16, **opts)
+    a = LLM(path, dtype="float32", planner="fixed:[(4,4),(16,4)]", max_num_batched_tokens=16, **opts)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 3, 15, 40, 7)]
     a.generate(prompts, sp, use_tqdm=False)  # touches both buckets, chunked and decode steps
     assert a.engine.compiles_since_warmup == 0
-    b = LLM(path, planner="fixed:[(32,4)]", max_num_batched_tokens=32, **opts)  # compiles
+    b = LLM(path, dtype="float32", planner="fixed:[(32,4)]", max_num_batched_tokens=32, **opts)  # compiles
     a.generate(prompts, sp, use_tqdm=False)
     assert a.engine.compiles_since_warmup == 0 and b.engine.compiles_since_warmup == 0
     jnp.arange(17).astype(jnp.float32).sum()  # a stray shape compiled outside any warm-up

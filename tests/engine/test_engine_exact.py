@@ -68,7 +68,7 @@ ENGINE = dict(max_model_len=512, seed=0, compile_guard=True, progress=False)
                                               (16, "decode_first"), (64, "mixed")])
 def test_greedy_exact_policies_and_pages(tiny, page_size, policy):
     path, hf = tiny("llama_gqa")
-    llm = LLM(path, page_size=page_size, batching_policy=policy, max_num_batched_tokens=32,
+    llm = LLM(path, dtype="float32", page_size=page_size, batching_policy=policy, max_num_batched_tokens=32,
               max_num_seqs=4, num_pages=2048 // page_size + 8,
               planner="fixed:[(8,4),(32,4)]", **ENGINE)
     prompts = prompts_of([5, 70, 17, 33, 1, 90, 12])  # 70 and 90 need several 32-token chunks
@@ -79,7 +79,7 @@ def test_greedy_exact_policies_and_pages(tiny, page_size, policy):
 @pytest.mark.parametrize("kind", ["llama_tied", "qwen2", "mistral", "llama3_rope"])
 def test_greedy_exact_architectures(tiny, kind):
     path, hf = tiny(kind)
-    llm = LLM(path, page_size=16, max_num_batched_tokens=64, max_num_seqs=8, num_pages=64,
+    llm = LLM(path, dtype="float32", page_size=16, max_num_batched_tokens=64, max_num_seqs=8, num_pages=64,
               planner="fixed:[(8,8),(64,8)]", **ENGINE)
     check_exact(llm, hf, prompts_of([3, 40, 100, 7], seed=1), [12, 12, 12, 12])
 
@@ -87,7 +87,7 @@ def test_greedy_exact_architectures(tiny, kind):
 def test_preemption_keeps_output(tiny):
     path, hf = tiny("llama_gqa")
     # 12 usable pages of 8 tokens for 6 requests of up to 60 tokens each: must preempt
-    llm = LLM(path, page_size=8, num_pages=13, max_num_batched_tokens=32, max_num_seqs=6,
+    llm = LLM(path, dtype="float32", page_size=8, num_pages=13, max_num_batched_tokens=32, max_num_seqs=6,
               planner="fixed:[(8,6),(32,6)]", **ENGINE)
     prompts = prompts_of([20, 30, 25, 10, 40, 15], seed=2)
     check_exact(llm, hf, prompts, [40, 20, 30, 40, 20, 40])
@@ -96,7 +96,7 @@ def test_preemption_keeps_output(tiny):
 
 def test_requests_added_while_others_run(tiny):
     path, hf = tiny("llama_gqa")
-    llm = LLM(path, page_size=4, num_pages=200, max_num_batched_tokens=32, max_num_seqs=4,
+    llm = LLM(path, dtype="float32", page_size=4, num_pages=200, max_num_batched_tokens=32, max_num_seqs=4,
               planner="fixed:[(8,4),(32,4)]", **ENGINE)
     eng = llm.engine
     prompts = prompts_of([10, 50, 7, 25, 3, 44], seed=3)
@@ -131,7 +131,7 @@ def test_bench64_lengths(tiny):
     assert len(lengths) == 64
     prompts = prompts_of([p for p, _ in lengths], seed=6)
     max_tokens = [m for _, m in lengths]
-    llm = LLM(path, page_size=16, num_pages=2048, max_num_batched_tokens=256, max_num_seqs=32,
+    llm = LLM(path, dtype="float32", page_size=16, num_pages=2048, max_num_batched_tokens=256, max_num_seqs=32,
               planner="fixed:[(8,8),(32,32),(256,32)]", **{**ENGINE, "max_model_len": 1024})
     check_exact(llm, hf, prompts, max_tokens)
     assert llm.engine.compiles_since_warmup == 0
@@ -140,7 +140,7 @@ def test_bench64_lengths(tiny):
 def test_pallas_kernel_interpret_end_to_end(tiny):
     """attention_backend="pallas" runs the GPU kernel (interpret mode on CPU) inside the engine."""
     path, hf = tiny("llama_gqa")
-    llm = LLM(path, page_size=16, num_pages=64, max_num_batched_tokens=32, max_num_seqs=2,
+    llm = LLM(path, dtype="float32", page_size=16, num_pages=64, max_num_batched_tokens=32, max_num_seqs=2,
               planner="fixed:[(32,2)]", attention_backend="pallas",
               **{**ENGINE, "max_model_len": 128})
     check_exact(llm, hf, prompts_of([20, 5], seed=4), [4, 4])

@@ -15,12 +15,12 @@ from jaxbatch import LLM, SamplingParams
 from jaxbatch.cli import main as cli_main
 from jaxbatch.config import CacheConfig
 from jaxbatch.engine.attention import attention_fn
-from jaxbatch.engine.runner import Runner, kv_cache_dtype, num_kv_pages
+from jaxbatch.engine.runner import Runner, kv_storage_dtype, num_kv_pages
 from jaxbatch.model.loader import load_model
 from tests.helpers import TINY_CONFIG
 from tests.helpers.tiny_models import make_tiny_model
 
-ONE_BUCKET = dict(max_model_len=128, page_size=16, num_pages=64, max_num_batched_tokens=32,
+ONE_BUCKET = dict(dtype="float32", max_model_len=128, page_size=16, num_pages=64, max_num_batched_tokens=32,
                   max_num_seqs=4, planner="fixed:[(32,4)]", attention_backend="reference",
                   compile_guard=True, progress=False)
 
@@ -74,8 +74,9 @@ def test_generation_config_eos_ids_end_generation(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kv_pages_sized_in_the_cache_dtype(tmp_path, dtype):
-    """A memory budget buys as many pages as fit at the cache's element size; on CPU the cache
-    is f32 even for bf16 weights (it used to be sized at 2 bytes: twice the budget)."""
+    """A memory budget buys as many pages as fit at the element size really allocated (it used
+    to be sized at 2 bytes for bf16 while the CPU cache was f32: twice the budget); bf16 values
+    are stored as uint16 bits on CPU, 2 bytes each."""
     d = str(tmp_path / "m")
     make_tiny_model("llama_gqa", d)
     model = load_model(d, dtype)
@@ -84,12 +85,9 @@ def test_kv_pages_sized_in_the_cache_dtype(tmp_path, dtype):
                                                           kv_cache_memory_gb=budget_gb),
                     128, attention_fn("reference"))
     cache_bytes = runner.kv_cache["k"].nbytes + runner.kv_cache["v"].nbytes
-    assert runner.kv_cache["k"].dtype == kv_cache_dtype(model.params["embed"].dtype)
+    assert runner.kv_cache["k"].dtype == kv_storage_dtype(model.params["embed"].dtype)
     assert cache_bytes <= budget_gb * 2**30 < cache_bytes + 2 * runner.kv_cache["k"][0, 0].nbytes \
         * model.arch.num_layers
     f32_pages = num_kv_pages(model.arch, CacheConfig(page_size=16, kv_cache_memory_gb=budget_gb),
                              jnp.float32)
-    if runner.cache_dtype == jnp.float32:
-        assert runner.num_pages == f32_pages
-    else:
-        assert runner.num_pages == 2 * f32_pages
+    assert runner.num_pages == f32_pages * 4 // jnp.dtype(runner.cache_dtype).itemsize

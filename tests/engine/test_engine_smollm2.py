@@ -32,7 +32,7 @@ def prompts(smol):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_greedy_equals_hf(smol, hf_smol, prompts, page_size):
-    llm = LLM("smollm2-135m-instruct", page_size=page_size, num_pages=4096 // page_size + 4,
+    llm = LLM("smollm2-135m-instruct", dtype="float32", page_size=page_size, num_pages=4096 // page_size + 4,
               max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512,
               planner="fixed:[(8,8),(64,8)]", compile_guard=True, progress=False)
     sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

@@ -9,7 +9,7 @@ from jaxbatch import LLM, SamplingParams
 from jaxbatch.core.request import NewRequest
 from tests.helpers.tiny_models import make_tiny_model
 
-OPTS = dict(max_model_len=128, page_size=16, num_pages=64, max_num_batched_tokens=32,
+OPTS = dict(dtype="float32", max_model_len=128, page_size=16, num_pages=64, max_num_batched_tokens=32,
             max_num_seqs=4, planner="fixed:[(8,4),(32,4)]", attention_backend="reference",
             compile_guard=True, progress=False)
 PROMPTS = [[1, 5, 9, 13], [1, 7, 7, 2, 40, 41], [1, 99], [1, 3, 3, 3, 3, 3, 3, 3, 3]]

@@ -76,7 +76,7 @@ def run_exact(llm, hf, prompts, max_tokens):
 
 def test_dp_engine_exact_with_trims_and_splits(tiny):
     path, hf = tiny
-    llm = LLM(path, page_size=16, num_pages=300, max_num_batched_tokens=64, max_num_seqs=8,
+    llm = LLM(path, dtype="float32", page_size=16, num_pages=300, max_num_batched_tokens=64, max_num_seqs=8,
               planner="dp", max_compiled_shapes=5, **ENGINE)
     planner = llm.engine.planner
     assert isinstance(planner, StepPlanner) and len(planner.buckets) <= 5
@@ -97,7 +97,7 @@ def test_dp_engine_exact_with_trims_and_splits(tiny):
 def test_dp_engine_exact_decode_first_with_preemption(tiny):
     path, hf = tiny
     # 15 usable pages of 8 tokens for 6 requests of up to 70 tokens: preempts and recomputes
-    llm = LLM(path, page_size=8, num_pages=16, max_num_batched_tokens=32, max_num_seqs=6,
+    llm = LLM(path, dtype="float32", page_size=8, num_pages=16, max_num_batched_tokens=32, max_num_seqs=6,
               batching_policy="decode_first", planner="dp", max_compiled_shapes=3, **ENGINE)
     planner = llm.engine.planner
     planner.set_cost(token_cost(2.0))

@@ -19,7 +19,7 @@ PROMPT = [5, 17, 99, 3, 250, 42, 7, 8]
 def setup(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_sampling"))
     hf = make_tiny_model("llama_gqa", path, seed=1)
-    llm = LLM(path, page_size=16, num_pages=600, max_num_batched_tokens=512, max_num_seqs=64,
+    llm = LLM(path, dtype="float32", page_size=16, num_pages=600, max_num_batched_tokens=512, max_num_seqs=64,
               max_model_len=256, planner="fixed:[(64,64),(512,64)]", compile_guard=True,
               progress=False)
     with torch.no_grad():

@@ -59,7 +59,7 @@ def test_stop_string_is_excluded_and_held_back(tok):
 
 @pytest.fixture(scope="module")
 def chat_llm(tiny_chat_dir, smol):
-    return LLM(tiny_chat_dir, page_size=16, num_pages=256, max_num_batched_tokens=64, max_num_seqs=8,
+    return LLM(tiny_chat_dir, dtype="float32", page_size=16, num_pages=256, max_num_batched_tokens=64, max_num_seqs=8,
                max_model_len=512, planner="fixed:[(16,8),(64,8)]", compile_guard=True,
                progress=False)
 

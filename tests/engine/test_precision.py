@@ -1,0 +1,54 @@
+"""dtype auto: the engine measures its own matmul shapes in both dtypes, computes in the faster
+one (a clear win for bf16 only), and caches the measurement per device and jax version."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jaxbatch import LLM
+from jaxbatch.engine import precision
+from tests.helpers.tiny_models import make_tiny_model
+
+
+@pytest.mark.parametrize("f32_s,bf16_s,want", [(1.0, 0.5, "bfloat16"), (1.0, 0.95, "float32"),
+                                               (0.5, 1.0, "float32")])
+def test_faster_dtype_is_chosen_and_cached(tmp_path, monkeypatch, f32_s, bf16_s, want):
+    calls = []
+
+    def fake_time(dtype, hidden, inner, repeats=5):
+        calls.append(jnp.dtype(dtype).name)
+        return bf16_s if jnp.dtype(dtype) == jnp.bfloat16 else f32_s
+
+    monkeypatch.setattr(precision, "_time_matmuls", fake_time)
+    first = precision.choose_compute_dtype(64, 128, str(tmp_path))
+    assert (first.dtype, first.source) == (want, "measured")
+    assert sorted(calls) == ["bfloat16", "float32"]
+    assert first.gflops["bfloat16"] / first.gflops["float32"] == pytest.approx(f32_s / bf16_s)
+    again = precision.choose_compute_dtype(64, 128, str(tmp_path))
+    assert (again.dtype, again.source, again.gflops) == (want, "cache", first.gflops)
+    assert len(calls) == 2  # read from the cache, not measured again
+    other = precision.choose_compute_dtype(64, 256, str(tmp_path))  # other shapes: measured
+    assert other.source == "measured"
+
+
+def test_real_measurement_is_sane(tmp_path):
+    choice = precision.choose_compute_dtype(64, 128, str(tmp_path))
+    assert choice.dtype in ("float32", "bfloat16")
+    assert all(0 < v < 1e6 for v in choice.gflops.values())
+
+
+def test_engine_with_dtype_auto_computes_in_the_chosen_dtype(tmp_path, monkeypatch):
+    monkeypatch.setattr(precision, "_time_matmuls",
+                        lambda dtype, *a, **k: 0.5 if jnp.dtype(dtype) == jnp.bfloat16 else 1.0)
+    d = str(tmp_path / "m")
+    make_tiny_model("llama_gqa", d)
+    llm = LLM(d, dtype="auto", cache_dir=str(tmp_path / "cache"), max_model_len=64,
+              num_pages=16, max_num_batched_tokens=16, max_num_seqs=2, planner="fixed:[(16,2)]",
+              attention_backend="reference", progress=False)
+    eng = llm.engine
+    assert eng.config.model.dtype == "bfloat16" and eng.precision is not None
+    assert eng.runner.params["layers"]["wq"].dtype == jnp.bfloat16
+    assert eng.runner.kv_dtype == jnp.bfloat16  # kv_cache_dtype auto follows the compute dtype
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 16
