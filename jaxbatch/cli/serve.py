@@ -1,24 +1,43 @@
 """`jaxbatch serve`: the OpenAI-compatible HTTP server.
 
 SIGTERM or SIGINT: stop accepting, let running requests finish for up to --shutdown-timeout
-seconds, abort the rest, exit 0.
+seconds, abort the rest, exit 0. If the engine thread dies, the requests in flight get 503 and the
+process exits with status 1 (EXIT_ENGINE_DEAD) so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
 from jaxbatch.engine.client import EngineClient
+from jaxbatch.openai_protocol import RequestLimits
+
+if TYPE_CHECKING:
+    from jaxbatch.server.state import ServerLimits
 
 log = logging.getLogger("jaxbatch.server")
 
+EXIT_ENGINE_DEAD = 1
+# RequestLimits fields -> their flag (the others: --max-stop-strings for max_stop_strings ...)
+_LIMIT_FLAGS = {"max_body_bytes": "--max-request-body-bytes"}
+
+
+def _limit_flag(field: str) -> str:
+    return _LIMIT_FLAGS.get(field, "--" + field.replace("_", "-"))
+
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxbatch.server.state import ServerLimits  # light: aiohttp, no jax
+
+    d = ServerLimits()
     p = argparse.ArgumentParser(prog="jaxbatch serve",
                                 description="OpenAI-compatible server (completions, chat)")
     p.add_argument("--host", default="127.0.0.1")
@@ -27,48 +46,119 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* routes")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; default: the --model value")
-    p.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 429 when this many requests already wait for the engine")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info")
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="429 with Retry-After when this many requests already wait for the "
+                        "engine (default %(default)s; 0: no limit)")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections beyond this are answered 503 and closed "
+                        "(default %(default)s)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help="seconds a connection has to send a request's headers (from opening, "
+                        "or from its previous response); idle keep-alive connections close then "
+                        "(default %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds a request body has to arrive after its headers (else 408; "
+                        "default %(default)s)")
+    g.add_argument("--step-timeout", type=float, default=d.step_timeout,
+                   help="/health is 503 when no engine step completed for this long while "
+                        "requests are pending (default %(default)s)")
+    for f in dataclasses.fields(RequestLimits):
+        default = getattr(d.request, f.name)
+        g.add_argument(_limit_flag(f.name), dest="limit_" + f.name, type=type(default),
+                       default=default, metavar="N",
+                       help=f"RequestLimits.{f.name} (default %(default)s)")
     add_engine_args(p)
     return p
 
 
-async def _serve(args: argparse.Namespace, engine: EngineClient) -> None:
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    from jaxbatch.server.state import ServerLimits
+
+    request = RequestLimits(**{f.name: getattr(args, "limit_" + f.name)
+                               for f in dataclasses.fields(RequestLimits)})
+    for f in dataclasses.fields(RequestLimits):
+        if getattr(request, f.name) < 1:
+            raise SystemExit(f"{_limit_flag(f.name)} must be >= 1")
+    for flag in ("max_connections", "header_timeout", "body_timeout", "step_timeout"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be > 0")
+    if args.max_waiting_requests < 0:
+        raise SystemExit("--max-waiting-requests must be >= 0")
+    return ServerLimits(max_waiting_requests=args.max_waiting_requests or None,
+                        max_connections=args.max_connections,
+                        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                        step_timeout=args.step_timeout, request=request)
+
+
+async def _serve(args: argparse.Namespace, engine: EngineClient) -> int:
     from jaxbatch.server.app import Server
 
     names = args.served_model_name or [engine.config.model.model]
     server = await Server.start(engine, args.host, args.port, names, args.api_key,
-                                args.max_waiting_requests)
+                                limits_from_args(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("serving %s on %s (OpenAI API under /v1)", ", ".join(names), server.url)
     print(f"jaxbatch serve: ready on {server.url} model={names[0]}", flush=True)
-    await stop.wait()
+    dead = asyncio.create_task(server.state.engine.wait_dead())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({dead, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if dead.done():
+        log.critical("the engine thread died (%r); the requests in flight got 503; exiting "
+                     "with status %d so that a supervisor restarts the server", dead.result(),
+                     EXIT_ENGINE_DEAD)
+        stopping.cancel()
+        await server.shutdown(grace=0.0)
+        return EXIT_ENGINE_DEAD
+    dead.cancel()
     log.info("shutting down: %d request(s) in flight", server.state.engine.num_active)
     await server.shutdown(args.shutdown_timeout)
     log.info("stopped")
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    # our loggers at --log-level; libraries (absl, orbax, aiohttp) only warnings and worse
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jaxbatch").setLevel(args.log_level.upper())
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        raise SystemExit("--max-waiting-requests must be >= 1")
+def _raise_fd_limit(max_connections: int) -> None:
+    """Room for max_connections sockets plus the process's own files, as far as the hard limit
+    allows."""
+    import resource
+
+    need = max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < need:
+            log.warning("open-file limit %d is below --max-connections %d + 256", new,
+                        max_connections)
+
+
+def _default_engine(args: argparse.Namespace) -> EngineClient:
     from jaxbatch.engine.engine import Engine
 
     engine = Engine.from_config(engine_config_from_args(args))
     log.info("engine ready in %.1fs (warm-up %.1fs)", engine.startup_seconds,
              engine.warmup_seconds)
-    asyncio.run(_serve(args, engine))
-    return 0
+    return engine
+
+
+def main(argv: list[str] | None = None,
+         make_engine: Callable[[argparse.Namespace], EngineClient] | None = None) -> int:
+    """`make_engine(args)` builds the engine (tests pass a fake); default: Engine.from_config."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # our loggers at --log-level; libraries (absl, orbax, aiohttp) only warnings and worse
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxbatch").setLevel(args.log_level.upper())
+    limits = limits_from_args(args)  # refuse bad limits before the (slow) engine start
+    _raise_fd_limit(limits.max_connections)
+    engine = (make_engine or _default_engine)(args)
+    return asyncio.run(_serve(args, engine))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ log = logging.getLogger("jaxbatch.server")
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine thread has died or stopped. Its message is safe for a client (no exception
+    repr); the cause is in the log and in `AsyncEngine.error`."""
 
 
 class QueueFullError(RuntimeError):
@@ -128,10 +129,15 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._live: set[str] = set()  # thread side: ids in the engine, not finished
         self._draining = False  # thread side: stop once nothing is left
+        # monotonic time of the engine's last sign of progress: a completed step, or the thread
+        # waking up for work (and the loop handing work to an idle engine)
+        self.last_progress = time.monotonic()
+        self.dead: asyncio.Event | None = None  # set (on the loop) when the thread has died
 
     # ---- event-loop side ---------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.dead = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="jaxbatch-engine", daemon=True)
         self._thread.start()
 
@@ -144,18 +150,39 @@ class AsyncEngine:
         """Engine requests handed out and not finished (as seen from the event loop)."""
         return len(self._streams)
 
+    @property
+    def work_pending(self) -> bool:
+        """Adds on their way to the thread, or engine requests not finished."""
+        return self._submitted > 0 or bool(self._streams)
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine last made progress while work is pending; 0.0 when idle.
+        A step that hangs (or a dead thread with callers waiting) makes this grow."""
+        if not self.work_pending:
+            return 0.0
+        return max(0.0, time.monotonic() - self.last_progress)
+
+    async def wait_dead(self) -> BaseException | None:
+        """Return once the engine thread has died (its exception); never for a clean stop."""
+        assert self.dead is not None, "start() first"
+        await self.dead.wait()
+        return self.error
+
     async def add(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams
                   ) -> RequestStream:
         """Submit one engine request per prompt (ids request_id-0, -1, ...), all or none.
         Raises ValueError (bad prompt, from the engine: none was added), QueueFullError or
         EngineDeadError; on success the requests are in the engine."""
         if not self.healthy or self.stopped:
-            raise EngineDeadError(f"the engine is not running: {self.error or 'stopped'}")
+            raise EngineDeadError("the engine has failed" if self.error is not None else
+                                  "the engine is not running")
         limit = self.max_waiting_requests
         if limit is not None and self._submitted + self.num_waiting + len(prompts) > limit:
             raise QueueFullError(f"the server has {self._submitted + self.num_waiting} "
                                  f"requests waiting (limit {limit}); retry later")
         ids = tuple(f"{request_id}-{i}" for i in range(len(prompts)))
+        if not self.work_pending:  # an idle engine: its stall clock starts now
+            self.last_progress = time.monotonic()
         stream = RequestStream(self, list(ids))
         for rid in ids:
             self._streams[rid] = stream
@@ -212,6 +239,11 @@ class AsyncEngine:
         self._streams.clear()
         for s in streams:
             s.queue.put_nowait(error)
+
+    def _died(self, error: BaseException) -> None:
+        self._fail_all(error)
+        if self.dead is not None:
+            self.dead.set()
 
     async def stop(self, abort: bool = True, timeout: float = 30.0) -> None:
         """Stop the thread: abort what runs (abort=True) or let it finish first."""
@@ -273,6 +305,8 @@ class AsyncEngine:
                     break
                 try:  # block for a command only when there is nothing to step
                     cmd = self._cmds.get(block=not busy)
+                    if not busy:
+                        self.last_progress = time.monotonic()  # woken up for work
                     if not self._apply(cmd):
                         break
                     while True:
@@ -284,19 +318,20 @@ class AsyncEngine:
                     continue
                 t0 = time.perf_counter()
                 outputs = eng.step()
+                self.last_progress = time.monotonic()
                 seconds = time.perf_counter() - t0
                 stats = eng.stats()
                 self._note(stats)
-                self._emit(outputs)
-                if self.on_step is not None:
-                    try:
+                if self.on_step is not None:  # before the outputs leave: a client that has its
+                    try:  # answer sees /metrics gauges of at least this step
                         self.on_step(stats, outputs, seconds)
                     except Exception:  # metrics must never take the engine down
                         log.exception("on_step callback failed")
+                self._emit(outputs)
         except BaseException as e:  # the engine is broken: fail every caller loudly
             log.exception("engine thread failed")
             self.error = e
-            self._call(self._fail_all, EngineDeadError(f"the engine failed: {e!r}"))
+            self._call(self._died, EngineDeadError("the engine has failed"))
         finally:
             self._reject_queued()
             self._note(eng.stats())

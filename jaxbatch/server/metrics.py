@@ -4,14 +4,22 @@ tests, never collide in the global one).
 Request side (event loop): requests by route and HTTP status, finish reasons, TTFT, inter-token
 latency, end-to-end latency, tokens in and out. Engine side (engine thread, after each step):
 waiting/running requests, KV pages used/free, tokens per step, padding fraction, step time and
-compilations since warm-up, all from the engine's EngineStats.
+compilations since warm-up, all from the engine's EngineStats. Process: resident memory, open
+file descriptors, CPU seconds (prometheus_client's process_* metrics).
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxbatch.core.outputs import RequestOutput
@@ -28,6 +36,7 @@ _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         p = "jaxbatch_"
         self.requests = Counter(p + "requests", "HTTP requests by route and status code",
                                 ["route", "status"], registry=r)
@@ -60,6 +69,9 @@ class ServerMetrics:
                              "padded share of computed tokens since start", registry=r)
         self.compiles = Gauge(p + "compiles_since_warmup",
                               "XLA compilations after warm-up (should stay 0)", registry=r)
+        self.connections_refused = Counter(p + "connections_refused",
+                                           "connections answered 503 over --max-connections",
+                                           registry=r)
         self.info = Gauge(p + "model_info", "served model", ["model_name"], registry=r)
         self.info.labels(model_name=model_name).set(1)
         self._last_real_tokens = 0

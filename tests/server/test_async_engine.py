@@ -5,72 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import pytest
 
-from jaxbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxbatch.core.request import NewRequest
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.engine.client import EngineStats
-from jaxbatch.server.async_engine import AbortRequests, AsyncEngine, Stop
-
-
-class FakeEngine:
-    """Prompts are token-id lists; each step appends one token (7) to every request, which
-    finishes after max_tokens. A prompt containing -1 is refused (ValueError)."""
-
-    config = None
-    tokenizer = None
-    max_model_len = 64
-
-    def __init__(self) -> None:
-        self.running: dict[str, tuple[list[int], int]] = {}  # id -> (output ids, max_tokens)
-        self.pending: list[RequestOutput] = []
-        self.aborted: list[str] = []
-        self.steps = 0
-
-    def add_requests(self, new):
-        for item in new:
-            if -1 in item.prompt:
-                raise ValueError("bad prompt")
-        for item in new:
-            self.running[item.request_id] = ([], item.sampling_params.max_tokens)
-        return []
-
-    def abort_request(self, request_id: str) -> None:
-        if request_id in self.running:
-            out, _ = self.running.pop(request_id)
-            self.aborted.append(request_id)
-            self.pending.append(_output(request_id, out, [], "abort"))
-
-    def drain_aborted(self):
-        out, self.pending = self.pending, []
-        return out
-
-    def step(self):
-        time.sleep(0.001)  # a step takes time: the event loop keeps up
-        self.steps += 1
-        outs, self.pending = self.pending, []
-        for rid, (ids, max_tokens) in list(self.running.items()):
-            ids.append(7)
-            done = len(ids) >= max_tokens
-            outs.append(_output(rid, ids, [7], "length" if done else None))
-            if done:
-                del self.running[rid]
-        return outs
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.pending)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(0, len(self.running), 0, 8, 0, self.steps, 0, 0)
-
-
-def _output(rid: str, ids: list[int], new: list[int], reason: str | None) -> RequestOutput:
-    comp = CompletionOutput(0, "", list(ids), reason)
-    return RequestOutput(rid, None, [1], [comp], reason is not None,
-                         RequestMetrics(0.0, None, None), delta_token_ids=new)
+from jaxbatch.server.async_engine import AbortRequests, AsyncEngine, EngineDeadError, Stop
+from tests.server.support import FakeEngine
 
 
 def run(coro_fn):
@@ -179,3 +121,36 @@ def test_add_requests_gets_typed_new_requests():
 
     asyncio.run(main())
     assert seen == [[NewRequest("r-0", [4, 5], SamplingParams(max_tokens=1))]]
+
+
+def test_a_hung_step_shows_as_stalled_and_recovers():
+    async def go(eng, aeng):
+        assert aeng.stalled_for() == 0.0  # idle: never stalled, however long ago the last step
+        eng.gate.clear()
+        stream = await aeng.add("r", [[1]], SamplingParams(max_tokens=2))
+        await asyncio.sleep(0.3)
+        stalled = aeng.stalled_for()
+        eng.gate.set()
+        finals = await stream.results()
+        stream.close()
+        return stalled, finals, aeng.stalled_for()
+
+    _, (stalled, finals, after) = run(go)
+    assert stalled >= 0.25 and finals[0].outputs[0].finish_reason == "length" and after == 0.0
+
+
+def test_a_dying_engine_fails_its_callers_and_sets_dead():
+    async def go(eng, aeng):
+        ok = await aeng.add("a", [[1]], SamplingParams(max_tokens=10_000))
+        await ok.__anext__()
+        await aeng.add("b", [[FakeEngine.DIE]], SamplingParams(max_tokens=2))
+        error = await aeng.wait_dead()
+        with pytest.raises(EngineDeadError) as e:
+            await ok.results()
+        with pytest.raises(EngineDeadError) as e2:
+            await aeng.add("c", [[1]], SamplingParams(max_tokens=2))
+        return error, str(e.value), str(e2.value), aeng.healthy
+
+    _, (error, msg, msg2, healthy) = run(go)
+    assert isinstance(error, RuntimeError) and not healthy
+    assert "0xdead" not in msg + msg2 and "RuntimeError" not in msg + msg2  # no internals

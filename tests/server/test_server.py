@@ -25,32 +25,12 @@ from jaxbatch import LLM, SamplingParams
 from jaxbatch.config import config_from_sources
 from jaxbatch.core.request import RequestStatus
 from jaxbatch.engine.engine import Engine
-from jaxbatch.server.app import Server
 from tests.helpers import REPO, TINY_CONFIG
+from tests.server.support import ServerThread
 
 TINY_CONFIG = TINY_CONFIG
 KEY = "sk-test"
 NAME = "tiny"
-
-
-class ServerThread:
-    """Server.start on an event loop of its own thread; the tests are plain synchronous code."""
-
-    def __init__(self, engine: Engine, **kwargs) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = self.call(Server.start(engine, "127.0.0.1", 0, **kwargs))
-        self.url = self.server.url
-        self.engine = engine
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.call(self.server.shutdown(grace=1.0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -313,14 +293,14 @@ def test_full_queue_is_429(srv, client):
             while aeng.num_waiting < 2:  # 8 run (max_num_seqs), the rest wait
                 assert time.time() < deadline
                 await asyncio.sleep(0.02)
-            aeng.max_waiting_requests = 1
+            limit, aeng.max_waiting_requests = aeng.max_waiting_requests, 1
             try:
                 status, body = await asyncio.to_thread(
                     post, srv.url + "/v1/completions", json.dumps(
                         {"prompt": "x", "max_tokens": 2}).encode())
                 assert status == 429 and assert_error_shape(body)["code"] == "rate_limit_exceeded"
             finally:
-                aeng.max_waiting_requests = None
+                aeng.max_waiting_requests = limit
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)

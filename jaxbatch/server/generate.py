@@ -1,0 +1,137 @@
+"""POST /v1/completions and /v1/chat/completions: read, parse (off the event loop), submit,
+answer as JSON or SSE.
+
+A request the engine failed (its output carries `error`, finish_reason "error") is never answered
+as a completion: non-streaming it is a 500 "internal error (request id ...)", streaming an SSE
+error event and then `[DONE]`; the log line carries the same id and the cause. Its sibling
+prompts (a completions `prompt` list) are aborted with it; other requests go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from jaxbatch import openai_protocol as protocol
+from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.openai_protocol import ApiError
+from jaxbatch.server.async_engine import EngineDeadError, QueueFullError, RequestStream
+from jaxbatch.server.middleware import ClientGone, internal_error, read_json_body
+from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
+
+log = logging.getLogger("jaxbatch.server")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+def _parse(st: ServerState, kind: str, raw: bytes) -> protocol.ParsedRequest:
+    """JSON decoding, tokenisation and the chat template: CPU work that a 10 MB prompt makes long,
+    so it runs in the parse pool and the event loop keeps streaming to everyone else."""
+    body = protocol.load_json_body(raw, st.limits.request)
+    parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
+    return parse(body, st.tokenizer, st.max_model_len, st.served_names, st.limits.request)
+
+
+def _engine_failed(rid: str, out: RequestOutput) -> ApiError:
+    log.error("request %s: the engine failed %s: %s", rid, out.request_id, out.error)
+    return internal_error(rid)
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    st = request.app[STATE]
+    if st.draining:
+        raise ApiError(503, "the server is shutting down", "server_error")
+    response_id = request[REQUEST_ID] = protocol.new_id(kind)
+    raw = await read_json_body(request, st)
+    loop = asyncio.get_running_loop()
+    parsed = await loop.run_in_executor(st.parse_pool, functools.partial(_parse, st, kind, raw))
+    model = parsed.model or st.served_names[0]
+    try:
+        stream = await st.engine.add(response_id, parsed.prompts, parsed.sampling_params)
+    except ValueError as e:  # the engine refused a prompt (token out of range, KV capacity ...)
+        raise protocol.bad_request(str(e), "prompt" if kind == "completion" else "messages") \
+            from None
+    except QueueFullError as e:
+        raise ApiError(429, str(e), "rate_limit_error", None, "rate_limit_exceeded") from None
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), "server_error") from None
+    try:
+        if parsed.stream:
+            return await _stream(request, parsed, stream, response_id, model)
+        try:
+            async for _, out in stream:
+                if out.error is not None:
+                    raise _engine_failed(response_id, out)
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), "server_error") from None
+        return web.json_response(protocol.response_body(parsed, await stream.results(),
+                                                        st.tokenizer, model, response_id))
+    finally:
+        stream.close()  # aborts whatever did not finish (client gone, error)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _stream(request: web.Request, parsed: protocol.ParsedRequest,
+                  stream: RequestStream, response_id: str, model: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    try:
+        await resp.prepare(request)
+        try:
+            await _write_chunks(resp, request.app[STATE], parsed, stream, response_id, model)
+        except EngineDeadError as e:
+            await resp.write(_sse(ApiError(503, str(e), "server_error").body()))
+        except ApiError as e:  # the engine failed this request: an error event, never a chunk
+            await resp.write(_sse(e.body()))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:  # the client went away mid-stream
+        raise ClientGone(resp) from None
+    return resp
+
+
+async def _write_chunks(resp: web.StreamResponse, st: ServerState,
+                        parsed: protocol.ParsedRequest, stream: RequestStream, response_id: str,
+                        model: str) -> None:
+    tok = st.tokenizer
+    created = int(time.time())
+    chat = parsed.kind == "chat"
+    usage_null = {"usage": None} if parsed.include_usage else {}
+    offsets = [0] * len(parsed.prompts)
+    if chat:
+        for i in range(len(parsed.prompts)):
+            await resp.write(_sse({**protocol.chat_chunk(parsed, response_id, created, model, i,
+                                                         None, tok, first=True), **usage_null}))
+    async for i, out in stream:
+        if out.error is not None:
+            raise _engine_failed(response_id, out)
+        with_lp = parsed.top_logprobs is not None and bool(out.delta_token_ids)
+        if not out.delta_text and not out.finished and not with_lp:
+            continue  # a token whose text is held back (partial character, stop string)
+        if chat:
+            chunk = protocol.chat_chunk(parsed, response_id, created, model, i, out, tok)
+        else:
+            chunk = protocol.completion_chunk(parsed, response_id, created, model, i, out, tok,
+                                              offsets[i])
+            lp = chunk["choices"][0]["logprobs"]
+            if lp and lp["tokens"]:
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        await resp.write(_sse({**chunk, **usage_null}))
+    if parsed.include_usage:
+        await resp.write(_sse(protocol.usage_chunk(parsed, response_id, created, model,
+                                                   await stream.results())))

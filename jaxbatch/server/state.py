@@ -1,0 +1,51 @@
+"""What the server's handlers share: the engine (only through AsyncEngine), what parsing needs
+to know of the model, and the HTTP limits."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+from aiohttp import web
+
+from jaxbatch.openai_protocol import RequestLimits
+from jaxbatch.server.async_engine import AsyncEngine
+from jaxbatch.server.metrics import ServerMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """The server's protection against load and abuse (`jaxbatch serve` flags in brackets)."""
+
+    # 429 (with Retry-After) when this many engine requests already wait [--max-waiting-requests]
+    max_waiting_requests: int | None = 256
+    # open connections beyond this are answered 503 (Retry-After) and closed [--max-connections]
+    max_connections: int = 1024
+    # a connection must send a request's headers within this many seconds of opening or of its
+    # previous response, else it is closed (idle keep-alive connections too) [--header-timeout]
+    header_timeout: float = 15.0
+    # the body must arrive within this many seconds of the headers, else 408 [--body-timeout]
+    body_timeout: float = 30.0
+    # /health is 503 when no engine step has completed for this long with work pending
+    step_timeout: float = 60.0  # [--step-timeout]
+    # per request: body size (413), JSON depth, stop strings ... [--max-request-body-bytes ...]
+    request: RequestLimits = RequestLimits()
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_names: list[str]
+    metrics: ServerMetrics
+    tokenizer: Any  # a transformers tokenizer, or None (token-id prompts only)
+    max_model_len: int
+    api_key: str | None = None
+    limits: ServerLimits = ServerLimits()
+    # JSON decoding, tokenisation and chat templates run here, off the event loop
+    parse_pool: concurrent.futures.ThreadPoolExecutor | None = None
+    draining: bool = False
+
+
+STATE = web.AppKey("state", ServerState)
+REQUEST_ID = web.RequestKey("request_id", str)  # the id a 500 body and its log line carry
