@@ -2,7 +2,10 @@
 write each result as it finishes (or in input order), show progress.
 
 A line's prompts enter the engine together through `add_requests`, all or none: a refused prompt
-fails its line whole and leaves nothing in the engine.
+fails its line whole and leaves nothing in the engine. A line fails alone, never the job: a body
+the server would refuse gets the server's error, a request the engine fails (RequestOutput.error)
+the server's 500 "internal error" (the line's other prompts are aborted), and anything
+unexpected while handling the line a 500 naming the exception.
 
 Memory stays bounded by `max_in_flight`: a line is read only when fewer than that many engine
 requests are open (with --ordered, finished results waiting for an earlier line count too), and
@@ -21,6 +24,8 @@ from jaxbatch.batch.records import (
     Item,
     LineError,
     api_error,
+    fallback,
+    internal_error,
     line_error,
     parse_body,
     parse_envelope,
@@ -59,7 +64,7 @@ class BatchJob:
         self.progress = progress
         self.stats = JobStats()
         self._by_rid: dict[str, Item] = {}  # engine request id -> its line
-        self._buffer: dict[int, dict] = {}  # --ordered: seq -> finished record
+        self._buffer: dict[int, tuple[Item, dict]] = {}  # --ordered: seq -> finished record
         self._next_seq = 0  # --ordered: the next seq to write
         self._seq = 0
         self._unwritten = 0
@@ -75,7 +80,7 @@ class BatchJob:
             nxt = next(lines, None)
             if nxt is None:
                 return False
-            item, obj = read_item(self._seq, *nxt)
+            item, obj = read_item(self._seq, *nxt)  # never raises
             if item.key in done:
                 continue  # written by an earlier run
             self._seq += 1
@@ -84,11 +89,18 @@ class BatchJob:
             if item.record is None:
                 self._start(item, obj)
             if item.record is not None:
-                self._finish(item.seq, item.record)
+                self._finish(item, item.record)
             self._note_open()
         return True
 
     def _start(self, item: Item, obj: Any) -> None:
+        try:
+            self._start_line(item, obj)
+        except Exception as e:  # noqa: BLE001 - a bug handling this line fails the line alone
+            self._abort(item)
+            item.record = internal_error(item, repr(e))
+
+    def _start_line(self, item: Item, obj: Any) -> None:
         eng = self.engine
         try:
             url, body = parse_envelope(obj)
@@ -115,6 +127,15 @@ class BatchJob:
                 err = ApiError(500, f"internal error: {e!r}", "server_error")
             item.record = api_error(item, err)
 
+    def _abort(self, item: Item) -> None:
+        """Abort the line's requests still in the engine; their final outputs are dropped."""
+        open_rids = [rid for rid in item.request_ids if self._by_rid.pop(rid, None) is not None]
+        for rid in open_rids:
+            self.engine.abort_request(rid)
+        if open_rids:
+            for out in self.engine.drain_aborted():
+                self._on_output(out)  # another line's output, if any; ours are unknown now
+
     # ---- results -----------------------------------------------------------------------------
     def _on_output(self, out: RequestOutput) -> None:
         self.stats.completion_tokens += len(out.delta_token_ids)
@@ -125,24 +146,35 @@ class BatchJob:
             return
         item.outputs[out.request_id] = out
         self.stats.prompt_tokens += len(out.prompt_token_ids)
-        if len(item.outputs) == len(item.request_ids):
-            item.record = success(item, self.engine.tokenizer, self.served_models[0])
-            self._finish(item.seq, item.record)
+        if out.error is not None:  # the engine failed it: the server's 500, the line fails
+            self._abort(item)
+            self._finish(item, internal_error(item))
+        elif len(item.outputs) == len(item.request_ids):
+            try:
+                record = success(item, self.engine.tokenizer, self.served_models[0])
+            except Exception as e:  # noqa: BLE001 - this line fails, the job goes on
+                record = internal_error(item, repr(e))
+            self._finish(item, record)
 
-    def _finish(self, seq: int, record: dict) -> None:
+    def _finish(self, item: Item, record: dict) -> None:
+        item.record, item.outputs, item.parsed = record, {}, None  # keep only what is written
+        if not self.ordered:
+            self._write(item, record)
+            return
+        self._buffer[item.seq] = item, record
+        while self._next_seq in self._buffer:
+            self._write(*self._buffer.pop(self._next_seq))
+            self._next_seq += 1
+
+    def _write(self, item: Item, record: dict) -> None:
+        try:
+            self.writer.write(record)
+        except (ValueError, TypeError, RecursionError) as e:  # not JSON; nothing was written
+            record = fallback(item, f"its result could not be written: {e!r}")
+            self.writer.write(record)
         ok = record.get("error") is None
         self.stats.succeeded += ok
         self.stats.failed += not ok
-        if not self.ordered:
-            self._write(record)
-            return
-        self._buffer[seq] = record
-        while self._next_seq in self._buffer:
-            self._write(self._buffer.pop(self._next_seq))
-            self._next_seq += 1
-
-    def _write(self, record: dict) -> None:
-        self.writer.write(record)
         self._unwritten -= 1
         if self._bar is not None:
             self._bar.update(1)

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from jaxbatch.batch.files import Key, custom_id_of
+from jaxbatch.batch.files import Key, custom_id_of, load_line, too_deep
 from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.openai_protocol import (
     ApiError,
@@ -55,19 +55,29 @@ class Item:
     record: dict | None = None
 
 
-def read_item(seq: int, line_no: int, raw: bytes) -> tuple[Item, dict | None]:
-    """Parse the line's envelope. Returns the item and its JSON object (None if not JSON; then
-    item.record is already the error record)."""
-    try:
-        obj = json.loads(raw)
-    except ValueError as e:
-        item = Item(seq, line_no, line_no, None)
-        item.record = line_error(item, "invalid_json", f"not valid JSON: {e}")
-        return item, None
+def read_item(seq: int, line_no: int, raw: bytes) -> tuple[Item, Any]:
+    """Parse the line's envelope. Returns the item and its JSON value; item.record is already
+    the error record of a line that is not JSON or nests too deep. Never raises."""
+    obj, why, depth = load_line(raw)
     cid = custom_id_of(obj)
-    item = Item(seq, line_no, cid or line_no, obj.get("custom_id") if isinstance(obj, dict)
+    item = Item(seq, line_no, cid or line_no, _echo(obj.get("custom_id")) if isinstance(obj, dict)
                 else None)
+    deep = too_deep(raw, depth)
+    if deep is not None:  # a 400, as from the server; keyed by the custom_id if it was read
+        item.custom_id = cid  # never echo a deep value
+        item.record = api_error(item, deep)
+    elif why is not None:
+        item.record = line_error(item, "invalid_json", why)
     return item, obj
+
+
+def _echo(value: Any) -> Any:
+    """A custom_id as given, to echo in the record; None if it is no strict JSON (NaN)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        return None
+    return value
 
 
 def parse_envelope(obj: Any) -> tuple[str, Any]:
@@ -119,16 +129,37 @@ def success(item: Item, tokenizer: Any, default_model: str) -> dict:
 
 def api_error(item: Item, err: ApiError) -> dict:
     """A request the server would answer with an HTTP error: that status and body."""
-    return {"id": _record_id(), "custom_id": item.custom_id,
-            "response": {"status_code": err.status,
-                         "request_id": item.response_id or new_id("completion"),
-                         "body": err.body()},
-            "error": {"code": err.code or err.type, "message": err.message}}
+    rec = {"id": _record_id(), "custom_id": item.custom_id,
+           "response": {"status_code": err.status,
+                        "request_id": item.response_id or new_id("completion"),
+                        "body": err.body()},
+           "error": {"code": err.code or err.type, "message": err.message}}
+    return _keyed(item, rec)
+
+
+def internal_error(item: Item, detail: str | None = None) -> dict:
+    """The server's 500 for a request that failed inside it: "internal error" for a request the
+    engine failed (`detail` None), else "internal error: <the exception>"."""
+    return api_error(item, ApiError(500, "internal error" + (f": {detail}" if detail else ""),
+                                    "server_error"))
 
 
 def line_error(item: Item, code: str, message: str) -> dict:
     rec = {"id": _record_id(), "custom_id": item.custom_id, "response": None,
            "error": {"code": code, "message": f"line {item.line_no}: {message}"}}
+    return _keyed(item, rec)
+
+
+def _keyed(item: Item, rec: dict) -> dict:
     if not isinstance(item.key, str):
         rec["line"] = item.line_no  # no usable custom_id: the line number keys this record
     return rec
+
+
+def fallback(item: Item, why: str) -> dict:
+    """The error record of a line whose own record could not be written: only the key, which
+    encode_record can always write."""
+    return _keyed(item, {"id": _record_id(),
+                         "custom_id": item.key if isinstance(item.key, str) else None,
+                         "response": None, "error": {"code": "internal_error", "message":
+                                                     f"line {item.line_no}: {why}"}})

@@ -2,10 +2,13 @@
 
 Every line goes through one Engine (continuous batching), each result is appended to the output
 as it finishes, and running the same command again after a crash completes what is missing.
+A run reads the input as it was when the run started (lines appended meanwhile are left for the
+next run) and repairs a damaged output first (see jaxbatch.batch.files.recover).
 The README's "Offline batch jobs" section shows the format. Exit status: 0 every line succeeded,
-1 the job finished but some lines failed (their error lines are in the output), 2 refused to
-start (bad arguments, duplicate custom_ids, a corrupt or locked output file), 3 stopped by an
-unexpected error, 130 interrupted (SIGINT/SIGTERM); after 3 or 130 the same command resumes.
+1 the job finished but some lines failed (their error lines are in the output; a line never
+stops the job), 2 refused to start (bad arguments, duplicate custom_ids, an output file that is
+locked or is not a batch output), 3 stopped by an error outside any one line (the engine broke,
+the disk is full), 130 interrupted (SIGINT/SIGTERM); after 3 or 130 the same command resumes.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from jaxbatch.config import EngineConfig
 from jaxbatch.engine.client import EngineClient
 
 if TYPE_CHECKING:
-    from jaxbatch.batch.files import Key, ResultWriter
+    from jaxbatch.batch.files import Key, Recovered, ResultWriter
     from jaxbatch.batch.job import JobStats
 
 EXIT_OK, EXIT_FAILED_LINES, EXIT_REFUSED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -34,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jaxbatch batch",
         description="Run an OpenAI Batch JSONL file through one engine; resumable.",
         epilog="exit status: 0 all lines succeeded, 1 some lines failed, 2 refused to start, "
-               "3 stopped by an error (rerun to resume), 130 interrupted (rerun to resume)")
+               "3 stopped by an error outside any one line (rerun to resume), 130 interrupted "
+               "(rerun to resume)")
     p.add_argument("-i", "--input", required=True, help="input JSONL (OpenAI Batch format)")
     p.add_argument("-o", "--output", required=True,
                    help="output JSONL; appended to, and the lines already in it are skipped")
@@ -92,12 +96,11 @@ def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
         _say(str(e))
         return EXIT_REFUSED
     rec = writer.recovered
+    _report_repair(rec, args.output)
     prev_ok = sum(ok for k, ok in rec.done.items() if k in scan.keys)
     prev_failed = sum(not ok for k, ok in rec.done.items() if k in scan.keys)
     stray = len(rec.done) - prev_ok - prev_failed
     todo = scan.num_lines - prev_ok - prev_failed
-    if rec.truncated_bytes:
-        _say(f"cut a torn last line ({rec.truncated_bytes} bytes) from {args.output}")
     if rec.done:
         _say(f"resuming: {prev_ok + prev_failed} of {scan.num_lines} lines already in "
              f"{args.output}, {todo} to go")
@@ -108,8 +111,8 @@ def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
     stats = None
     try:
         if todo:
-            stats = _run(args, config, engine, writer, iter_lines(args.input), rec.done,
-                         todo)
+            stats = _run(args, config, engine, writer, iter_lines(args.input, scan.end),
+                         rec.done, todo)
             ok, failed = ok + stats.succeeded, failed + stats.failed
     except (KeyboardInterrupt, _Terminated):
         code = EXIT_INTERRUPTED
@@ -132,6 +135,20 @@ def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
     _say(f"{ok} succeeded, {failed} failed of {scan.num_lines} lines{rate}; "
          f"results in {args.output}")
     return EXIT_OK if failed == 0 else EXIT_FAILED_LINES
+
+
+def _report_repair(rec: Recovered, output: str) -> None:
+    lines = ""
+    if rec.dropped_lines:
+        shown = ", ".join(map(str, rec.dropped_lines[:10]))
+        more = ", ..." if len(rec.dropped_lines) > 10 else ""
+        dups = f", {rec.duplicates} a second record of one line" if rec.duplicates else ""
+        lines = f": {len(rec.dropped_lines)} damaged line(s) (line {shown}{more}{dups})"
+    if rec.rewritten:
+        _say(f"repaired {output}: dropped {rec.dropped_bytes} damaged bytes{lines} and kept "
+             f"every complete record; the input lines whose results were lost run again")
+    elif rec.truncated_bytes:
+        _say(f"cut a torn last line ({rec.truncated_bytes} bytes) from {output}")
 
 
 def _run(args: argparse.Namespace, config: EngineConfig, engine: EngineClient | None,
