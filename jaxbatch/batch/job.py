@@ -3,9 +3,9 @@ write each result as it finishes (or in input order), show progress.
 
 A line's prompts enter the engine together through `add_requests`, all or none: a refused prompt
 fails its line whole and leaves nothing in the engine. A line fails alone, never the job: a body
-the server would refuse gets the server's error, a request the engine fails (RequestOutput.error)
-the server's 500 "internal error" (the line's other prompts are aborted), and anything
-unexpected while handling the line a 500 naming the exception.
+the server would refuse gets the server's error; a request the engine fails (RequestOutput.error;
+the line's other prompts are aborted) and anything unexpected while handling the line get the
+server's 500 "internal error (request id ...)", the cause logged with the same id.
 
 Memory stays bounded by `max_in_flight`: a line is read only when fewer than that many engine
 requests are open (with --ordered, finished results waiting for an earlier line count too), and
@@ -15,6 +15,7 @@ the only per-line state kept for the whole file is the set of keys (custom_ids) 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Container, Iterator, Sequence
 from typing import Any
@@ -36,6 +37,8 @@ from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.core.request import NewRequest
 from jaxbatch.engine.client import EngineClient
 from jaxbatch.openai_protocol import ApiError, bad_request, new_id
+
+log = logging.getLogger("jaxbatch.batch")
 
 
 @dataclasses.dataclass
@@ -98,7 +101,7 @@ class BatchJob:
             self._start_line(item, obj)
         except Exception as e:  # noqa: BLE001 - a bug handling this line fails the line alone
             self._abort(item)
-            item.record = internal_error(item, repr(e))
+            item.record = self._internal_error(item, e)
 
     def _start_line(self, item: Item, obj: Any) -> None:
         eng = self.engine
@@ -124,8 +127,18 @@ class BatchJob:
                 err = bad_request(str(e), "messages" if item.parsed and item.parsed.kind == "chat"
                                   else "prompt")
             else:  # the server's middleware answers anything unexpected with a 500
-                err = ApiError(500, f"internal error: {e!r}", "server_error")
+                item.record = self._internal_error(item, e)
+                return
             item.record = api_error(item, err)
+
+    @staticmethod
+    def _internal_error(item: Item, cause: BaseException | str) -> dict:
+        record = internal_error(item)
+        exc_info = cause if isinstance(cause, BaseException) else None
+        log.error("line %d (%r): internal error (request id %s): %s", item.line_no, item.key,
+                  item.response_id, cause if exc_info is None else repr(cause),
+                  exc_info=exc_info)
+        return record
 
     def _abort(self, item: Item) -> None:
         """Abort the line's requests still in the engine; their final outputs are dropped."""
@@ -148,12 +161,13 @@ class BatchJob:
         self.stats.prompt_tokens += len(out.prompt_token_ids)
         if out.error is not None:  # the engine failed it: the server's 500, the line fails
             self._abort(item)
-            self._finish(item, internal_error(item))
+            self._finish(item, self._internal_error(item, f"the engine failed {out.request_id}: "
+                                                          f"{out.error}"))
         elif len(item.outputs) == len(item.request_ids):
             try:
                 record = success(item, self.engine.tokenizer, self.served_models[0])
             except Exception as e:  # noqa: BLE001 - this line fails, the job goes on
-                record = internal_error(item, repr(e))
+                record = self._internal_error(item, e)
             self._finish(item, record)
 
     def _finish(self, item: Item, record: dict) -> None:

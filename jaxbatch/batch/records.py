@@ -137,10 +137,12 @@ def api_error(item: Item, err: ApiError) -> dict:
     return _keyed(item, rec)
 
 
-def internal_error(item: Item, detail: str | None = None) -> dict:
-    """The server's 500 for a request that failed inside it: "internal error" for a request the
-    engine failed (`detail` None), else "internal error: <the exception>"."""
-    return api_error(item, ApiError(500, "internal error" + (f": {detail}" if detail else ""),
+def internal_error(item: Item) -> dict:
+    """The server's 500 for a request that failed inside it (the engine failed it, or a bug):
+    "internal error (request id ...)", the cause only in the log, as the server answers."""
+    if not item.response_id:
+        item.response_id = new_id("completion")
+    return api_error(item, ApiError(500, f"internal error (request id {item.response_id})",
                                     "server_error"))
 
 

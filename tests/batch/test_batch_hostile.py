@@ -104,7 +104,7 @@ class FailingEngine:
         return outs
 
 
-def test_engine_failure_is_the_servers_500(llm, tmp_path, monkeypatch):
+def test_engine_failure_is_the_servers_500(llm, tmp_path, monkeypatch, caplog):
     engine = FailingEngine(llm.engine)
     lines = [comp("ok", "Hello", 4), comp("fail", "FAIL now", 6),
              comp("multi", ["one two", "FAIL later", "three"], 8), comp("ok2", "World", 5)]
@@ -116,17 +116,18 @@ def test_engine_failure_is_the_servers_500(llm, tmp_path, monkeypatch):
     assert len(by) == 4 and len(engine.failed) == 2
     for cid in ("fail", "multi"):
         r = by[cid]
+        msg = f"internal error (request id {r['response']['request_id']})"  # as the server
         assert r["response"]["status_code"] == 500
-        assert r["response"]["body"] == {"error": {"message": "internal error",
-                                                   "type": "server_error", "param": None,
-                                                   "code": None}}
-        assert r["error"] == {"code": "server_error", "message": "internal error"}
+        assert r["response"]["body"] == {"error": {"message": msg, "type": "server_error",
+                                                   "param": None, "code": None}}
+        assert r["error"] == {"code": "server_error", "message": msg}
+        assert f"{msg}: the engine failed" in caplog.text and "boom" in caplog.text
     for cid in ("ok", "ok2"):
         assert by[cid]["response"]["status_code"] == 200
     assert_idle(llm)  # the multi line's other prompts were aborted
 
 
-def test_a_bug_handling_one_line_fails_that_line(llm, tmp_path, monkeypatch, capsys):
+def test_a_bug_handling_one_line_fails_that_line(llm, tmp_path, monkeypatch, capsys, caplog):
     real_success, real_parse = job_module.success, job_module.parse_body
 
     def success(item, *a):
@@ -153,10 +154,12 @@ def test_a_bug_handling_one_line_fails_that_line(llm, tmp_path, monkeypatch, cap
         assert "1 succeeded, 3 failed of 4 lines" in capsys.readouterr().err
         by = {key(r): r for r in read_jsonl(out)}
         assert by["fine"]["error"] is None
-        assert by["bug_in_body"]["response"]["status_code"] == 500
-        assert by["bug_in_body"]["error"]["message"] == \
-            "internal error: RuntimeError('bug building the body')"
-        assert by["bug_in_parse"]["error"]["message"] == "internal error: KeyError('bug parsing')"
+        for cid, cause in [("bug_in_body", "RuntimeError('bug building the body')"),
+                           ("bug_in_parse", "KeyError('bug parsing')")]:
+            r = by[cid]
+            msg = f"internal error (request id {r['response']['request_id']})"
+            assert r["response"]["status_code"] == 500 and r["error"]["message"] == msg
+            assert f"{msg}: {cause}" in caplog.text  # the cause: in the log, not the record
         r = by["unwritable"]
         assert r["response"] is None and r["error"]["code"] == "internal_error"
         assert "could not be written" in r["error"]["message"]
