@@ -44,6 +44,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     page_table: list[int] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
+    # Prefix caching: prompt tokens served from the cache at first admission (vLLM's name); the
+    # extra key of the hash chain (anything besides the token ids that changes the KV: a LoRA or
+    # model id, a cache salt); and the hash chain of this request's full pages, grown lazily
+    # (tokens are only ever appended, so it stays valid across steps and preemptions).
+    num_cached_tokens: int = 0
+    prefix_cache_key: str = ""
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     auto_seed: int = 0  # drawn by the engine at arrival; used when sampling_params.seed is None
     stop_reason: int | str | None = None
     error: str | None = None  # set with FINISHED_ERROR

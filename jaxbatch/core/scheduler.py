@@ -5,15 +5,26 @@ request runs this step. A request always runs the tokens it still owes (`num_tok
 prompt, a prompt chunk, a recompute after preemption and a decode are the same thing.
 
 Policies (`batching_policy`):
-  mixed          running requests first (decodes and unfinished chunks), then prompt chunks fill
-                 the rest of the budget (ORCA / DeepSpeed-FastGen SplitFuse). The default.
+  mixed          decodes first, then unfinished prompt chunks, then new prompts fill the rest of
+                 the budget (ORCA / DeepSpeed-FastGen SplitFuse). The default. Decodes go first
+                 so a running long prompt can never take the whole budget from them.
   prefill_first  a step is all-prefill or all-decode, prefill preferred (vLLM v0); a guard forces a
                  decode step after `max_consecutive_prefill_steps` steps that starved decodes.
-  decode_first   a step is all-decode while anything decodes; prompts are admitted when nothing
-                 decodes, or after `max_consecutive_prefill_steps` steps that starved the queue.
+  decode_first   a step is all-decode while anything decodes; prompt work (new prompts and
+                 half-prefilled ones) runs when nothing decodes, or, as a mixed step, after
+                 `max_consecutive_prefill_steps` steps that starved it.
 Long prompts are chunked; while others wait, one chunk is capped at `long_prefill_token_threshold`
 so a single long prompt cannot delay every first token. When pages run out, the newest running
 request is preempted by recompute: its pages are freed and it returns to the front of the queue.
+
+Prefix caching (when the page allocator has it on; see kv_pages.py): a request admitted from the
+queue first shares every cached full page of its tokens and starts after them, so it owes (and
+spends budget on) only the rest. At most num_tokens - 1 tokens are served from the cache: the
+last token is always computed, for its logits. When the tokens end exactly on a page boundary and
+all of them are cached, the last page is therefore *not* shared but recomputed into a private page
+(vLLM's choice): the shared copy is never written, which copy-on-write would need a device-side
+page copy for, and it costs at most page_size - 1 extra tokens once per such request. After each
+step, every page that became full is entered into the cache (`update`).
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import dataclasses
 from collections import deque
 
 from jaxbatch.config import SchedulerConfig
-from jaxbatch.core.kv_pages import PageAllocator
+from jaxbatch.core.kv_pages import PageAllocator, extend_page_hashes
 from jaxbatch.core.request import Request, RequestStatus
 
 
@@ -91,27 +102,29 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         cfg = self.config
         decodes = [r for r in self.running if r.num_tokens_owed == 1]
+        partial = [r for r in self.running if r.num_tokens_owed > 1]  # half-prefilled prompts
         policy = cfg.batching_policy
+        starved = self._prefill_streak >= cfg.max_consecutive_prefill_steps
         if policy == "mixed":
-            batch = self._fill(self.running, admit=True)
+            batch = self._fill(decodes + partial, admit=True)
         elif policy == "prefill_first":
-            prefill_work = self.waiting or any(r.num_tokens_owed > 1 for r in self.running)
-            starved = decodes and self._prefill_streak >= cfg.max_consecutive_prefill_steps
             batch = ScheduledBatch([], [])
-            if prefill_work and not starved:
-                batch = self._fill([r for r in self.running if r.num_tokens_owed > 1], admit=True)
+            if (self.waiting or partial) and not (decodes and starved):
+                batch = self._fill(partial, admit=True)
             if not batch.seqs:
                 batch = self._fill(decodes, admit=False)
-            self._prefill_streak = self._prefill_streak + 1 if decodes and not any(
-                not s.is_prefill for s in batch.seqs) else 0
+            # the streak counts steps that left decodes waiting
+            self._prefill_streak = self._prefill_streak + 1 if decodes and not _ran_any(
+                batch, decodes) else 0
         else:  # decode_first
-            starved = bool(self.waiting) and self._prefill_streak >= cfg.max_consecutive_prefill_steps
-            if decodes and not starved:
+            prompt_work = partial + list(self.waiting)
+            if decodes and not (prompt_work and starved):
                 batch = self._fill(decodes, admit=False)
             else:
-                batch = self._fill(self.running, admit=True)
-            admitted = any(s.request.num_computed_tokens == 0 for s in batch.seqs)
-            self._prefill_streak = self._prefill_streak + 1 if self.waiting and not admitted else 0
+                batch = self._fill(decodes + partial, admit=True)
+            # the streak counts steps that left prompt work waiting, queued or half-prefilled
+            self._prefill_streak = self._prefill_streak + 1 if prompt_work and not _ran_any(
+                batch, prompt_work) else 0
         return batch
 
     def _fill(self, candidates: list[Request], admit: bool) -> ScheduledBatch:
@@ -129,7 +142,7 @@ class Scheduler:
             n = self._chunk(req, budget)
             while not self.pages.allocate(req.page_table, req.num_computed_tokens + n):
                 victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
@@ -142,15 +155,43 @@ class Scheduler:
             while self.waiting and budget > 0 and len(seqs) < cfg.max_num_seqs \
                     and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting[0]
-                n = self._chunk(req, budget)
-                if not self.pages.allocate(req.page_table, req.num_computed_tokens + n):
+                n = self._admit(req, budget)
+                if n == 0:
                     break
                 self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
                 budget -= n
         return ScheduledBatch(seqs, preempted)
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Give the queue's first request its cached prefix and the pages of its first chunk;
+        returns the chunk's length, or 0 (and no change) when the pages are short."""
+        pages = self.pages
+        hit: list[int] = []
+        if pages.enable_caching:
+            # at most num_tokens - 1 tokens from the cache: the last one is computed for logits
+            limit = (req.num_tokens - 1) // pages.page_size
+            hit = pages.match(self._hashes(req, limit)[:limit])
+        req.num_computed_tokens = len(hit) * pages.page_size
+        n = self._chunk(req, budget)
+        if not pages.allocate(req.page_table, req.num_computed_tokens + n, cached=hit):
+            req.num_computed_tokens = 0
+            return 0
+        if pages.enable_caching:
+            pages.record_lookup(req.num_tokens, req.num_computed_tokens)
+            if req.status == RequestStatus.WAITING:  # first admission (not a recompute)
+                req.num_cached_tokens = req.num_computed_tokens
+        req.status = RequestStatus.RUNNING
+        return n
+
+    def _hashes(self, req: Request, num_pages: int) -> list[bytes]:
+        """The hash chain of the request's first `num_pages` full pages (computed once)."""
+        size, have = self.pages.page_size, len(req.page_hashes)
+        if have < num_pages:
+            extend_page_hashes(req.page_hashes, req.token_slice(have * size, num_pages * size),
+                               size, req.prefix_cache_key)
+        return req.page_hashes
 
     def _chunk(self, req: Request, budget: int) -> int:
         owed = req.num_tokens_owed
@@ -158,7 +199,9 @@ class Scheduler:
             owed = min(owed, self.config.chunk_cap)  # others wait: do not hog the step
         return min(owed, budget)
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request) -> None:
+        """Preempt a running request by recompute: free its pages (its cached ones stay cached,
+        so a recompute may find them) and requeue it at the front."""
         self.running.remove(req)
         self.pages.free(req.page_table)
         req.num_computed_tokens = 0
@@ -173,8 +216,24 @@ class Scheduler:
         for s in batch.seqs:
             req = s.request
             req.num_computed_tokens = s.start + s.num_new_tokens
+            if self.pages.enable_caching:
+                self._cache_full_pages(req, s.start)
             if req.num_computed_tokens == req.num_tokens and req.request_id in sampled:
                 tok = sampled[req.request_id]
                 req.output_token_ids.append(tok)
                 new_tokens.append((req, tok))
         return new_tokens
+
+    def _cache_full_pages(self, req: Request, start: int) -> None:
+        """Enter the pages that became full this step (their KV now computed) into the cache."""
+        size = self.pages.page_size
+        first, last = start // size, req.num_computed_tokens // size
+        if last > first:
+            hashes = self._hashes(req, last)
+            for k in range(first, last):
+                self.pages.cache_page(req.page_table[k], hashes[k])
+
+
+def _ran_any(batch: ScheduledBatch, reqs: list[Request]) -> bool:
+    ids = {r.request_id for r in reqs}
+    return any(s.request.request_id in ids for s in batch.seqs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -132,3 +134,54 @@ def test_kv_capacity_error_is_clear():
     with pytest.raises(ValueError, match="KV pages"):
         sched.add_request(Request("x", [1] * 20, SamplingParams(max_tokens=5)))
     assert not sched.has_unfinished()
+
+
+# ---- fair scheduling: regression tests from the traces that found each starvation path ---------
+def _trace(sched: Scheduler, steps: int) -> list[dict[str, int]]:
+    """Run `steps` steps with the fake model; per step, {request id: tokens scheduled}."""
+    out = []
+    for _ in range(steps):
+        batch = sched.schedule()
+        out.append({s.request.request_id: s.num_new_tokens for s in batch.seqs})
+        for req, _ in sched.update(batch, {s.request.request_id: 7 for s in batch.seqs
+                                           if s.samples}):
+            if len(req.output_token_ids) >= req.sampling_params.max_tokens:
+                sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        sched.pages.check()
+    return out
+
+
+def test_mixed_decodes_go_before_a_running_long_prefill():
+    """Budget 512, a 4,000-token prompt and two 10-token prompts. Once the queue was empty the
+    running long prefill took the whole budget and the decodes listed after it were skipped: the
+    short ones stalled for 7 steps. Now every step decodes them, and the long prompt gets the
+    rest of the budget."""
+    sched = Scheduler(SchedulerConfig(512, 8, "mixed"), PageAllocator(400, 16))
+    for rid, n in (("long", 4000), ("s1", 10), ("s2", 10)):
+        sched.add_request(Request(rid, [1] * n, SamplingParams(max_tokens=8)))
+    trace = _trace(sched, 8)
+    assert trace[0] == {"long": 256, "s1": 10, "s2": 10}  # chunk capped while others wait
+    for step in trace[1:]:  # s1, s2: one token each, every step, until their 8 tokens are out
+        assert step == {"s1": 1, "s2": 1, "long": 510}
+    assert sched.waiting == deque() and "s1" not in {r.request_id for r in sched.running}
+
+
+def test_decode_first_half_prefilled_prompt_is_not_starved_by_decodes():
+    """decode_first: a long prompt chunked in the step that admitted it became a running
+    half-prefilled prompt, and the anti-starvation streak only counted the waiting queue, so it
+    waited until every decode finished (40 steps here). Now the streak counts it too: it gets a
+    chunk (with the decodes) at least every max_consecutive_prefill_steps + 1 steps."""
+    cap = 3
+    sched = Scheduler(SchedulerConfig(32, 8, "decode_first", max_consecutive_prefill_steps=cap),
+                      PageAllocator(400, 16))
+    sched.add_request(Request("long", [1] * 200, SamplingParams(max_tokens=2)))
+    for i in range(3):
+        sched.add_request(Request(f"s{i}", [1] * 4, SamplingParams(max_tokens=40)))
+    trace = _trace(sched, 20)
+    assert trace[0] == {"long": 16, "s0": 4, "s1": 4, "s2": 4}  # nothing decoded yet: prompts
+    ran_long = [i for i, step in enumerate(trace) if "long" in step] + [len(trace)]
+    assert max(b - a for a, b in zip(ran_long, ran_long[1:])) <= cap + 1, ran_long
+    for step in trace[1:]:  # the decodes never miss a step, starved prompt or not
+        assert {"s0", "s1", "s2"} <= set(step)
+    mixed = trace[cap + 1]
+    assert mixed == {"s0": 1, "s1": 1, "s2": 1, "long": 29}  # decodes first, the rest to the chunk
