@@ -70,11 +70,13 @@ class Runner:
     def __init__(self, arch: ModelArch, params: Any, cache: CacheConfig, max_model_len: int,
                  attention_fn: Any) -> None:
         self.arch = arch
-        self.params = params
+        # on CPU, bf16 weights are held as uint16 bits (see llama.store_bf16_as_bits)
+        self.params = llama.store_bf16_as_bits(params) if jax.default_backend() == "cpu" \
+            else params
         self.page_size = cache.page_size
         self.pages_per_seq = -(-max_model_len // cache.page_size)
         # compute in the weights' dtype: the loader already chose it (dtype: auto measures)
-        self.compute_dtype = params["embed"].dtype
+        self.compute_dtype = llama.value_dtype(params["embed"])
         self.kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.compute_dtype)
         self.cache_dtype = kv_storage_dtype(self.kv_dtype)
         self.num_pages = num_kv_pages(arch, cache, self.cache_dtype)

@@ -74,6 +74,26 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def store_bf16_as_bits(params: Params) -> Params:
+    """Every bf16 leaf as uint16 bit patterns (how XLA:CPU should hold bf16 weights). XLA:CPU
+    float-normalises a bf16 dynamic-slice: slicing the stacked layer weights inside the scan made
+    it convert every weight to f32 once per step (hoisted out of the loop) and back to bf16 per
+    layer, ~130 ms per SmolLM2 step whatever the batch. Slicing uint16 and bitcasting the slice
+    costs nothing; `values` undoes it where a weight is used."""
+    return jax.tree.map(
+        lambda w: jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w,
+        params)
+
+
+def values(w: jax.Array) -> jax.Array:
+    """A stored weight as values (uint16 holds bf16 bits; see store_bf16_as_bits)."""
+    return jax.lax.bitcast_convert_type(w, jnp.bfloat16) if w.dtype == jnp.uint16 else w
+
+
+def value_dtype(w: jax.Array):
+    return jnp.dtype(jnp.bfloat16) if w.dtype == jnp.uint16 else w.dtype
+
+
 def _mm(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w accumulated in float32, rounded to x's dtype: what torch does for a bf16 matmul, and
     what XLA:CPU runs fast (a bf16 x bf16 -> bf16 dot took 91 GFLOP/s at M=64 on an AMX Xeon;
@@ -100,8 +120,9 @@ def forward(
     """
     L, N_pages, P, K, D = kv_cache["k"].shape
     N, T = arch.num_heads, token_ids.shape[0]
-    cdt = compute_dtype or params["embed"].dtype
-    x = params["embed"][token_ids].astype(cdt)  # [T, H]
+    embed = params["embed"]
+    cdt = compute_dtype or value_dtype(embed)
+    x = values(embed[token_ids]).astype(cdt)  # [T, H]
     cos, sin = rope_tables(arch, positions)
     sm_scale = 1.0 / float(np.sqrt(D))
     store = kv_cache["k"].dtype
@@ -109,7 +130,7 @@ def forward(
     def layer(carry, lp_and_idx):
         x, k_cache, v_cache = carry
         lp, li = lp_and_idx
-        lp = jax.tree.map(lambda w: w if w.dtype == cdt else w.astype(cdt), lp)
+        lp = jax.tree.map(lambda w: values(w).astype(cdt), lp)  # no-op when already cdt
         h = rms_norm(x, lp["attn_norm"], arch.rms_norm_eps)
         q = _mm(h, lp["wq"])
         k = _mm(h, lp["wk"])
@@ -154,7 +175,7 @@ def forward(
 
 def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax.Array:
     """hidden [S, H] (rows that sample) -> float32 logits [S, V] (matmul in hidden's dtype)."""
-    h = rms_norm(hidden, params["final_norm"].astype(hidden.dtype), arch.rms_norm_eps)
-    w = params["embed"].T if arch.tie_word_embeddings else params["lm_head"]
+    h = rms_norm(hidden, values(params["final_norm"]).astype(hidden.dtype), arch.rms_norm_eps)
+    w = values(params["embed"]).T if arch.tie_word_embeddings else values(params["lm_head"])
     w = w.astype(hidden.dtype)
     return jnp.dot(h, w, preferred_element_type=jnp.float32)
