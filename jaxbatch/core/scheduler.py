@@ -101,31 +101,36 @@ class Scheduler:
     # ---- scheduling ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         cfg = self.config
-        decodes = [r for r in self.running if r.num_tokens_owed == 1]
-        partial = [r for r in self.running if r.num_tokens_owed > 1]  # half-prefilled prompts
+        decodes, partial = self._by_owed()
+        prompt_work = partial + list(self.waiting)  # queued or half-prefilled prompts
         policy = cfg.batching_policy
         starved = self._prefill_streak >= cfg.max_consecutive_prefill_steps
         if policy == "mixed":
             batch = self._fill(decodes + partial, admit=True)
         elif policy == "prefill_first":
             batch = ScheduledBatch([], [])
-            if (self.waiting or partial) and not (decodes and starved):
+            if prompt_work and not (decodes and starved):
                 batch = self._fill(partial, admit=True)
             if not batch.seqs:
-                batch = self._fill(decodes, admit=False)
-            # the streak counts steps that left decodes waiting
-            self._prefill_streak = self._prefill_streak + 1 if decodes and not _ran_any(
-                batch, decodes) else 0
-        else:  # decode_first
-            prompt_work = partial + list(self.waiting)
-            if decodes and not (prompt_work and starved):
-                batch = self._fill(decodes, admit=False)
-            else:
-                batch = self._fill(decodes + partial, admit=True)
-            # the streak counts steps that left prompt work waiting, queued or half-prefilled
-            self._prefill_streak = self._prefill_streak + 1 if prompt_work and not _ran_any(
-                batch, prompt_work) else 0
+                batch = _merge(batch, self._fill(decodes, admit=False))
+        elif decodes and not (prompt_work and starved):  # decode_first
+            batch = self._fill(decodes, admit=False)
+        else:
+            batch = self._fill(decodes + partial, admit=True)
+        if not batch.seqs and batch.preempted:
+            # what the policy chose was preempted to make room: run what is left, not nothing
+            left_decodes, left_partial = self._by_owed()
+            batch = _merge(batch, self._fill(left_decodes + left_partial, admit=True))
+        # the streak: steps that left decodes (prefill_first) or prompt work (decode_first) out
+        starving = {"prefill_first": decodes, "decode_first": prompt_work}.get(policy, [])
+        self._prefill_streak = self._prefill_streak + 1 if starving and not _ran_any(
+            batch, starving) else 0
         return batch
+
+    def _by_owed(self) -> tuple[list[Request], list[Request]]:
+        """Running requests: (decodes, half-prefilled prompts), each in admission order."""
+        return ([r for r in self.running if r.num_tokens_owed == 1],
+                [r for r in self.running if r.num_tokens_owed > 1])
 
     def _fill(self, candidates: list[Request], admit: bool) -> ScheduledBatch:
         """Schedule `candidates` (running requests, in order), then admit waiting ones."""
@@ -232,6 +237,12 @@ class Scheduler:
             hashes = self._hashes(req, last)
             for k in range(first, last):
                 self.pages.cache_page(req.page_table[k], hashes[k])
+
+
+def _merge(first: ScheduledBatch, then: ScheduledBatch) -> ScheduledBatch:
+    """`then`'s rows, both batches' preemptions (when `first` scheduled nothing)."""
+    assert not first.seqs
+    return ScheduledBatch(then.seqs, first.preempted + then.preempted)
 
 
 def _ran_any(batch: ScheduledBatch, reqs: list[Request]) -> bool:

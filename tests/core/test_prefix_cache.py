@@ -55,6 +55,7 @@ class FakeModel:
     def step(self) -> list[tuple[Request, int]]:
         sched, pages, size = self.sched, self.pages, self.pages.page_size
         batch = sched.schedule()
+        assert batch.seqs or not sched.has_unfinished(), "an empty step while work remains"
         cfg = sched.config
         assert batch.num_tokens <= cfg.max_num_batched_tokens and len(batch) <= cfg.max_num_seqs
         if self.trim_rng is not None and batch.seqs and self.trim_rng.random() < 0.3:

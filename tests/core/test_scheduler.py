@@ -34,6 +34,7 @@ def run_fake(sched: Scheduler, arrivals: list[tuple[int, Request]], max_steps: i
                     sched.finish_request(r, RequestStatus.FINISHED_ABORTED)
                     finished.append(r)
         batch = sched.schedule()
+        assert batch.seqs or not sched.has_unfinished(), "an empty step while work remains"
         assert batch.num_tokens <= cfg.max_num_batched_tokens
         assert len(batch.seqs) <= cfg.max_num_seqs
         max_seen = max(max_seen, batch.num_tokens)
@@ -185,3 +186,16 @@ def test_decode_first_half_prefilled_prompt_is_not_starved_by_decodes():
         assert {"s0", "s1", "s2"} <= set(step)
     mixed = trace[cap + 1]
     assert mixed == {"s0": 1, "s1": 1, "s2": 1, "long": 29}  # decodes first, the rest to the chunk
+
+
+def test_a_decode_that_preempts_itself_does_not_empty_the_step():
+    """decode_first, 3 pages of 4 tokens: a decode that needs a page while a half-prefilled
+    prompt holds one preempts itself (the newest request); the step then came back empty though
+    the prompt could run (the planner's simulation, which refuses empty steps, found it). Now
+    the step runs what is left."""
+    sched = Scheduler(SchedulerConfig(8, 4, "decode_first"), PageAllocator(1 + 3, 4))
+    sched.add_request(Request("prompt", [1] * 10, SamplingParams(max_tokens=2)))
+    sched.add_request(Request("decode", [1] * 3, SamplingParams(max_tokens=9)))
+    trace = _trace(sched, 8)
+    assert all(trace), trace
+    assert trace[6] == {"prompt": 4, "decode": 4}  # preempted itself for room: recomputes
