@@ -67,6 +67,8 @@ class CacheConfig:
     num_pages: int | None = None
     kv_cache_memory_gb: float | None = None  # used when num_pages is None; default 2 GB
     kv_cache_dtype: str = "auto"  # auto: the compute dtype | float32 | bfloat16
+    # automatic prefix caching: full KV pages shared by every request with the same prefix
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":

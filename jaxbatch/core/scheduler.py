@@ -15,7 +15,10 @@ Policies (`batching_policy`):
                  `max_consecutive_prefill_steps` steps that starved it.
 Long prompts are chunked; while others wait, one chunk is capped at `long_prefill_token_threshold`
 so a single long prompt cannot delay every first token. When pages run out, the newest running
-request is preempted by recompute: its pages are freed and it returns to the front of the queue.
+request is preempted by recompute: its pages are freed and it returns to the front of the queue
+(with prefix caching its full pages stay cached until their memory is needed, so the recompute
+usually finds most of them). A step whose chosen requests were all preempted for room runs what
+is left instead, so a step is never empty while work remains.
 
 Prefix caching (when the page allocator has it on; see kv_pages.py): a request admitted from the
 queue first shares every cached full page of its tokens and starts after them, so it owes (and

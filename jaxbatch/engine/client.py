@@ -22,11 +22,22 @@ class EngineStats:
     steps: int  # executed (sub-)steps since start
     real_tokens: int  # tokens computed for requests
     computed_tokens: int  # tokens computed including padding
+    # prefix caching (core/kv_pages.py): unreferenced pages kept for the cache (counted in
+    # kv_pages_free too); tokens looked up / served from the cache, counted at every admission
+    # (a recompute after preemption looks up again, its generated tokens included)
+    kv_pages_cached: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def padding_fraction(self) -> float:
         pad = self.computed_tokens - self.real_tokens
         return pad / self.computed_tokens if self.computed_tokens else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
+            else 0.0
 
 
 class EngineClient(Protocol):

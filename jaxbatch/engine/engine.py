@@ -90,8 +90,8 @@ class Engine:
         assert config.model.max_model_len is not None
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                         attention_fn(config.runner.attention_backend))
-        scheduler = Scheduler(config.scheduler, PageAllocator(runner.num_pages,
-                                                               config.cache.page_size))
+        scheduler = Scheduler(config.scheduler, PageAllocator(
+            runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))
         planner = make_planner(config, model.arch)
         with compile_guard.planned():
             warmup = runner.compile(planner.buckets, progress=config.runner.progress)
@@ -323,6 +323,9 @@ class Engine:
             num_running=len(self.scheduler.running),
             kv_pages_used=self.pages.num_used_pages,
             kv_pages_free=self.pages.num_free_pages,
+            kv_pages_cached=self.pages.num_cached_pages,
+            prefix_cache_queries=self.pages.queries,
+            prefix_cache_hits=self.pages.hits,
             compiles_since_warmup=self.compiles_since_warmup,
             steps=t.num_steps,
             real_tokens=t.real_tokens,
