@@ -9,7 +9,13 @@ between token chunks), end-to-end latency; overall: request and token throughput
   python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --request-rate 4
   python scripts/bench_serving.py --base-url http://127.0.0.1:8001 --model HuggingFaceTB/...
 
-Prints a table and one JSON line (also appended to --json-out).
+Prints a table and one JSON line (also appended to --json-out). When the server's /metrics has
+prefix-cache counters (`NAMESPACE:prefix_cache_{queries,hits}_total`, or `_` for `:`; vLLM's
+and jaxbatch's), the run's prefix-cache hit rate is reported too: prompt tokens served from the
+cache / tokens looked up, between the end of the warm-up request and the end of the run.
+
+Workloads: any JSONL of {prompt_token_ids, max_tokens} rows, e.g. bench64 or the shared-prefix
+chat workload of scripts/make_shared_prefix_workload.py.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import sys
 import time
 
@@ -98,6 +105,26 @@ def percentile(xs: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+_PREFIX_CACHE = re.compile(
+    rb"^[A-Za-z_]\w*?[:_]prefix_cache_(queries|hits)(?:_total)?(?:\{[^}]*\})?\s+(\S+)\s*$", re.M)
+
+
+async def prefix_cache_counters(session: aiohttp.ClientSession, base: str,
+                                headers: dict) -> dict[str, float] | None:
+    """{'queries': tokens, 'hits': tokens} summed over labels from /metrics; None without."""
+    try:
+        async with session.get(base + "/metrics", headers=headers) as r:
+            if r.status != 200:
+                return None
+            text = await r.read()
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+    found: dict[str, float] = {}
+    for kind, value in _PREFIX_CACHE.findall(text):
+        found[kind.decode()] = found.get(kind.decode(), 0.0) + float(value)
+    return found if {"queries", "hits"} <= set(found) else None
+
+
 async def get_model(session: aiohttp.ClientSession, base: str, headers: dict) -> str:
     async with session.get(base + "/v1/models", headers=headers) as r:
         r.raise_for_status()
@@ -116,6 +143,7 @@ async def run(args: argparse.Namespace, rows: list[dict]) -> dict:
         if args.warmup:
             await send(session, url, model, {"prompt_token_ids": rows[0]["prompt_token_ids"],
                                              "max_tokens": 2}, headers)
+        before = await prefix_cache_counters(session, base, headers)
         tasks = []
         t_start = time.perf_counter()
         for i, row in enumerate(rows):
@@ -124,7 +152,14 @@ async def run(args: argparse.Namespace, rows: list[dict]) -> dict:
             tasks.append(asyncio.create_task(send(session, url, model, row, headers)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t_start
-    return summarize(args, model, results, duration)
+        after = await prefix_cache_counters(session, base, headers)
+    summary = summarize(args, model, results, duration)
+    hit_rate = None
+    if before is not None and after is not None and after["queries"] > before["queries"]:
+        hit_rate = round((after["hits"] - before["hits"])
+                         / (after["queries"] - before["queries"]), 4)
+    summary["prefix_cache_hit_rate"] = hit_rate
+    return summary
 
 
 def summarize(args: argparse.Namespace, model: str, results: list[Result],
@@ -172,6 +207,8 @@ def print_table(s: dict) -> None:
     for name in ("ttft", "itl", "tpot", "e2e"):
         rows.append((f"{name.upper()} p50 / p99 (ms)",
                      f"{s[f'{name}_ms_p50']} / {s[f'{name}_ms_p99']}"))
+    if s.get("prefix_cache_hit_rate") is not None:
+        rows.append(("prefix cache hit rate", f"{s['prefix_cache_hit_rate']:.1%}"))
     if s["errors"]:
         rows.append(("errors", "; ".join(s["errors"])))
     width = max(len(k) for k, _ in rows)
