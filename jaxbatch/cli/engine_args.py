@@ -9,8 +9,8 @@ from jaxbatch.config import EngineConfig, config_from_sources
 
 _ENGINE_ARGS = [
     ("--model", str), ("--dtype", str), ("--max-model-len", int), ("--page-size", int),
-    ("--num-pages", int), ("--kv-cache-memory-gb", float), ("--kv-cache-dtype", str), ("--max-num-batched-tokens", int),
-    ("--max-num-seqs", int), ("--batching-policy", str), ("--planner", str),
+    ("--num-pages", int), ("--kv-cache-memory-gb", float), ("--kv-cache-dtype", str),
+    ("--max-num-batched-tokens", int), ("--max-num-seqs", int), ("--batching-policy", str), ("--planner", str),
     ("--max-compiled-shapes", int), ("--attention-backend", str), ("--seed", int),
     ("--trace-path", str), ("--tokenizer", str), ("--cache-dir", str),
     ("--long-prefill-token-threshold", int), ("--planner-workload", str),
@@ -24,10 +24,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, type=typ, default=None)
     g.add_argument("--compile-guard", action="store_true", default=None,
                    help="raise if anything compiles after warm-up")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse the KV pages of shared prompt prefixes (default on)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
                  for flag, _ in _ENGINE_ARGS}
     overrides["compile_guard"] = args.compile_guard
+    overrides["enable_prefix_caching"] = args.enable_prefix_caching
     return config_from_sources(args.config, **overrides)

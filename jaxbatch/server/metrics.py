@@ -67,6 +67,14 @@ class ServerMetrics:
                                       buckets=_LATENCY, registry=r)
         self.padding = Gauge(p + "padding_fraction",
                              "padded share of computed tokens since start", registry=r)
+        # vLLM's names, with our prefix (prometheus_client appends _total to counters)
+        self.prefix_queries = Counter("jaxbatch:prefix_cache_queries",
+                                      "prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("jaxbatch:prefix_cache_hits",
+                                   "prompt tokens served from the prefix cache", registry=r)
+        self.kv_cached = Gauge(p + "kv_pages_cached",
+                               "KV pages holding cached prefixes no request uses", registry=r)
+        self._last_prefix = (0, 0)
         self.compiles = Gauge(p + "compiles_since_warmup",
                               "XLA compilations after warm-up (should stay 0)", registry=r)
         self.connections_refused = Counter(p + "connections_refused",
@@ -107,6 +115,11 @@ class ServerMetrics:
         self.kv_usage.set(used / max(1, used + free))
         self.padding.set(stats.padding_fraction)
         self.compiles.set(stats.compiles_since_warmup)
+        self.kv_cached.set(stats.kv_pages_cached)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.prefix_queries.inc(max(0, queries - self._last_prefix[0]))
+        self.prefix_hits.inc(max(0, hits - self._last_prefix[1]))
+        self._last_prefix = (queries, hits)
         real = stats.real_tokens
         if real > self._last_real_tokens:  # a step that only returned aborts computes nothing
             self.step_tokens.observe(real - self._last_real_tokens)

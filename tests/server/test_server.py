@@ -350,6 +350,10 @@ def test_100_aborted_streams_free_every_page(srv):
 
 def test_metrics_parse(srv, client):
     client.completions.create(model=NAME, prompt="metrics", max_tokens=3)
+    # the same 40-token prompt twice: the second is served from the prefix cache
+    shared = list(range(100, 140))
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt=shared, max_tokens=2)
 
     async def get():
         async with aiohttp.ClientSession() as s, s.get(srv.url + "/metrics") as r:
@@ -378,6 +382,9 @@ def test_metrics_parse(srv, client):
     assert 0 <= value("jaxbatch_padding_fraction") < 1
     assert value("jaxbatch_requests_total", status="499") >= 90  # the abandoned streams
     assert value("jaxbatch_num_requests_waiting") == value("jaxbatch_num_requests_running") == 0
+    stats = srv.engine.stats()
+    assert value("jaxbatch:prefix_cache_queries_total") == stats.prefix_cache_queries >= 80
+    assert value("jaxbatch:prefix_cache_hits_total") == stats.prefix_cache_hits >= 32
 
 
 # ---- the CLI and SIGTERM --------------------------------------------------------------------
