@@ -164,12 +164,14 @@ def test_a_full_queue_is_429_with_retry_after(serve):
     long = json.dumps({"prompt": [1], "max_tokens": 60_000, "stream": True}).encode()
     held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(2)]
     try:
-        for c in held:  # one runs, one waits
-            c.sendall(post_bytes("/v1/completions", long))
+        # one runs, then one waits (sent together, the second could find the first still
+        # being handed to the engine thread and be refused itself)
         deadline = time.time() + 10
-        while s.server.state.engine.num_waiting < 1:
-            assert time.time() < deadline
-            time.sleep(0.02)
+        for c, (attr, want) in zip(held, [("num_running", 1), ("num_waiting", 1)]):
+            c.sendall(post_bytes("/v1/completions", long))
+            while getattr(s.server.state.engine, attr) < want:
+                assert time.time() < deadline
+                time.sleep(0.02)
         got, _ = raw_http(s.port, post_bytes("/v1/completions", GOOD,
                                               extra="Connection: close\r\n"))
         assert status_of(got) == 429 and b"Retry-After: 1" in got, got
