@@ -70,9 +70,13 @@ class Runner:
     def __init__(self, arch: ModelArch, params: Any, cache: CacheConfig, max_model_len: int,
                  attention_fn: Any) -> None:
         self.arch = arch
-        # on CPU, bf16 weights are held as uint16 bits (see llama.store_bf16_as_bits)
-        self.params = llama.store_bf16_as_bits(params) if jax.default_backend() == "cpu" \
-            else params
+        if jax.default_backend() == "cpu":
+            # bf16 weights held as uint16 bits, and a tied head as its own [H, V] copy: the two
+            # forms XLA:CPU runs in bf16 (see llama.store_bf16_as_bits and llama.with_head)
+            if params["embed"].dtype == jnp.bfloat16 and arch.tie_word_embeddings:
+                params = llama.with_head(params)
+            params = llama.store_bf16_as_bits(params)
+        self.params = params
         self.page_size = cache.page_size
         self.pages_per_seq = -(-max_model_len // cache.page_size)
         # compute in the weights' dtype: the loader already chose it (dtype: auto measures)

@@ -174,8 +174,22 @@ def forward(
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax.Array:
-    """hidden [S, H] (rows that sample) -> float32 logits [S, V] (matmul in hidden's dtype)."""
+    """hidden [S, H] (rows that sample) -> float32 logits [S, V] (matmul in hidden's dtype).
+    The head is `lm_head` [H, V] when present (a tied model's runner may add one, see
+    `with_head`), else the embedding used transposed."""
     h = rms_norm(hidden, values(params["final_norm"]).astype(hidden.dtype), arch.rms_norm_eps)
-    w = values(params["embed"]).T if arch.tie_word_embeddings else values(params["lm_head"])
-    w = w.astype(hidden.dtype)
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    if "lm_head" in params:
+        w = values(params["lm_head"]).astype(hidden.dtype)
+        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    w = values(params["embed"]).astype(hidden.dtype)
+    return jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def with_head(params: Params) -> Params:
+    """A tied model's params with the head materialised as `lm_head` [H, V]. XLA:CPU runs the
+    logits dot against the transposed bf16 embedding in f32, converting the whole embedding
+    every step (28M values for SmolLM2: ~30 ms); against an [H, V] copy it stays bf16. Costs one
+    more copy of the embedding in memory."""
+    if "lm_head" in params:
+        return params
+    return {**params, "lm_head": jnp.array(params["embed"].T)}
