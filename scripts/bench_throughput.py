@@ -196,7 +196,7 @@ def main() -> None:
             rates = ", ".join(f"{k} {v:.0f}" for k, v in r["measured_gflops"].items())
             print(f"{r['engine']}: dtype auto chose {r['dtype']} (matmul GFLOP/s: {rates})")
         if r.get("profile"):
-            print(f"{r['engine']} profile ({r['profile']['steps']} steps): " + ", ".join(
+            print(f"{r['engine']} profile ({r['profile']['steps']} steps, replayed): " + ", ".join(
                 f"{k} {v:.1%}" for k, v in r["profile"]["share"].items()))
     ours = [r for r in rows if r["engine"].startswith("jaxbatch")]
     peers = [r for r in rows if r["engine"].startswith("vllm")]
