@@ -3,13 +3,11 @@ on tiny random models: any batch mix, chunk size, page size, policy, bucket set,
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
-import torch
 
 from jaxbatch import LLM, SamplingParams
+from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.tiny_models import make_tiny_model
 
 
@@ -24,24 +22,6 @@ def tiny(tmp_path_factory):
         return models[kind]
 
     return get
-
-
-@functools.cache
-def _hf_greedy_cached(model_id: int, prompt: tuple[int, ...], n: int) -> list[int]:
-    model = _MODELS[model_id]
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-_MODELS: dict[int, object] = {}
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    _MODELS[id(model)] = model
-    return _hf_greedy_cached(id(model), tuple(int(t) for t in prompt), n)
 
 
 def prompts_of(lengths, seed=0, vocab=256):

@@ -3,15 +3,13 @@ last prefill chunk was trimmed and steps split into sub-steps (tiny random model
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
-import torch
 
 from jaxbatch import LLM, SamplingParams
 from jaxbatch.planner import StepPlanner
 from jaxbatch.planner.cost import TableCost, token_cost
+from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.tiny_models import make_tiny_model
 
 ENGINE = {"max_model_len": 512, "seed": 0, "compile_guard": True, "progress": False}
@@ -23,17 +21,6 @@ def tiny(tmp_path_factory):
     return path, make_tiny_model("llama_gqa", path)
 
 
-@functools.cache
-def _hf_greedy(prompt: tuple[int, ...], n: int) -> list[int]:
-    model = _MODEL[0]
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-_MODEL: list = []
 
 
 def prompts_of(lengths, seed=0, vocab=256):
@@ -64,11 +51,10 @@ class Spy:
 
 
 def run_exact(llm, hf, prompts, max_tokens):
-    _MODEL[:] = [hf]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for p, m, o in zip(prompts, max_tokens, outs):
-        assert o.outputs[0].token_ids == _hf_greedy(tuple(p), m), f"prompt len {len(p)}"
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, m), f"prompt len {len(p)}"
     eng = llm.engine
     assert eng.pages.num_used_pages == 0 and eng.compiles_since_warmup == 0
     eng.pages.check()

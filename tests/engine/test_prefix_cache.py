@@ -5,13 +5,11 @@ and 16, with preemption forced, and with the cached prefix ending exactly on a p
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
-import torch
 
 from jaxbatch import LLM, SamplingParams
+from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.tiny_models import make_tiny_model
 
 ENGINE = dict(dtype="float32", attention_backend="reference", max_model_len=512, seed=0,
@@ -20,22 +18,9 @@ ENGINE = dict(dtype="float32", attention_backend="reference", max_model_len=512,
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """(model directory, the same model in transformers)."""
     path = str(tmp_path_factory.mktemp("llama_gqa"))
-    _MODEL[:] = [make_tiny_model("llama_gqa", path)]
-    return path
-
-
-_MODEL: list = []
-
-
-@functools.cache
-def hf_greedy(prompt: tuple[int, ...], n: int) -> list[int]:
-    model = _MODEL[0]
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return path, make_tiny_model("llama_gqa", path)
 
 
 def rand_ids(n: int, seed: int, avoid: int | None = None) -> list[int]:
@@ -45,20 +30,20 @@ def rand_ids(n: int, seed: int, avoid: int | None = None) -> list[int]:
     return ids
 
 
-def make_llm(path: str, page_size: int, caching: bool, **kw) -> LLM:
+def make_llm(tiny, page_size: int, caching: bool, **kw) -> LLM:
     opts = dict(page_size=page_size, num_pages=4096 // page_size + 8, max_num_batched_tokens=32,
                 max_num_seqs=4, planner="fixed:[(8,4),(32,4)]")
-    return LLM(path, enable_prefix_caching=caching, **{**ENGINE, **opts, **kw})
+    return LLM(tiny[0], enable_prefix_caching=caching, **{**ENGINE, **opts, **kw})
 
 
-def generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]):
+def generate(llm: LLM, hf, prompts: list[list[int]], max_tokens: list[int]):
     """Greedy outputs, checked against HF; returns (outputs, the finished Request objects)."""
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     eng = llm.engine
     reqs = {r.request_id: r for r in eng.last_finished}
     for p, m, o in zip(prompts, max_tokens, outs):
-        assert o.outputs[0].token_ids == hf_greedy(tuple(p), m), f"prompt len {len(p)}"
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, m), f"prompt len {len(p)}"
     assert eng.pages.num_used_pages == 0 and eng.compiles_since_warmup == 0
     eng.pages.check()
     return [o.outputs[0].token_ids for o in outs], [reqs[o.request_id] for o in outs]
@@ -87,12 +72,12 @@ def test_shared_prefixes_exact_with_and_without_caching(tiny, page_size):
     results = {}
     for caching in (True, False):
         llm = make_llm(tiny, P, caching)
-        (warm_out,), _ = generate(llm, [warm_prompt], [warm_tokens])
+        (warm_out,), _ = generate(llm, tiny[1], [warm_prompt], [warm_tokens])
         later_turn = warm_prompt + warm_out + rand_ids(5, seed=15)
         computed = len(warm_prompt) + warm_tokens - 1  # the last output never ran
         prompts = [p for p, _ in wave] + [later_turn]
         expect_cached = [c for _, c in wave] + [computed // P * P]
-        outs, reqs = generate(llm, prompts, [9, 7, 11, 5, 8, 10])
+        outs, reqs = generate(llm, tiny[1], prompts, [9, 7, 11, 5, 8, 10])
         results[caching] = outs
         stats = llm.engine.stats()
         if caching:
@@ -118,7 +103,7 @@ def test_preemption_forced_with_shared_prefix(tiny):
     for caching in (True, False):
         llm = make_llm(tiny, 8, caching, num_pages=13, max_num_seqs=6,
                        planner="fixed:[(8,6),(32,6)]")
-        outs[caching], reqs = generate(llm, prompts, max_tokens)
+        outs[caching], reqs = generate(llm, tiny[1], prompts, max_tokens)
         assert sum(r.num_preemptions for r in reqs) > 0
         if caching:
             assert llm.engine.stats().prefix_cache_hits > 0
@@ -131,7 +116,7 @@ def test_abort_and_reuse_between_steps(tiny):
     llm = make_llm(tiny, 4, True)
     eng = llm.engine
     prompt = rand_ids(50, seed=30)
-    (out,), _ = generate(llm, [prompt], [6])
+    (out,), _ = generate(llm, tiny[1], [prompt], [6])
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     # warm computed 55 tokens (50 + 6 outputs, the last never ran): 13 full pages; gone-1's
     # first chunk completes page 13 (the outputs' end) for gone-4
@@ -145,5 +130,5 @@ def test_abort_and_reuse_between_steps(tiny):
         eng.abort_request(req.request_id)
         eng.pages.check()
         assert eng.pages.num_used_pages == 0
-    outs, reqs = generate(llm, [prompt + out[:3]], [5])
+    outs, reqs = generate(llm, tiny[1], [prompt + out[:3]], [5])
     assert reqs[0].num_cached_tokens == 52
