@@ -14,7 +14,6 @@ from jaxbatch.openai_protocol import RequestLimits
 from jaxbatch.server.state import ServerLimits
 from tests.server.support import (
     FakeEngine,
-    ServerThread,
     body_of,
     post_bytes,
     raw_http,
@@ -22,22 +21,6 @@ from tests.server.support import (
 )
 
 GOOD = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3}).encode()
-
-
-@pytest.fixture
-def serve():
-    """serve(engine=None, **ServerLimits fields) -> a started ServerThread, stopped after."""
-    started: list[ServerThread] = []
-
-    def start(engine=None, **limits) -> ServerThread:
-        s = ServerThread(engine or FakeEngine(), served_names=["fake"],
-                         limits=ServerLimits(**limits))
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.stop()
 
 
 def error_of(response: bytes) -> dict:

@@ -13,27 +13,10 @@ import sys
 import time
 
 import aiohttp
-import pytest
 
 from jaxbatch import openai_protocol
-from jaxbatch.server.state import ServerLimits
 from tests.helpers import REPO
-from tests.server.support import FakeEngine, ServerThread
-
-
-@pytest.fixture
-def serve():
-    started: list[ServerThread] = []
-
-    def start(engine=None, **limits) -> ServerThread:
-        s = ServerThread(engine or FakeEngine(step_sleep=0.005), served_names=["fake"],
-                         limits=ServerLimits(**limits))
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.stop()
+from tests.server.support import FakeEngine
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, object]:
