@@ -6,7 +6,6 @@ choices agree."""
 from __future__ import annotations
 
 import copy
-import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,27 +14,14 @@ import torch
 
 from jaxbatch.model import llama
 from jaxbatch.model.loader import load_model
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from tests.helpers.prefill import prefill_logits
 from tests.helpers.smollm2 import torch_one_thread
 from tests.helpers.tiny_models import make_tiny_model
-
-rpa = functools.partial(ragged_paged_attention_reference, nan_safe=False)
 
 
 def bf16_logits(arch, params, ids) -> np.ndarray:
     """The engine's CPU bf16 path: uint16-held weights and cache, bf16 compute."""
-    params = llama.store_bf16_as_bits(jax_bf16(params))
-    T, P = len(ids), 4
-    cache = llama.init_kv_cache(arch, T // P + 2, P, jnp.uint16)
-    pages = np.arange(1, T // P + 2)
-    slots = pages[np.arange(T) // P] * P + np.arange(T) % P
-    attn = llama.AttentionInputs(
-        jnp.asarray(slots, jnp.int32), jnp.asarray([T], jnp.int32),
-        jnp.asarray(pages[None], jnp.int32), jnp.asarray([0, T], jnp.int32),
-        jnp.asarray([1], jnp.int32))
-    h, _ = llama.forward(params, cache, jnp.asarray(ids), jnp.arange(T), attn, arch=arch,
-                         attention_fn=rpa)
-    return np.asarray(llama.compute_logits(params, h, arch=arch), np.float32)
+    return prefill_logits(arch, llama.store_bf16_as_bits(jax_bf16(params)), ids, jnp.uint16)
 
 
 def jax_bf16(params):

@@ -14,12 +14,10 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from jaxbatch.model import gguf as model_gguf
-from jaxbatch.model import llama, param_cache, registry
+from jaxbatch.model import param_cache, registry
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.weights import WeightLoadError
-from pallas_kernels.ragged_paged_attention.reference import (
-    ragged_paged_attention_reference as rpa,
-)
+from tests.helpers.prefill import prefill_logits
 from tests.helpers.tiny_models import make_hf_config, make_tiny_model
 
 IDS = np.random.RandomState(0).randint(3, 256, size=29)
@@ -108,18 +106,7 @@ def write_gguf(path: str, model, kind: str, qtype=lambda name, w: QT.F32, drop=(
 
 
 def our_logits(arch, params, ids=IDS) -> np.ndarray:
-    T, P = len(ids), 4
-    cache = llama.init_kv_cache(arch, T // P + 2, P, params["final_norm"].dtype)
-    pages = np.arange(1, T // P + 2)
-    slots = pages[np.arange(T) // P] * P + np.arange(T) % P
-    attn = llama.AttentionInputs(
-        jnp.asarray(slots, jnp.int32), jnp.asarray([T], jnp.int32),
-        jnp.asarray(pages[None], jnp.int32), jnp.asarray([0, T], jnp.int32),
-        jnp.asarray([1], jnp.int32),
-    )
-    h, _ = llama.forward(params, cache, jnp.asarray(ids), jnp.arange(T), attn, arch=arch,
-                         attention_fn=rpa)
-    return np.asarray(llama.compute_logits(params, h, arch=arch))
+    return prefill_logits(arch, params, ids, params["final_norm"].dtype)
 
 
 def hf_logits(model, ids=IDS) -> np.ndarray:
