@@ -110,19 +110,15 @@ def forward(
     *,
     arch: ModelArch,
     attention_fn: AttentionFn,
-    compute_dtype=None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns hidden states [T, H] (before the final norm) and the updated KV cache.
 
-    `compute_dtype` (default: the params' dtype) is what the matmuls run in; weights in another
-    dtype are converted per layer inside the scan (the runner avoids that by loading the weights
-    in the compute dtype). The KV cache may be stored in a third dtype (see `_kv_encode`).
+    The matmuls run in the weights' dtype (the loader converted them to the compute dtype) with
+    f32 accumulation (`_mm`); the KV cache may be stored in another dtype (see `_kv_encode`).
     """
     L, N_pages, P, K, D = kv_cache["k"].shape
     N, T = arch.num_heads, token_ids.shape[0]
-    embed = params["embed"]
-    cdt = compute_dtype or value_dtype(embed)
-    x = values(embed[token_ids]).astype(cdt)  # [T, H]
+    x = values(params["embed"][token_ids])  # [T, H]
     cos, sin = rope_tables(arch, positions)
     sm_scale = 1.0 / float(np.sqrt(D))
     store = kv_cache["k"].dtype
@@ -130,7 +126,7 @@ def forward(
     def layer(carry, lp_and_idx):
         x, k_cache, v_cache = carry
         lp, li = lp_and_idx
-        lp = jax.tree.map(lambda w: values(w).astype(cdt), lp)  # no-op when already cdt
+        lp = jax.tree.map(values, lp)
         h = rms_norm(x, lp["attn_norm"], arch.rms_norm_eps)
         q = _mm(h, lp["wq"])
         k = _mm(h, lp["wk"])
