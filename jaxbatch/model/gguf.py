@@ -1,4 +1,17 @@
-"""Load a llama.cpp GGUF file: dequantise, rename to HF names, undo the q/k row permutation.
+"""Load a llama.cpp GGUF file: dequantise, rename to HF names, undo llama.cpp's layout changes.
+
+Dequantisation is the `gguf` package's own (`gguf.quants.dequantize`, the reference llama.cpp
+ships with its converter), so every type it reads loads: F32/F16/BF16, Q4_0..Q8_0, the K-quants
+(Q2_K..Q6_K, what Q4_K_M/Q5_K_M files mix), the IQ- and TQ-quants, MXFP4. Names go through the
+package's tensor-name map for the file's architecture, the same map transformers uses, so
+Qwen3's q/k norms, Gemma's four norms and Phi-3's fused qkv / gate_up land on their HF names.
+
+Layout changes undone (each as transformers' GGUF loader does it):
+  * llama/mistral q/k rows are interleaved for llama.cpp's rope kernel (`unpermute_rows`);
+  * Gemma 2/3 RMSNorm weights are stored as 1 + w (llama.cpp's norm multiplies by w, HF's
+    Gemma norm by 1 + w), so 1 is subtracted;
+  * a `rope_freqs` tensor (Llama 3.1's rope scaling, written by convert_hf_to_gguf instead of
+    metadata) becomes the equivalent `llama3` rope parameters (`llama3_rope_from_freq_factors`).
 
 The tensors go through the same strict `assemble_params` as a safetensors checkpoint. The HF
 config, tokenizer and chat template come from the file's metadata via transformers' own GGUF
@@ -7,118 +20,73 @@ support, so they match what `AutoModelForCausalLM.from_pretrained(dir, gguf_file
 
 from __future__ import annotations
 
+import math
 import os
-import re
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.weights import WeightLoadError, assemble_params
+from jaxbatch.model.weights import WeightLoadError, assemble_params, expected_hf_names
 
-# ---------------------------------------------------------------------------------------------
-# Dequantisation. Each function takes the raw blocks as uint8 [n_blocks, type_size] and returns
-# float32 [n_blocks, 32]. Layouts follow ggml-common.h; a block holds 32 consecutive weights.
-# ---------------------------------------------------------------------------------------------
-QK = 32
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    """uint8 [n, 2] little-endian half floats -> float32 [n, 1]."""
-    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+# llama.cpp stores q/k of these architectures with rows interleaved for its rope kernel
+_PERMUTED_ARCHS = ("llama", "mistral")
+# llama.cpp's Gemma converters store each RMSNorm weight as 1 + w
+_NORM_PLUS_ONE_ARCHS = ("gemma", "gemma2", "gemma3")
+ROPE_FREQS = "rope_freqs.weight"
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """uint8 [n, 16] -> uint8 [n, 32]: the low nibbles are weights 0..15, the high ones 16..31."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+def _quant_type(type_name: str) -> Any:
+    import gguf
+
+    return gguf.GGMLQuantizationType[type_name]
 
 
-def dequant_q8_0(blocks: np.ndarray) -> np.ndarray:
-    # block_q8_0: f16 d, int8 qs[32]; w = d * q
-    d = _f16(blocks[:, :2])
-    return d * blocks[:, 2:].view(np.int8).astype(np.float32)
+def supported_types() -> tuple[str, ...]:
+    """Every ggml type the gguf package dequantises (F32, F16 and one class per block type)."""
+    import gguf
 
-
-def dequant_q4_0(blocks: np.ndarray) -> np.ndarray:
-    # block_q4_0: f16 d, uint8 qs[16]; w = d * (q - 8)
-    d = _f16(blocks[:, :2])
-    return d * (_nibbles(blocks[:, 2:]).astype(np.float32) - 8.0)
-
-
-def dequant_q4_1(blocks: np.ndarray) -> np.ndarray:
-    # block_q4_1: f16 d, f16 m, uint8 qs[16]; w = d * q + m
-    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-    return d * _nibbles(blocks[:, 4:]).astype(np.float32) + m
-
-
-# ggml type name -> (bytes per block of QK weights, dequantiser); F32/F16/BF16 are handled apart.
-_BLOCK_TYPES: dict[str, tuple[int, Callable[[np.ndarray], np.ndarray]]] = {
-    "Q8_0": (2 + QK, dequant_q8_0),
-    "Q4_0": (2 + QK // 2, dequant_q4_0),
-    "Q4_1": (4 + QK // 2, dequant_q4_1),
-}
-SUPPORTED_TYPES = ("F32", "F16", "BF16", *_BLOCK_TYPES)
+    return tuple(t.name for t in gguf.GGMLQuantizationType
+                 if t.name in ("F32", "F16") or hasattr(gguf.quants, t.name))
 
 
 def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The raw tensor data (as GGUFReader exposes it) -> float32 array of `shape` (numpy order)."""
-    n = int(np.prod(shape))
-    if type_name == "F32":
-        out = np.asarray(raw).view("<f4").astype(np.float32)
-    elif type_name == "F16":
-        out = np.asarray(raw).view("<f2").astype(np.float32)
-    elif type_name == "BF16":
-        # bfloat16 is the top half of a float32
-        out = (np.asarray(raw).view("<u2").astype(np.uint32) << 16).view(np.float32)
-    elif type_name in _BLOCK_TYPES:
-        type_size, fn = _BLOCK_TYPES[type_name]
-        if n % QK:
-            raise WeightLoadError(f"{type_name} tensor of shape {shape} is not whole blocks")
-        blocks = np.asarray(raw).view(np.uint8).reshape(n // QK, type_size)
-        out = fn(blocks)
-    else:
-        supported = ", ".join(SUPPORTED_TYPES)
+    """Raw tensor data (as GGUFReader exposes it) -> float32 array of `shape` (numpy order)."""
+    import gguf
+
+    try:
+        out = gguf.quants.dequantize(np.asarray(raw), _quant_type(type_name))
+    except (NotImplementedError, KeyError):
         raise WeightLoadError(
-            f"quantisation type {type_name} is not supported (supported: {supported})"
-        )
+            f"quantisation type {type_name} is not supported (the gguf package dequantises "
+            f"{', '.join(supported_types())})") from None
+    except ValueError as e:  # the package checks that the data is whole blocks
+        raise WeightLoadError(f"{type_name} data of {shape} is not whole blocks: {e}") from None
+    n = math.prod(shape)
     if out.size != n:
         raise WeightLoadError(f"tensor data holds {out.size} values, {n} expected for {shape}")
-    return out.reshape(shape)
+    return np.asarray(out, np.float32).reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------------
 # Names and layout
 # ---------------------------------------------------------------------------------------------
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# llama.cpp stores q/k of these architectures with rows interleaved for its rope kernel
-_PERMUTED_ARCHS = ("llama", "mistral")
+def gguf_to_hf_names(gguf_arch: str, num_layers: int, hf_names: set[str]) -> dict[str, str]:
+    """{gguf tensor name: HF name} for the HF names a model expects, through the gguf package's
+    tensor-name map of `gguf_arch` (what transformers' GGUF loader does)."""
+    import gguf
 
-
-def hf_name(gguf_name: str) -> str:
-    """llama.cpp tensor name -> HF name; unknown names pass through, for assemble_params to flag."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return gguf_name
+    arch_ids = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    if gguf_arch not in arch_ids:
+        raise WeightLoadError(f"GGUF architecture {gguf_arch!r} is unknown to the gguf package")
+    name_map = gguf.get_tensor_name_map(arch_ids[gguf_arch], num_layers)
+    out: dict[str, str] = {}
+    for hf in sorted(hf_names):
+        stem, _, suffix = hf.rpartition(".")
+        g = name_map.get_name(stem)
+        if g is not None:
+            out[f"{g}.{suffix}"] = hf
+    return out
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -129,6 +97,61 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_from_freq_factors(factors: np.ndarray, theta: float, dim: int) -> dict[str, Any]:
+    """HF `llama3` rope parameters whose inverse frequencies equal llama.cpp's for `rope_freqs`.
+
+    llama.cpp divides each inverse frequency theta^(-2i/dim) by factors[i]; convert_hf_to_gguf
+    writes factors[i] = 1 (short wavelengths), `factor` (long ones) and 1 / ((1-s)/factor + s)
+    between, with s linear in 1/wavelength. The parameters are found from that line (any
+    (original_ctx, low, high) scaled together give the same frequencies) and checked to
+    reproduce every factor: anything else is refused rather than approximated.
+    """
+    r = np.asarray(factors, np.float64)
+    inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if r.shape != inv.shape:
+        raise WeightLoadError(f"rope_freqs has {r.size} values, {inv.size} expected (head dim "
+                              f"{dim})")
+    x = inv / (2 * math.pi)  # 1 / wavelength, decreasing with i
+    factor = float(r.max())
+    unscaled = np.abs(r - 1) <= 1e-6
+    full = np.abs(r - factor) <= 1e-6 * factor
+    mid = ~(unscaled | full)
+    s = (1 / r - 1 / factor) / (1 - 1 / factor) if factor > 1 else np.zeros_like(r)
+    x_a = x[unscaled].min() if unscaled.any() else 2 * x[0]  # the lowest unscaled frequency
+    x_b = x[full].max() if full.any() else x[-1] / 2  # the highest fully scaled one
+    if mid.sum() >= 2:  # s = (x - x_lo) / (x_hi - x_lo): fit the line
+        slope, icpt = np.polyfit(x[mid], s[mid], 1)
+        x_hi, x_lo = (1 - icpt) / slope, -icpt / slope
+    elif mid.sum() == 1:  # one point on the line: twice the least slope that keeps its
+        xm, sm = float(x[mid][0]), float(s[mid][0])  # ends (s = 0, 1) inside the gaps around it
+        slope = 2 * max((1 - sm) / (x_a - xm), sm / (xm - x_b))
+        x_hi, x_lo = xm + (1 - sm) / slope, xm - sm / slope
+    else:  # a step: both ends of the ramp inside the gap
+        x_hi, x_lo = x_a - (x_a - x_b) / 3, x_b + (x_a - x_b) / 3
+    # scale (original_ctx, low, high) so that original_ctx is the integer HF expects, low ~ 1
+    ctx = max(1, round(1 / x_lo))
+    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(ctx * x_lo),
+              "high_freq_factor": float(ctx * x_hi), "original_max_position_embeddings": ctx}
+    got = _llama3_inv_freq(inv, params)
+    if factor < 1 or not np.allclose(got, inv / r, rtol=1e-5, atol=0):
+        raise WeightLoadError(
+            "the rope_freqs tensor is not llama3 rope scaling (its factors are not 1, a ramp, "
+            "then a constant), which is the only kind supported")
+    return params
+
+
+def _llama3_inv_freq(inv: np.ndarray, p: dict[str, Any]) -> np.ndarray:
+    """transformers' _compute_llama3_parameters, in float64 (to check a fit)."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (old / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    return np.where((wavelen >= old / high) & (wavelen <= old / low), mid, scaled)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,37 +184,47 @@ def _field(reader: Any, key: str) -> Any:
     return None if f is None else f.contents()
 
 
-def read_gguf_tensors(reader: Any, num_heads: int, num_kv_heads: int) -> dict[str, np.ndarray]:
-    """All tensors as float32 numpy arrays in HF names and HF layout ([out, in] for linears)."""
-    arch_name = _field(reader, "general.architecture")
-    permuted = arch_name in _PERMUTED_ARCHS
+def _tensor(reader: Any, t: Any) -> np.ndarray:
+    # ggml lists dims innermost first; numpy's order is the reverse ([out, in] for a linear)
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    try:
+        return dequantize(t.data, t.tensor_type.name, shape)
+    except WeightLoadError as e:
+        raise WeightLoadError(f"GGUF tensor {t.name!r}: {e}") from None
+
+
+def read_gguf_tensors(reader: Any, arch: ModelArch,
+                      hf_names: set[str] | None = None) -> dict[str, np.ndarray]:
+    """All tensors as float32 numpy arrays in HF names and HF layout ([out, in] for linears).
+
+    `hf_names`: the names the model expects (default: `expected_hf_names(arch)` and lm_head);
+    a tensor with no HF name keeps its GGUF name, for `assemble_params` to report."""
+    gguf_arch = _field(reader, "general.architecture")
+    if hf_names is None:
+        hf_names = expected_hf_names(arch) | {"lm_head.weight"}
+    names = gguf_to_hf_names(gguf_arch, arch.num_layers, hf_names)
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        # ggml lists dims innermost first; numpy's order is the reverse ([out, in] for a linear)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        try:
-            w = dequantize(t.data, t.tensor_type.name, shape)
-        except WeightLoadError as e:
-            raise WeightLoadError(f"GGUF tensor {t.name!r}: {e}") from None
-        name = hf_name(t.name)
-        if permuted and ".self_attn.q_proj." in name:
-            w = unpermute_rows(w, num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            w = unpermute_rows(w, num_kv_heads)
+        if t.name == ROPE_FREQS:  # consumed by the config (load_gguf_config)
+            continue
+        w = _tensor(reader, t)
+        name = names.get(t.name, t.name)
+        if gguf_arch in _PERMUTED_ARCHS and ".self_attn.q_proj." in name:
+            w = unpermute_rows(w, arch.num_heads)
+        elif gguf_arch in _PERMUTED_ARCHS and ".self_attn.k_proj." in name:
+            w = unpermute_rows(w, arch.num_kv_heads)
+        elif gguf_arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            w = w - 1.0
         out[name] = w
     return out
 
 
 def load_gguf_config(path: str, reader: Any | None = None) -> Any:
-    """The HF config transformers derives from the file, plus rope scaling it does not read."""
+    """The HF config transformers derives from the file, plus the rope scaling it does not read
+    (linear scaling metadata, Llama 3.1's rope_freqs tensor)."""
     from transformers import AutoConfig
 
     reader = reader if reader is not None else open_gguf(path)
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise WeightLoadError(
-            f"{path} carries a rope_freqs tensor (llama3-style rope scaling), which the GGUF "
-            "loader does not support yet; load the HF safetensors checkpoint instead"
-        )
     try:
         cfg = AutoConfig.from_pretrained(
             os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
@@ -199,13 +232,24 @@ def load_gguf_config(path: str, reader: Any | None = None) -> Any:
     except Exception as e:
         raise WeightLoadError(f"cannot derive an HF config from {path}: {e}") from e
     arch_name = _field(reader, "general.architecture")
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
     kind = _field(reader, f"{arch_name}.rope.scaling.type")
     if kind not in (None, "none"):
         if kind != "linear":
             raise WeightLoadError(f"{path}: rope scaling type {kind!r} is not supported")
         factor = float(_field(reader, f"{arch_name}.rope.scaling.factor"))
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
         cfg.rope_parameters = {**rope, "rope_type": "linear", "factor": factor}
+    freqs = [t for t in reader.tensors if t.name == ROPE_FREQS]
+    if freqs:
+        if kind not in (None, "none"):
+            raise WeightLoadError(f"{path} has both rope scaling metadata and rope_freqs")
+        theta = float(rope.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+        dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        try:
+            llama3 = llama3_rope_from_freq_factors(_tensor(reader, freqs[0]), theta, dim)
+        except WeightLoadError as e:
+            raise WeightLoadError(f"{path}: {e}") from None
+        cfg.rope_parameters = {**rope, **llama3}
     return cfg
 
 
@@ -226,5 +270,5 @@ def load_gguf(path: str, dtype: Any) -> tuple[ModelArch, dict, Any]:
     reader = open_gguf(path)
     cfg = load_gguf_config(path, reader)
     arch = ModelArch.from_hf_config(cfg)
-    tensors = read_gguf_tensors(reader, arch.num_heads, arch.num_kv_heads)
+    tensors = read_gguf_tensors(reader, arch)
     return arch, assemble_params(arch, tensors, dtype), cfg

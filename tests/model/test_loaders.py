@@ -1,11 +1,10 @@
-"""Model sources: GGUF dequantisation and loading, HF directories, the param cache, errors."""
+"""Model sources: GGUF loading, HF directories, the param cache, errors (GGUF types, names and\nrope scaling in detail: test_gguf.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,92 +16,17 @@ from jaxbatch.model import gguf as model_gguf
 from jaxbatch.model import param_cache, registry
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.weights import WeightLoadError
+from tests.helpers import gguf_files
 from tests.helpers.prefill import prefill_logits
 from tests.helpers.tiny_models import make_hf_config, make_tiny_model
 
 IDS = np.random.RandomState(0).randint(3, 256, size=29)
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers: write a GGUF the way convert_hf_to_gguf does; run our forward on one sequence.
-# ---------------------------------------------------------------------------------------------
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf's LlamaModel.permute (HF rotate_half rows -> interleaved pairs)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
-    )
-
-
-def _gguf_tensors(model, kind: str) -> dict[str, np.ndarray]:
-    cfg = make_hf_config(kind)
-    arch = "qwen2" if kind == "qwen2" else "llama"
-    inv = {v: k for k, v in model_gguf._LAYER_NAMES.items()}
-    out = {}
-    for name, p in model.state_dict().items():
-        w = p.detach().numpy().astype(np.float32)
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            mod, leaf = rest.rsplit(".", 1)
-            if arch == "llama" and mod == "self_attn.q_proj":
-                w = _permute(w, cfg.num_attention_heads)
-            if arch == "llama" and mod == "self_attn.k_proj":
-                w = _permute(w, cfg.num_key_value_heads)
-            out[f"blk.{i}.{inv[mod]}.{leaf}"] = w
-        else:
-            out[{v: k for k, v in model_gguf._TOP_NAMES.items()}[name]] = w
-    return out
-
-
-def write_gguf(path: str, model, kind: str, qtype=lambda name, w: QT.F32, drop=(), edit=None,
-               extra=None):
-    """A GGUF with metadata, a 256-token byte-level tokenizer and the model's tensors.
-
-    qtype(name, w) picks each matrix's type; `drop` leaves tensors out; edit(name, w) changes one;
-    extra(writer) adds metadata or tensors.
-    """
-    cfg = make_hf_config(kind)
-    arch = "qwen2" if kind == "qwen2" else "llama"
-    w = gguf.GGUFWriter(path, arch=arch)
-    w.add_name("tiny-" + kind)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    byte_chars = gguf.vocab.bytes_to_unicode()  # GPT-2's byte -> printable character table
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(["<unk>", "<s>", "</s>"] + [byte_chars[b] for b in range(3, 256)])
-    w.add_token_types([3, 3, 3] + [1] * 253)
-    w.add_token_scores([0.0] * 256)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
-    if extra is not None:
-        extra(w)
-    for name, t in _gguf_tensors(model, kind).items():
-        if name in drop:
-            continue
-        t = edit(name, t) if edit else t
-        q = qtype(name, t) if t.ndim == 2 else QT.F32
-        if q == QT.F32:
-            w.add_tensor(name, t)
-        elif q == QT.F16:
-            w.add_tensor(name, t.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(t, q), raw_dtype=q)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+def write_gguf(path: str, model, kind: str, **kwargs) -> str:
+    """A GGUF of the tiny `kind` model (see tests/helpers/gguf_files.py)."""
+    assert model.config.model_type == make_hf_config(kind).model_type
+    return gguf_files.write_gguf(path, model, **kwargs)
 
 
 def our_logits(arch, params, ids=IDS) -> np.ndarray:
@@ -126,40 +50,6 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     return {k: (str(root / k), make_tiny_model(k, str(root / k))) for k in
             ("llama_gqa", "llama_tied", "qwen2")}
-
-
-# ---------------------------------------------------------------------------------------------
-# Dequantisation
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
-def test_dequant_matches_gguf_reference(name):
-    qt, rng = QT[name], np.random.default_rng(0)
-    x = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 4, size=(48, 1))).astype(np.float32)
-    raw = {"F32": x, "F16": x.astype(np.float16)}.get(name)
-    raw = gguf.quants.quantize(x, qt) if raw is None else raw
-    ours = model_gguf.dequantize(raw, name, x.shape)
-    np.testing.assert_array_equal(ours, gguf.quants.dequantize(raw, qt).reshape(x.shape))
-    if name not in ("F32", "F16"):  # arbitrary bit patterns too
-        raw_bytes = rng.integers(0, 256, size=raw.shape, dtype=np.uint8)
-        if name != "BF16":  # keep the f16 scales (and Q4_1's min) finite: exponent < 31
-            blocks = raw_bytes.reshape(-1, gguf.GGML_QUANT_SIZES[qt][1])
-            blocks[:, 1] &= 0x3B
-            blocks[:, 3] &= 0x3B if name == "Q4_1" else 0xFF
-        ours = model_gguf.dequantize(raw_bytes, name, x.shape)
-        ref = gguf.quants.dequantize(raw_bytes, qt).reshape(x.shape)
-        np.testing.assert_array_equal(ours, ref)
-
-
-def test_unsupported_quant_type_is_named():
-    raw = gguf.quants.quantize(np.ones((2, 32), np.float32), QT.Q5_0)
-    with pytest.raises(WeightLoadError, match="Q5_0 is not supported"):
-        model_gguf.dequantize(raw, "Q5_0", (2, 32))
-
-
-def test_unpermute_inverts_llama_cpp_permute():
-    w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(64, 3)
-    np.testing.assert_array_equal(model_gguf.unpermute_rows(_permute(w, 4), 4), w)
-    assert model_gguf.hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,34 +110,8 @@ def test_gguf_errors_are_clear(tiny, tmp_path):
             load_model(str(bad), "float32", cache_dir=str(tmp_path / "cache"))
         assert str(bad) in str(e.value)
 
-    p = write_gguf(str(tmp_path / "q5.gguf"), model, "llama_gqa", qtype=lambda n, w: QT.Q5_0)
-    with pytest.raises(WeightLoadError, match="'token_embd.weight'.*Q5_0 is not supported"):
-        model_gguf.load_gguf(p, jnp.float32)
-
-
-def test_gguf_rope_scaling(tiny, tmp_path):
-    """transformers' GGUF config drops rope scaling; the loader reads linear, refuses llama3."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    d, model = tiny["llama_gqa"]
-
-    def linear(w):
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(4.0)
-
-    p = write_gguf(str(tmp_path / "linear.gguf"), model, "llama_gqa", extra=linear)
-    arch, params, _ = model_gguf.load_gguf(p, jnp.float32)
-    assert (arch.rope_type, dict(arch.rope_scaling)["factor"]) == ("linear", 4.0)
-    cfg = AutoConfig.from_pretrained(d)
-    cfg.rope_parameters = {**cfg.rope_parameters, "rope_type": "linear", "factor": 4.0}
-    ref = AutoModelForCausalLM.from_pretrained(d, config=cfg, dtype=torch.float32).eval()
-    assert_close_logits(our_logits(arch, params), hf_logits(ref))
-
-    def llama3(w):
-        w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
-
-    p = write_gguf(str(tmp_path / "llama3.gguf"), model, "llama_gqa", extra=llama3)
-    with pytest.raises(WeightLoadError, match="rope_freqs tensor .*not support"):
+    p = write_gguf(str(tmp_path / "q8_1.gguf"), model, "llama_gqa", qtype=lambda n, w: QT.Q8_1)
+    with pytest.raises(WeightLoadError, match="'token_embd.weight'.*Q8_1 is not supported"):
         model_gguf.load_gguf(p, jnp.float32)
 
 
