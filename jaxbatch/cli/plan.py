@@ -42,6 +42,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("workload", nargs="?",
                    help="workload JSONL (prompt_token_ids or prompt, max_tokens); default: bench64")
     p.add_argument("--trace", help="step trace JSONL written by an engine (trace_path)")
+    p.add_argument("--fit-trace", help="with --trace: fit the step-time model on this other "
+                   "trace and predict --trace's measured times out of sample")
     p.add_argument("--planners", default="dp,pow2,linear:16",
                    help="comma-separated planner specs (dp, pow2, linear:STEP, fixed:[(T,S),...])")
     p.add_argument("--max-shapes", type=int, help="compile budget of the dp planner")
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     specs = split_specs(args.planners)
     tokenizer = tokenizer_for(config) if args.workload and not args.trace else None
     return compare(config, specs, workload=args.workload, trace=args.trace, cost_spec=args.cost,
-                   tokenizer=tokenizer)
+                   tokenizer=tokenizer, fit_trace=args.fit_trace)
 
 
 def print_table(out: dict[str, Any]) -> None:
@@ -118,7 +120,31 @@ def print_table(out: dict[str, Any]) -> None:
             d = r["dp"]
             print(f"  dp certificate: expected cost <= {d['certified_gap']:.4f} x the optimum over "
                   f"all bucket sets (lower bound {d['lower_bound']:.4g}, rho {d['rho']:.3f})")
+    if out.get("step_time_predictions"):
+        print_predictions(out["step_time_predictions"])
     print(f"\n({out['seconds']:.2f} s)")
+
+
+def print_predictions(p: dict[str, Any]) -> None:
+    """Predicted vs measured step times of the trace (planner/step_time.py)."""
+    print("\nstep times, predicted vs measured (model: time = per-bucket intercept + context "
+          "tokens + attention pairs)")
+    ins = p["in_sample"]
+    print(f"  {ins['model']}")
+    head = f"  {'bucket':>10}{'steps':>7}{'predicted':>12}{'measured':>11}{'error':>9}"
+    print(head)
+    for b in ins["buckets"]:
+        print(f"  {b['bucket'][0]:>5}x{b['bucket'][1]:<4}{b['steps']:>7}{b['predicted_s']:>11.3f}s"
+              f"{b['measured_s']:>10.3f}s{100 * b['error']:>8.1f}%")
+    print(f"  {'total':>10}{ins['steps']:>7}{ins['predicted_s']:>11.3f}s{ins['measured_s']:>10.3f}s"
+          f"{100 * ins['error']:>8.1f}%   (fitted on this trace)")
+    h = p["held_out_halves"]
+    print(f"  {'total':>10}{'':>7}{h['predicted_s']:>11.3f}s{h['measured_s']:>10.3f}s"
+          f"{100 * h['error']:>8.1f}%   (held out: each half predicted by a fit on the other)")
+    o = p.get("fitted_on_other_trace")
+    if o:
+        print(f"  {'total':>10}{o['steps']:>7}{o['predicted_s']:>11.3f}s{o['measured_s']:>10.3f}s"
+              f"{100 * o['error']:>8.1f}%   (fitted on --fit-trace: {o['model']})")
 
 
 def describe_buckets(buckets: list[list[int]]) -> str:

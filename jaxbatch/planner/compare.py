@@ -24,6 +24,7 @@ from jaxbatch.planner import simulate
 from jaxbatch.planner.cost import AffineCost, CostModel, analytic_cost, model_dims, token_cost
 from jaxbatch.planner.select import Selection, build_planner, histogram
 from jaxbatch.planner.step import StepPlanner
+from jaxbatch.planner.step_time import StepTimeModel, prediction_report
 from jaxbatch.planner.trace import StepRecord, read_trace
 
 COSTS = "analytic | tokens[:OVERHEAD] | fit | A,B,C"
@@ -58,6 +59,33 @@ def make_cost(spec: str | None, config: EngineConfig,
     return AffineCost(a, b, c, name="given")
 
 
+def trace_predictions(rows: list[StepRecord], fit_rows: list[StepRecord] | None = None
+                      ) -> dict[str, Any] | None:
+    """Predicted vs measured step times of a trace under the step-time model (step_time.py).
+    Fitted on `fit_rows` (another trace: out of sample) when given, and always also out of
+    sample within the trace: fitted on its even steps, predicting its odd ones, and the other way
+    round. None when the trace has no measured times."""
+    measured = [r for r in rows if r.measured_s is not None and r.bucket is not None]
+    if len(measured) < 2:
+        return None
+    out: dict[str, Any] = {}
+    if fit_rows is not None:
+        model = StepTimeModel.fit(fit_rows)
+        out["fitted_on_other_trace"] = {"model": model.describe(),
+                                        **prediction_report(model, measured)}
+    halves = [measured[0::2], measured[1::2]]
+    pred = meas = 0.0
+    for i in (0, 1):
+        rep = prediction_report(StepTimeModel.fit(halves[1 - i]), halves[i])
+        pred += rep["predicted_s"]
+        meas += rep["measured_s"]
+    out["held_out_halves"] = {"predicted_s": pred, "measured_s": meas,
+                              "error": (pred - meas) / meas if meas else 0.0}
+    model = StepTimeModel.fit(measured)
+    out["in_sample"] = {"model": model.describe(), **prediction_report(model, measured)}
+    return out
+
+
 def evaluate(planner: StepPlanner, selection: Selection | None, rows: list[StepRecord],
              steps: int, cost: CostModel, trimmed: int = 0, split: int = 0) -> dict[str, Any]:
     """One planner's line of the result (JSON keys as printed by `jaxbatch plan --json`)."""
@@ -87,8 +115,8 @@ def evaluate(planner: StepPlanner, selection: Selection | None, rows: list[StepR
 
 
 def compare(config: EngineConfig, specs: list[str], workload: str | None = None,
-            trace: str | None = None, cost_spec: str | None = None, tokenizer: Any = None
-            ) -> dict[str, Any]:
+            trace: str | None = None, cost_spec: str | None = None, tokenizer: Any = None,
+            fit_trace: str | None = None) -> dict[str, Any]:
     """Every planner of `specs` on the workload (file, else bench64) or on the trace. Keys
     starting with `_` (the step shapes, each planner's padding per sub-step) are for the plot."""
     t0 = time.perf_counter()
@@ -129,8 +157,12 @@ def compare(config: EngineConfig, specs: list[str], workload: str | None = None,
             steps, trimmed, split = len(rows), 0, 0
         results.append(evaluate(planner, sel, rows, steps, cost, trimmed, split))
         per_step[planner.name] = [r.padding for r in rows]
+    predictions = None
+    if trace_rows is not None:
+        predictions = trace_predictions(trace_rows, read_trace(fit_trace) if fit_trace else None)
     return {
         "source": source,
+        "step_time_predictions": predictions,
         "config": {"max_num_batched_tokens": T, "max_num_seqs": S, "policy": sched.batching_policy,
                    "page_size": page, "max_compiled_shapes": K},
         "cost_model": cost.describe(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -26,6 +27,11 @@ class StepRecord:
     tokens: int  # real tokens
     seqs: int
     prefill_seqs: int = 0
+    # attention work, which the bucket does not fix (what a step costs beyond its bucket):
+    kv_tokens: int = 0  # context tokens read: sum over rows of the KV length (new tokens included)
+    # (query, key) pairs of the prefill chunks (rows with more than one new token): their
+    # attention work grows with chunk x context; a decode row's is its kv length, counted above
+    prefill_pairs: int = 0
     bucket: Bucket | None = None  # None: a step shape before any planner (simulate, no planner)
     measured_s: float | None = None
     predicted_s: float | None = None
@@ -42,12 +48,16 @@ class StepRecord:
     def of(cls, seqs: Sequence[ScheduledSeq], bucket: Bucket | None, step: int | None = None,
            measured_s: float | None = None, predicted_s: float | None = None) -> StepRecord:
         return cls(step=step, tokens=sum(s.num_new_tokens for s in seqs), seqs=len(seqs),
-                   prefill_seqs=sum(1 for s in seqs if s.is_prefill), bucket=bucket,
-                   measured_s=measured_s, predicted_s=predicted_s)
+                   prefill_seqs=sum(1 for s in seqs if s.is_prefill),
+                   kv_tokens=sum(s.start + s.num_new_tokens for s in seqs),
+                   prefill_pairs=sum(attention_pairs(s.start, s.num_new_tokens) for s in seqs
+                                     if s.num_new_tokens > 1),
+                   bucket=bucket, measured_s=measured_s, predicted_s=predicted_s)
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "tokens": self.tokens, "seqs": self.seqs,
-                "prefill_seqs": self.prefill_seqs,
+                "prefill_seqs": self.prefill_seqs, "kv_tokens": self.kv_tokens,
+                "prefill_pairs": self.prefill_pairs,
                 "bucket": None if self.bucket is None else list(self.bucket),
                 "padding": self.padding, "measured_s": self.measured_s,
                 "predicted_s": self.predicted_s}
@@ -59,9 +69,17 @@ class StepRecord:
         measured, predicted = row.get("measured_s"), row.get("predicted_s")
         return cls(step=row.get("step"), tokens=int(row["tokens"]), seqs=int(row["seqs"]),
                    prefill_seqs=int(row.get("prefill_seqs") or 0),
+                   kv_tokens=int(row.get("kv_tokens") or 0),
+                   prefill_pairs=int(row.get("prefill_pairs") or 0),
                    bucket=None if bucket is None else Bucket(int(bucket[0]), int(bucket[1])),
                    measured_s=None if measured is None else float(measured),
                    predicted_s=None if predicted is None else float(predicted))
+
+
+def attention_pairs(start: int, n: int) -> int:
+    """(query, key) pairs of n new tokens at positions start..start+n-1 under causal attention:
+    sum over i < n of (start + i + 1)."""
+    return n * start + n * (n + 1) // 2
 
 
 def is_trace_row(row: dict[str, Any]) -> bool:
@@ -75,13 +93,14 @@ def read_trace(path: str) -> list[StepRecord]:
 
 
 class StepTrace:
-    """The engine's trace: counters for /metrics and benchmarks, the first `keep` records in
-    memory, and every record appended to `path` when one is given."""
+    """The engine's trace: counters for /metrics and benchmarks, the last `keep` records in
+    memory (the live re-planner fits step times on them), and every record appended to `path`
+    when one is given."""
 
-    def __init__(self, path: str | None = None, keep: int = 100_000) -> None:
+    def __init__(self, path: str | None = None, keep: int = 20_000) -> None:
         self.path = path
         self.keep = keep
-        self.rows: list[StepRecord] = []
+        self.rows: deque[StepRecord] = deque(maxlen=keep)
         self.num_steps = 0  # executed sub-steps
         self.real_tokens = 0
         self.padded_tokens = 0  # tokens computed: the buckets' sizes
@@ -94,8 +113,7 @@ class StepTrace:
         self.num_steps += 1
         self.real_tokens += rec.tokens
         self.padded_tokens += sub.bucket.num_tokens
-        if len(self.rows) < self.keep:
-            self.rows.append(rec)
+        self.rows.append(rec)
         if self._file:
             self._file.write(json.dumps(rec.to_json()) + "\n")
             self._file.flush()

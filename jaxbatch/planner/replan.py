@@ -1,0 +1,106 @@
+"""Choosing the bucket set again from live traffic (host only: numpy, never jax).
+
+The dp planner picks its buckets at start-up from a workload that may not be the traffic the
+server meets (bench64 by default). `LiveReplanner` keeps the shapes (tokens, sequences) of the
+last `window` scheduled steps as the scheduler produced them (before padding), and every
+`interval` steps says whether another set of at most `max_shapes` buckets would run that
+histogram at least `min_gain` cheaper than the current set. Both sets are priced with the same
+cost: the step-time model fitted on the engine's executed steps (step_time.py), whose per-bucket
+intercepts are what real steps in each bucket cost beyond their attention work; buckets never
+run are priced by the affine fit over those intercepts (monotone, as the DP needs). The engine
+(engine/replan.py) compiles a proposal in the background and swaps it in between two steps.
+
+Everything here is decided from copies the engine hands over, so `propose` may run on another
+thread than the one stepping the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections import deque
+from collections.abc import Sequence
+
+from jaxbatch.planner.buckets import Bucket
+from jaxbatch.planner.select import Histogram, expected_cost, histogram, select_buckets
+from jaxbatch.planner.step_time import StepTimeModel
+from jaxbatch.planner.trace import StepRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    buckets: list[Bucket]
+    current_cost_s: float  # predicted seconds of the window's steps on the current set
+    new_cost_s: float  # ... on the proposed set
+    steps: int  # steps in the window
+
+    @property
+    def gain(self) -> float:
+        return 1.0 - self.new_cost_s / self.current_cost_s if self.current_cost_s else 0.0
+
+    def describe(self) -> str:
+        return (f"{len(self.buckets)} buckets {' '.join(f'{t}x{s}' for t, s in self.buckets)}: "
+                f"{self.current_cost_s:.2f} s -> {self.new_cost_s:.2f} s predicted on the last "
+                f"{self.steps} steps ({100 * self.gain:.1f}% cheaper)")
+
+
+class LiveReplanner:
+    def __init__(self, max_tokens: int, max_seqs: int, max_shapes: int, *, window: int = 4096,
+                 interval: int = 512, min_gain: float = 0.10, min_steps: int = 256) -> None:
+        if not 0.0 < min_gain < 1.0:
+            raise ValueError(f"min_gain must be in (0, 1), got {min_gain}")
+        self.max_tokens, self.max_seqs, self.max_shapes = max_tokens, max_seqs, max_shapes
+        self.interval, self.min_gain, self.min_steps = interval, min_gain, min_steps
+        self.shapes: deque[tuple[int, int]] = deque(maxlen=window)
+        self._since_check = 0
+
+    def observe(self, tokens: int, seqs: int) -> None:
+        """One scheduled step's shape (before the planner pads, trims or splits it)."""
+        self.shapes.append((min(tokens, self.max_tokens), min(seqs, self.max_seqs)))
+        self._since_check += 1
+
+    def due(self) -> bool:
+        return self._since_check >= self.interval and len(self.shapes) >= self.min_steps
+
+    def snapshot(self) -> Histogram:
+        """The window's histogram (a copy, for `propose` on another thread); resets `due`."""
+        self._since_check = 0
+        return histogram(self.shapes)
+
+    def propose(self, hist: Histogram, current: Sequence[tuple[int, int]],
+                executed: Sequence[StepRecord]) -> Proposal | None:
+        """A set that runs `hist` at least `min_gain` cheaper than `current`, or None. The
+        cost is fitted on `executed` (recent executed steps with measured times)."""
+        if not hist or len(executed) < 8:
+            return None
+        cost = StepTimeModel.fit(executed).body
+        cur = [Bucket(int(t), int(s)) for t, s in current]
+        now = expected_cost(cur, hist, cost)
+        sel = select_buckets(hist, self.max_shapes, cost, self.max_tokens, self.max_seqs)
+        prop = Proposal(sel.buckets, now, sel.expected_cost, int(sum(hist.values())))
+        if sorted(sel.buckets) == sorted(cur) or prop.gain < self.min_gain:
+            return None
+        return prop
+
+
+# ---- the learned set, kept for the next start ------------------------------------------------
+def saved_set_path(root: str, key: str) -> str:
+    return os.path.join(root, "planner", f"buckets-{key}.json")
+
+
+def save_set(path: str, buckets: Sequence[tuple[int, int]], why: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"buckets": [list(map(int, b)) for b in buckets], "why": why}, f)
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def load_set(path: str) -> list[Bucket] | None:
+    """The saved set, or None (missing or unreadable: the planner then chooses afresh)."""
+    try:
+        with open(path) as f:
+            return [Bucket(int(t), int(s)) for t, s in json.load(f)["buckets"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
