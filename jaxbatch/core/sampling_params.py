@@ -2,9 +2,10 @@
 
 Every value must be one the engine can represent in its step inputs, so the Python API
 (`LLM.generate`) is protected as much as the OpenAI server: floats are finite and fit float32,
-integers fit int32 (token ids, top_k, max_tokens, min_tokens) or 63 bits (seed), and at most
-MAX_BANNED_IDS_WITH_EOS stop token ids come with min_tokens > 0. A refusal is a ValueError
-"SamplingParams.<name>: <why>" (the OpenAI protocol maps <name> to the error's `param`).
+integers fit int32 (token ids, top_k, max_tokens, min_tokens) or 63 bits (seed). Penalties and
+logit_bias follow OpenAI's / vLLM's ranges; that logit_bias ids are within the vocabulary is
+checked by the engine, which knows it. A refusal is a ValueError "SamplingParams.<name>: <why>"
+(the OpenAI protocol maps <name> to the error's `param`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import math
 import operator
 from typing import Any
 
+
 MAX_LOGPROBS = 20  # top-n logprobs are computed for a static n on device; requests ask for <= n
-MAX_BANNED_IDS = 8  # eos/stop ids masked while min_tokens is not reached (static width on device)
-# While min_tokens is not reached, stop_token_ids and the model's EOS ids share the
-# MAX_BANNED_IDS slots; the EOS count is the model's, so two slots are kept for it (all of them
-# with ignore_eos, which bans no EOS id). More stop ids than fit are refused, never truncated.
-MAX_BANNED_IDS_WITH_EOS = MAX_BANNED_IDS - 2
+# While min_tokens is not reached, stop_token_ids and the model's EOS ids are banned. Up to
+# MAX_BANNED_IDS of them ride in a small per-row array of the plain sampler; a row with more
+# bans them through the dense bias of the adjusted sampler (engine/sampler.py): no limit.
+MAX_BANNED_IDS = 8
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty / frequency_penalty: [-2, 2]
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 MIN_TEMPERATURE = 1e-2  # vLLM's floor: 0 < temperature < 0.01 overflows the scaled logits
@@ -69,6 +72,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # OpenAI: - presence * (count in the output > 0)
+    frequency_penalty: float = 0.0  # OpenAI: - frequency * count in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: seen (prompt or output) logits / p if > 0 else * p
+    # token id -> bias added to its logit, in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None  # top-n logprobs of each prompt token (vLLM's shape)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -127,13 +136,16 @@ class SamplingParams:
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or \
                 any(not _is_int(t) or not 0 <= operator.index(t) <= INT32_MAX for t in ids):
             raise bad("stop_token_ids", f"must be a list of token ids in [0, {INT32_MAX}]")
-        ids = tuple(operator.index(t) for t in ids)
-        room = MAX_BANNED_IDS if self.ignore_eos else MAX_BANNED_IDS_WITH_EOS
-        if self.min_tokens > 0 and len(ids) > room:
-            raise bad("stop_token_ids", f"at most {room} stop token ids with "
-                      f"min_tokens > 0 (they are banned until min_tokens is reached, with the "
-                      f"EOS ids unless ignore_eos, in {MAX_BANNED_IDS} slots), got {len(ids)}")
-        object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in ids))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= number(name) <= MAX_PENALTY:
+                raise bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
+                          f"{getattr(self, name)}")
+        if not number("repetition_penalty") > 0.0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias, bad))
+        integer("prompt_logprobs", 0, MAX_LOGPROBS,
+                f"must be an integer in [0, {MAX_LOGPROBS}]", optional=True)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -147,3 +159,33 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or \
+            self.repetition_penalty != 1.0
+
+
+def _logit_bias(value: Any, bad: Any) -> dict[int, float] | None:
+    """logit_bias as {token id: float bias}; None or {} is none."""
+    if value is None or (isinstance(value, dict) and not value):
+        return None
+    if not isinstance(value, dict):
+        raise bad("logit_bias", f"must be a mapping of token id to bias, got {show(value)}")
+    out: dict[int, float] = {}
+    for tok, bias in value.items():
+        if not _is_int(tok) or not 0 <= operator.index(tok) <= INT32_MAX:
+            raise bad("logit_bias", f"keys must be token ids in [0, {INT32_MAX}], got "
+                      f"{show(tok)}")
+        if isinstance(bias, bool) or not (isinstance(bias, float) or _is_int(bias)):
+            raise bad("logit_bias", f"values must be numbers, got {show(bias)} for token "
+                      f"{operator.index(tok)}")
+        try:
+            b = float(bias)
+        except OverflowError:  # an int too large for a float
+            b = math.inf
+        if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:  # also refuses nan
+            raise bad("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, "
+                      f"{MAX_LOGIT_BIAS:g}], got {show(bias)} for token {operator.index(tok)}")
+        out[operator.index(tok)] = b
+    return out

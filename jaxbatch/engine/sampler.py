@@ -2,8 +2,19 @@
 
 One batch mixes greedy, temperature, top-k, top-p and min-p rows, each with its own seed. The RNG
 key of a row is fold_in(key(seed), output_index), so a request's draws do not depend on what it
-was batched with or on preemption. Expensive paths (sorting for top-k/top-p, Gumbel noise,
-log-softmax for logprobs) sit behind `lax.cond` so an all-greedy batch pays for an argmax only.
+was batched with or on preemption. Expensive paths (sorting for top-k/top-p, the inverse-CDF draw,
+log-softmax for logprobs, penalties) sit behind `lax.cond` so an all-greedy batch pays for an
+argmax only.
+
+The order is vLLM's (v1 Sampler): logprobs of the raw model; the ids banned until min_tokens;
+logit_bias; repetition, frequency and presence penalties; greedy argmax; temperature; min-p;
+top-k then top-p on what top-k kept (renormalised), as HF's TopKLogitsWarper then
+TopPLogitsWarper; a draw. Ties at the k-th value are all kept (HF's and vLLM's `< k-th` mask).
+
+Two input shapes per sequence count S (both compiled at warm-up, see runner.py): the plain one,
+shipped every step, and one with `LogitsAdjustments` (dense [S, V] bias and [S, L] token
+history), used only for steps where some row has logit_bias, a penalty or more ids to ban than
+the plain `banned` width. A batch that uses none of them never ships or computes them.
 """
 
 from __future__ import annotations
@@ -19,6 +30,20 @@ from jaxbatch.core.sampling_params import MAX_LOGPROBS
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class LogitsAdjustments:
+    """Per-row logit changes that need more than a few numbers per row (L = history width, the
+    longest sequence the engine holds, so a history is never cut)."""
+
+    bias: jax.Array | np.ndarray  # f32[S, V] added to the logits: logit_bias, -inf = banned
+    history: jax.Array | np.ndarray  # i32[S, L] prompt then generated token ids; -1 = none
+    num_prompt: jax.Array | np.ndarray  # i32[S] how many of `history` are prompt tokens
+    repetition: jax.Array | np.ndarray  # f32[S] 1 = off (HF / vLLM, prompt + generated)
+    frequency: jax.Array | np.ndarray  # f32[S] 0 = off (OpenAI, generated tokens)
+    presence: jax.Array | np.ndarray  # f32[S] 0 = off (OpenAI, generated tokens)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class SamplingInputs:
     temperature: jax.Array | np.ndarray  # f32[S]; 0 = greedy
     top_k: jax.Array | np.ndarray  # i32[S]; 0 = off
@@ -28,6 +53,8 @@ class SamplingInputs:
     counters: jax.Array | np.ndarray  # i32[S] output index of the token being drawn
     banned: jax.Array | np.ndarray  # i32[S, B] ids masked (min_tokens not reached); -1 = none
     want_logprobs: jax.Array | np.ndarray  # bool[S]
+    # None in the plain shape; see LogitsAdjustments (a pytree None has no leaves)
+    adjust: LogitsAdjustments | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -46,15 +73,18 @@ _CAND = 256  # top-k / top-p cut points are found among this many candidates whe
 
 
 def _filter_sorted(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                   sorted_desc: jax.Array) -> jax.Array:
-    """Mask (to -inf) what top-k / top-p remove, given each row's values sorted descending
-    (all V of them, or a prefix holding the cut). scaled [S, V]."""
+                   sorted_desc: jax.Array, lse_all: jax.Array) -> jax.Array:
+    """Mask (to -inf) what top-k then top-p remove, given each row's values sorted descending
+    (all V of them, or a prefix holding every value >= the cut and every tie of the k-th).
+    scaled [S, V]; lse_all [S] the logsumexp of the whole row (top-p's mass without top-k)."""
     n = sorted_desc.shape[-1]
     k = jnp.clip(top_k, 1, n)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [S, 1]
     kth = jnp.where((top_k > 0)[:, None], kth, _NEG_INF)
-    lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)  # over the full vocabulary
-    probs = jnp.exp(sorted_desc - lse)
+    # top-p runs on the distribution top-k left, renormalised (HF's warpers in sequence)
+    kept_k = jnp.where(sorted_desc >= kth, sorted_desc, _NEG_INF)
+    lse = jnp.where(top_k > 0, jax.nn.logsumexp(kept_k, axis=-1), lse_all)[:, None]
+    probs = jnp.exp(kept_k - lse)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
     # keep a sorted position while the mass before it is < top_p (always keeps the first)
     n_keep = (cum_before < top_p[:, None]).sum(-1)
@@ -64,43 +94,75 @@ def _filter_sorted(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
 
 
 def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Exact top-k/top-p. The cut is looked for among the top _CAND values (a partial sort,
-    cheap); only if some row's cut lies beyond them is the whole vocabulary sorted."""
+    """Exact top-k then top-p. The cut is looked for among the top _CAND values (a partial sort,
+    cheap); only if some row's cut (or a tie of its k-th value) may lie beyond them is the whole
+    vocabulary sorted."""
     V = scaled.shape[-1]
+    lse_all = jax.nn.logsumexp(scaled, axis=-1)
     if V <= _CAND:
-        return _filter_sorted(scaled, top_k, top_p, -jnp.sort(-scaled, axis=-1))
+        return _filter_sorted(scaled, top_k, top_p, -jnp.sort(-scaled, axis=-1), lse_all)
     cand, _ = jax.lax.top_k(scaled, _CAND)
-    lse = jax.nn.logsumexp(scaled, axis=-1)
-    cand_mass = jnp.exp(cand - lse[:, None]).sum(-1)
-    beyond = (top_k > _CAND) | ((top_p < 1.0) & (cand_mass < top_p))
+    kth = jnp.take_along_axis(cand, (jnp.clip(top_k, 1, _CAND) - 1)[:, None], axis=-1)[:, 0]
+    lse_k = jnp.where(top_k > 0, jax.nn.logsumexp(
+        jnp.where(cand >= kth[:, None], cand, _NEG_INF), axis=-1), lse_all)
+    cand_mass = jnp.exp(jax.nn.logsumexp(cand, axis=-1) - lse_k)
+    ties_beyond = (top_k > 0) & (cand[:, -1] >= kth)  # the k-th value may go on past _CAND
+    beyond = (top_k > _CAND) | ties_beyond | ((top_p < 1.0) & (cand_mass < top_p))
     return jax.lax.cond(
         jnp.any(beyond),
-        lambda x: _filter_sorted(x, top_k, top_p, -jnp.sort(-x, axis=-1)),
-        lambda x: _filter_sorted(x, top_k, top_p, cand),
+        lambda x: _filter_sorted(x, top_k, top_p, -jnp.sort(-x, axis=-1), lse_all),
+        lambda x: _filter_sorted(x, top_k, top_p, cand, lse_all),
         scaled,
     )
+
+
+def _penalties(logits: jax.Array, a: LogitsAdjustments) -> jax.Array:
+    """Repetition (HF RepetitionPenaltyLogitsProcessor: a seen token's logit divided by the
+    penalty if > 0, else multiplied; seen = in prompt or output), then OpenAI's
+    mu[j] - c[j] * frequency - (c[j] > 0) * presence with c the counts in the output."""
+    S, V = logits.shape
+    rows = jnp.arange(S)[:, None]
+    ids = jnp.where(a.history >= 0, a.history, V)  # V is out of range: dropped
+    generated = jnp.arange(a.history.shape[1])[None, :] >= a.num_prompt[:, None]
+    counts = jnp.zeros((S, V), jnp.float32).at[rows, ids].add(
+        generated.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((S, V), bool).at[rows, ids].set(True, mode="drop")
+    rep = a.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - a.frequency[:, None] * counts - \
+        a.presence[:, None] * (counts > 0).astype(jnp.float32)
+
+
+def _adjust(logits: jax.Array, a: LogitsAdjustments) -> jax.Array:
+    logits = logits + a.bias
+    any_penalty = jnp.any((a.repetition != 1.0) | (a.frequency != 0.0) | (a.presence != 0.0))
+    return jax.lax.cond(any_penalty, lambda x: _penalties(x, a), lambda x: x, logits)
 
 
 def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:
     """logits f32[S, V] -> chosen ids and logprobs."""
     S, V = logits.shape
+    raw = logits
     rows = jnp.arange(S)[:, None]
     banned_idx = jnp.where(s.banned >= 0, s.banned, V)  # V is out of range: dropped
     logits = logits.at[rows, banned_idx].set(_NEG_INF, mode="drop")
+    if s.adjust is not None:  # static: the pytree's shape chooses the compiled variant
+        logits = _adjust(logits, s.adjust)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = s.temperature <= 0.0
 
     def draw(_):
         t = jnp.where(is_greedy, 1.0, s.temperature)
         scaled = logits / t[:, None]
+        # min-p (before top-k/top-p, as vLLM): drop tokens below min_p * the top probability
+        max_l = scaled.max(-1, keepdims=True)
+        keep = (s.min_p <= 0.0)[:, None] | \
+            (scaled >= max_l + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None])
+        scaled = jnp.where(keep, scaled, _NEG_INF)
         needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1.0))
         scaled = jax.lax.cond(
             needs_sort, lambda x: _top_k_top_p(x, s.top_k, s.top_p), lambda x: x, scaled
         )
-        # min-p: drop tokens whose probability is below min_p * the top probability
-        max_l = scaled.max(-1, keepdims=True)
-        scaled = jnp.where(scaled >= max_l + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None],
-                           scaled, _NEG_INF)
         keys = jax.vmap(lambda sd, c: jax.random.fold_in(jax.random.key(sd), c))(
             s.seeds, s.counters
         )
@@ -115,7 +177,7 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:
     ids = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_ids, draw, None)
 
     def with_logprobs(_):
-        lp = jax.nn.log_softmax(logits, axis=-1)
+        lp = jax.nn.log_softmax(raw, axis=-1)  # the raw model's (vLLM's default)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
         return jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 

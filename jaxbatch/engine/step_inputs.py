@@ -6,7 +6,9 @@ Layout (T = bucket tokens, S = bucket sequences, W = pages per sequence, B = ban
   logits_indices i32[S]                                       last new token of each sequence
   sampling: temperature f32[S], top_k i32[S], top_p f32[S], min_p f32[S], seeds u32[S],
             counters i32[S] (output index, folded into the seed), banned i32[S, B] (-1: none),
-            want_logprobs bool[S]
+            want_logprobs bool[S]; and, only when some row has logit_bias, a penalty or more
+            than B ids to ban, adjust = LogitsAdjustments (bias f32[S, V], history i32[S, L]
+            with L = history_len, penalties f32[S]; see engine/sampler.py)
 Padding sequences have kv_len 0 and q_len 0, point at the dummy page and are never read back.
 """
 
@@ -20,7 +22,7 @@ import numpy as np
 
 from jaxbatch.core.sampling_params import MAX_BANNED_IDS
 from jaxbatch.core.scheduler import ScheduledSeq
-from jaxbatch.engine.sampler import SamplingInputs
+from jaxbatch.engine.sampler import LogitsAdjustments, SamplingInputs
 from jaxbatch.model.llama import AttentionInputs
 from jaxbatch.planner import Bucket
 
@@ -60,7 +62,11 @@ def build_step_inputs(
     page_size: int,
     pages_per_seq: int,
     eos_token_ids: tuple[int, ...],
+    vocab_size: int = 0,
+    history_len: int = 0,
 ) -> StepInputs:
+    """vocab_size and history_len (the longest sequence) size the LogitsAdjustments of a step
+    whose rows need them."""
     T, S = bucket
     n_tok = sum(s.num_new_tokens for s in seqs)
     assert n_tok <= T and len(seqs) <= S, (n_tok, len(seqs), bucket)
@@ -80,6 +86,7 @@ def build_step_inputs(
     counters = np.zeros(S, i32)
     banned = np.full((S, MAX_BANNED_IDS), -1, i32)
     want_logprobs = np.zeros(S, bool)
+    adjust: LogitsAdjustments | None = None
     off = 0
     for i, s in enumerate(seqs):
         try:
@@ -100,10 +107,17 @@ def build_step_inputs(
             min_p[i] = sp.min_p
             seeds[i] = request_seed(req)
             counters[i] = len(req.output_token_ids)
+            ban: tuple[int, ...] = ()
             if len(req.output_token_ids) < sp.min_tokens:
-                ban = sp.stop_ids + (() if sp.ignore_eos else eos_token_ids)
-                ban = ban[:MAX_BANNED_IDS]
-                banned[i, : len(ban)] = ban
+                ban = tuple(dict.fromkeys(sp.stop_ids + (() if sp.ignore_eos
+                                                          else eos_token_ids)))
+                if len(ban) <= MAX_BANNED_IDS:
+                    banned[i, : len(ban)] = ban
+                    ban = ()
+            if ban or sp.logit_bias or sp.has_penalties:
+                if adjust is None:
+                    adjust = empty_adjustments(S, vocab_size, history_len)
+                _write_adjustments(adjust, i, req, ban)
             want_logprobs[i] = sp.logprobs is not None
             off += n
         except Exception as e:  # noqa: BLE001 - one request's data; the caller isolates it
@@ -112,8 +126,41 @@ def build_step_inputs(
         token_ids, positions,
         AttentionInputs(slot_mapping, kv_lens, page_indices, cu_q_lens, np.array([len(seqs)], i32)),
         logits_indices,
-        SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters, banned, want_logprobs),
+        SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters, banned, want_logprobs,
+                       adjust),
     )
+
+
+def empty_adjustments(S: int, vocab_size: int, history_len: int) -> LogitsAdjustments:
+    """Adjustments that change nothing (a row without any, or the warm-up example)."""
+    if vocab_size <= 0 or history_len <= 0:
+        raise ValueError("logit_bias, penalties and long ban lists need build_step_inputs' "
+                         "vocab_size and history_len")
+    return LogitsAdjustments(
+        bias=np.zeros((S, vocab_size), np.float32),
+        history=np.full((S, history_len), -1, np.int32),
+        num_prompt=np.zeros(S, np.int32),
+        repetition=np.ones(S, np.float32),
+        frequency=np.zeros(S, np.float32),
+        presence=np.zeros(S, np.float32),
+    )
+
+
+def _write_adjustments(a: LogitsAdjustments, i: int, req, ban: tuple[int, ...]) -> None:
+    """Row i's logit_bias, ids banned beyond the plain width (-inf) and penalty inputs."""
+    sp = req.sampling_params
+    if sp.logit_bias:
+        a.bias[i, list(sp.logit_bias)] = list(sp.logit_bias.values())
+    if ban:
+        a.bias[i, list(ban)] = -np.inf
+    if sp.has_penalties:
+        n_p, n_o = len(req.prompt_token_ids), len(req.output_token_ids)
+        a.history[i, :n_p] = req.prompt_token_ids
+        a.history[i, n_p : n_p + n_o] = req.output_token_ids
+        a.num_prompt[i] = n_p
+        a.repetition[i] = sp.repetition_penalty
+        a.frequency[i] = sp.frequency_penalty
+        a.presence[i] = sp.presence_penalty
 
 
 def dummy_step_inputs(bucket: Bucket, pages_per_seq: int) -> StepInputs:

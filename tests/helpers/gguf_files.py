@@ -96,6 +96,7 @@ def add_metadata(w: gguf.GGUFWriter, cfg) -> None:
     w.add_token_scores([0.0] * 256)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
     w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
 
 
