@@ -5,7 +5,7 @@ one SamplingParams), or ApiError with OpenAI's error shape, a 400 naming the par
 an unknown model). Every value is checked against what the engine can represent (finite float32
 floats, int32 integers and token ids, see SamplingParams) and against RequestLimits; strings with
 lone UTF-16 surrogates are refused. Parameters the engine cannot honour are refused by name,
-never silently ignored; a neutral value (presence_penalty=0, echo=false ...) is accepted. Text
+never silently ignored; a neutral value (best_of=1, suffix="" ...) is accepted. Text
 and chats become token ids through jaxbatch.core.prompts (encode_text, render_chat), as
 everywhere else.
 
@@ -59,17 +59,17 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     top_logprobs: int | None = None  # None: no logprobs; else top-n per token (0: sampled only)
+    echo: bool = False  # completions: the prompt (and its logprobs) before each choice
 
 
 # ---- parameters ------------------------------------------------------------------------------
 # name -> neutral value(s): accepted only when equal to one of them, otherwise refused by name
 _NEUTRAL: dict[str, tuple] = {
-    "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-    "repetition_penalty": (1, 1.0, None), "logit_bias": (None, {}), "best_of": (None, 1),
+    "best_of": (None, 1),
     "echo": (False, None), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
-    "prompt_logprobs": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,), "store": (None, False),
@@ -77,8 +77,10 @@ _NEUTRAL: dict[str, tuple] = {
 _HARMLESS = {"user", "metadata", "service_tier"}  # do not change the output
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
            "ignore_eos", "n", "min_tokens", "stop_token_ids", "stream", "stream_options",
-           "include_stop_str_in_output", "skip_special_tokens", "logprobs"}
-_COMPLETION_KEYS = _COMMON | {"prompt"}
+           "include_stop_str_in_output", "skip_special_tokens", "logprobs",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+           "prompt_logprobs"}
+_COMPLETION_KEYS = _COMMON | {"prompt", "echo"}  # chat's `echo` (vLLM's) stays refused
 _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 _MAX_ERROR_TEXT = 300  # text quoted from elsewhere (a template's error) is cut to this
 
@@ -168,6 +170,11 @@ def _sampling_params(body: dict, max_tokens: int | None, top_logprobs: int | Non
         "logprobs": top_logprobs,
         "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
         "include_stop_str_in_output": _get(body, "include_stop_str_in_output", bool, False),
+        "presence_penalty": _get(body, "presence_penalty", number, 0.0),
+        "frequency_penalty": _get(body, "frequency_penalty", number, 0.0),
+        "repetition_penalty": _get(body, "repetition_penalty", number, 1.0),
+        "logit_bias": _logit_bias(body),
+        "prompt_logprobs": _num_logprobs(body, "prompt_logprobs"),
     }
     try:
         sp = SamplingParams(**kwargs)
@@ -180,6 +187,22 @@ def _sampling_params(body: dict, max_tokens: int | None, top_logprobs: int | Non
         raise bad_request(f"'temperature' must be in [0, 2], got {sp.temperature}",
                           "temperature")
     return sp
+
+
+def _logit_bias(body: dict) -> dict[int, Any] | None:
+    """OpenAI's logit_bias: a JSON object of token ids (as strings) to biases. Keys here; the
+    values' range in SamplingParams, the ids' range against the vocabulary in the engine."""
+    bias = _get(body, "logit_bias", dict)
+    if bias is None:
+        return None
+    out: dict[int, Any] = {}
+    for key, value in bias.items():
+        tok = key.strip() if isinstance(key, str) else ""
+        if not (tok.isascii() and tok.isdigit()) or len(tok) > 10:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {show(key)}",
+                              "logit_bias")
+        out[int(tok)] = value
+    return out
 
 
 def _max_tokens(body: dict, keys: Sequence[str], default: int | None) -> int | None:
@@ -302,7 +325,8 @@ def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
             ids = _int_list(item, "prompt", "a list of token ids")
             prompts.append({"prompt_token_ids": list(ids), "prompt": None})
         _check_length(len(prompts[-1]["prompt_token_ids"]), sp, max_model_len, "prompt")
-    return ParsedRequest("completion", model, prompts, sp, stream, include_usage, logprobs)
+    echo = _get(body, "echo", bool, False)
+    return ParsedRequest("completion", model, prompts, sp, stream, include_usage, logprobs, echo)
 
 
 def _message(msg: Any, i: int) -> dict[str, str]:

@@ -81,9 +81,8 @@ def test_sampling_parameters_mapped():
 
 
 @pytest.mark.parametrize("key,value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("best_of", 2), ("echo", True),
-    ("suffix", "x"), ("logit_bias", {"5": 1}), ("n", 2), ("tools", [{"type": "function"}]),
-    ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2),
+    ("best_of", 2), ("suffix", "x"), ("n", 2), ("tools", [{"type": "function"}]),
+    ("response_format", {"type": "json_object"}),
     ("no_such_parameter", 1), ("best_of", True),
 ])
 def test_unsupported_parameters_are_refused_by_name(key, value):
@@ -270,18 +269,34 @@ def test_limits_are_400_naming_the_parameter():
         assert e.value.param == param, body
 
 
-def test_stop_token_ids_with_min_tokens_fit_the_banned_ids():
-    """Until min_tokens is reached, stop ids and EOS ids are masked through MAX_BANNED_IDS
-    slots: more than fit are refused, never dropped."""
-    assert comp({"prompt": "a", "min_tokens": 1, "stop_token_ids": list(range(6))}
-                ).sampling_params.stop_token_ids == tuple(range(6))
-    err = error_of(comp, {"prompt": "a", "min_tokens": 1, "stop_token_ids": list(range(7))})
-    assert err.param == "stop_token_ids" and "min_tokens" in err.message
-    comp({"prompt": "a", "min_tokens": 1, "ignore_eos": True, "stop_token_ids": list(range(8))})
-    err = error_of(comp, {"prompt": "a", "min_tokens": 1, "ignore_eos": True,
-                          "stop_token_ids": list(range(9))})
-    assert err.param == "stop_token_ids"
-    comp({"prompt": "a", "stop_token_ids": list(range(200))})  # no min_tokens: not banned
+def test_stop_token_ids_with_min_tokens_are_not_limited_by_the_banned_width():
+    """Until min_tokens is reached, stop ids and EOS ids are masked; beyond the plain width
+    through a dense bias: none is refused, none dropped."""
+    for n in (6, 7, 9, 200):
+        assert comp({"prompt": "a", "min_tokens": 1, "stop_token_ids": list(range(n))}
+                    ).sampling_params.stop_token_ids == tuple(range(n))
+
+
+def test_penalties_logit_bias_prompt_logprobs_and_echo_are_parsed():
+    sp = comp({"prompt": "a", "presence_penalty": 0.5, "frequency_penalty": -1,
+               "repetition_penalty": 1.2, "logit_bias": {"5": 100, " 7": -3.5},
+               "prompt_logprobs": 2}).sampling_params
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1, 1.2)
+    assert sp.logit_bias == {5: 100.0, 7: -3.5} and sp.prompt_logprobs == 2
+    assert comp({"prompt": "a", "echo": True}).echo
+    msgs = [{"role": "user", "content": "a"}]
+    assert chat({"messages": msgs, "logit_bias": {"3": 1}}).sampling_params.logit_bias == {3: 1.0}
+    for body, param in [({"presence_penalty": 2.5}, "presence_penalty"),
+                        ({"frequency_penalty": "1"}, "frequency_penalty"),
+                        ({"repetition_penalty": 0}, "repetition_penalty"),
+                        ({"logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+                        ({"logit_bias": {"5": 101}}, "logit_bias"),
+                        ({"logit_bias": [1]}, "logit_bias"),
+                        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                        ({"echo": "yes"}, "echo")]:
+        assert error_of(comp, {"prompt": "a", **body}).param == param, body
+    assert error_of(chat, {"messages": msgs, "echo": True}).param == "echo"  # chat: not ours
 
 
 def test_lone_surrogates_are_400_naming_the_parameter():

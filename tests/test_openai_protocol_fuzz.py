@@ -25,7 +25,6 @@ from jaxbatch import openai_protocol as P
 from jaxbatch.core.sampling_params import (
     INT32_MAX,
     MAX_BANNED_IDS,
-    MAX_BANNED_IDS_WITH_EOS,
     MAX_LOGPROBS,
     MIN_TEMPERATURE,
 )
@@ -131,8 +130,11 @@ PARAMS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
                                        scalars)),
     "skip_special_tokens": (st.booleans(), scalars),
     "include_stop_str_in_output": (st.booleans(), scalars),
-    "presence_penalty": (st.sampled_from([0, 0.0]), floats),
-    "logit_bias": (st.just({}), json_values), "echo": (st.just(False), scalars),
+    "presence_penalty": (st.floats(-2, 2), floats),
+    "repetition_penalty": (st.floats(0.01, 5), floats),
+    "logit_bias": (st.dictionaries(st.integers(0, 300).map(str), st.floats(-100, 100),
+                                   max_size=5), json_values),
+    "echo": (st.just(False), scalars),
     "response_format": (st.just({"type": "text"}), json_values),
     "tools": (st.just([]), json_values), "best_of": (st.just(1), ints),
     "user": (good_text, json_values), "metadata": (st.just({"a": "b"}), json_values),
@@ -196,6 +198,10 @@ def assert_representable(p: P.ParsedRequest, limits: RequestLimits) -> None:
         row["f32"][0] = x
         assert np.isfinite(row["f32"][0]), (name, x)
     assert 0.0 <= sp.temperature <= 2.0 and 0.0 < sp.top_p <= 1.0 and 0.0 <= sp.min_p <= 1.0
+    assert -2 <= sp.presence_penalty <= 2 and -2 <= sp.frequency_penalty <= 2
+    assert math.isfinite(sp.repetition_penalty) and sp.repetition_penalty > 0
+    for tok, bias in (sp.logit_bias or {}).items():
+        assert type(tok) is int and 0 <= tok <= INT32_MAX and -100 <= bias <= 100
     assert sp.temperature == 0.0 or sp.temperature >= MIN_TEMPERATURE  # scaled logits stay finite
     for name in ("top_k", "min_tokens", "max_tokens", "logprobs"):
         v = getattr(sp, name)
@@ -216,11 +222,7 @@ def assert_representable(p: P.ParsedRequest, limits: RequestLimits) -> None:
     ids = sp.stop_token_ids
     assert len(ids) <= limits.max_stop_token_ids
     assert all(type(t) is int and 0 <= t <= INT32_MAX for t in ids)
-    if sp.min_tokens > 0:
-        banned = np.full(MAX_BANNED_IDS, -1, np.int32)
-        ban = ids + ((0, 1) if not sp.ignore_eos else ())  # two EOS ids, as the engine adds
-        assert len(ids) <= (MAX_BANNED_IDS if sp.ignore_eos else MAX_BANNED_IDS_WITH_EOS)
-        banned[: len(ban)] = ban  # fits, nothing truncated
+    # with min_tokens they are banned until then, any number of them (a dense bias beyond 8)
     assert 1 <= len(p.prompts) <= limits.max_prompts_per_request
     for prompt in p.prompts:
         toks = prompt["prompt_token_ids"]

@@ -24,7 +24,7 @@ from jaxbatch.core.kv_pages import PageAllocator
 from jaxbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
-from jaxbatch.core.sampling_params import MAX_BANNED_IDS, SamplingParams
+from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from jaxbatch.engine import compile_guard
 from jaxbatch.engine.attention import attention_fn
@@ -146,13 +146,10 @@ class Engine:
                 f"in all)")
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        banned = len(set(sp.stop_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids)))
-        if sp.min_tokens > 0 and banned > MAX_BANNED_IDS:
-            # while min_tokens is not reached these ids are masked through a fixed-width array
-            raise ValueError(
-                f"min_tokens with {len(sp.stop_ids)} stop_token_ids: with this model's "
-                f"{len(self.eos_token_ids)} EOS ids that is {banned} ids to hold back, more than "
-                f"the {MAX_BANNED_IDS} the engine can; pass fewer stop_token_ids")
+        bad = [t for t in sp.logit_bias or () if t >= self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias: token ids out of range "
+                             f"[0, {self.arch.vocab_size}): {bad[:5]}")
         req = Request(request_id, ids, sp, time.time(), prompt=text,
                       auto_seed=self._rng.getrandbits(63))
         self.scheduler.add_request(req)  # may raise (KV capacity): nothing registered yet
@@ -217,7 +214,8 @@ class Engine:
         while sub.seqs:
             try:
                 return build_step_inputs(sub.seqs, sub.bucket, self.pages.page_size,
-                                         self.runner.pages_per_seq, self.eos_token_ids)
+                                         self.runner.pages_per_seq, self.eos_token_ids,
+                                         self.arch.vocab_size, self.runner.history_len)
             except RowError as e:
                 self._fail(sub.seqs.pop(e.row).request, e.cause, outputs)
         return None

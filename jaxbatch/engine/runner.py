@@ -3,7 +3,9 @@
 `step_fn(params, kv_cache, inputs)` is a plain function: model forward over the flattened tokens
 and the logits of the S rows that sample. It is lowered and compiled ahead of time for every
 bucket at warm-up and kept in a dict keyed by the bucket, so an unplanned shape is a loud
-KeyError rather than a silent recompile. The sampler is compiled separately per S.
+KeyError rather than a silent recompile. The sampler is compiled separately per S, in two input
+shapes: plain, and with LogitsAdjustments (logit_bias, penalties, long ban lists; see sampler.py)
+for the steps that have such a row.
 
 The runner owns the KV cache, so it also decides its dtype and its size in pages. The cache
 holds K/V in `kv_cache_dtype` (auto: the compute dtype, i.e. the weights' dtype); on XLA:CPU a
@@ -14,6 +16,7 @@ is in place. The page count for a memory budget uses the bytes really allocated 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -24,7 +27,7 @@ import numpy as np
 
 from jaxbatch.config import CacheConfig
 from jaxbatch.engine.sampler import SamplerOutput, sample
-from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs
+from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
 from jaxbatch.model import llama
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.planner import Bucket
@@ -79,6 +82,7 @@ class Runner:
         self.params = params
         self.page_size = cache.page_size
         self.pages_per_seq = -(-max_model_len // cache.page_size)
+        self.history_len = max_model_len  # the adjusted sampler's token history width
         # compute in the weights' dtype: the loader already chose it (dtype: auto measures)
         self.compute_dtype = llama.value_dtype(params["embed"])
         self.kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.compute_dtype)
@@ -93,7 +97,8 @@ class Runner:
         # it from the step halves the per-bucket compile time (sorting and RNG compile slowly).
         self._sample_jitted = jax.jit(sample)
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
-        self.samplers: dict[int, jax.stages.Compiled] = {}
+        # (S, adjusted): the sampler for S rows, plain or with LogitsAdjustments
+        self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
 
     def compile(self, buckets: list[Bucket], progress: bool = True) -> float:
         """Compile every bucket's step ahead of time. Returns the seconds it took."""
@@ -104,10 +109,14 @@ class Runner:
         for b in tqdm(todo, desc="compiling step shapes", disable=not progress or not todo):
             example = dummy_step_inputs(b, self.pages_per_seq)
             self.executables[b] = self._jitted.lower(self.params, self.kv_cache, example).compile()
-            if b.num_seqs not in self.samplers:
-                logits = jax.ShapeDtypeStruct((b.num_seqs, self.arch.vocab_size), jnp.float32)
-                self.samplers[b.num_seqs] = self._sample_jitted.lower(
+            S, V = b.num_seqs, self.arch.vocab_size
+            if (S, False) not in self.samplers:
+                logits = jax.ShapeDtypeStruct((S, V), jnp.float32)
+                self.samplers[S, False] = self._sample_jitted.lower(
                     logits, example.sampling).compile()
+                adjusted = dataclasses.replace(
+                    example.sampling, adjust=empty_adjustments(S, V, self.history_len))
+                self.samplers[S, True] = self._sample_jitted.lower(logits, adjusted).compile()
         return time.perf_counter() - t0
 
     def execute(self, host: StepInputs, bucket: Bucket) -> SamplerOutput:
@@ -115,7 +124,8 @@ class Runner:
         exe = self.executables[bucket]  # KeyError = a shape nobody planned for
         inputs = jax.device_put(host)
         self.kv_cache, logits = exe(self.params, self.kv_cache, inputs)
-        return jax.device_get(self.samplers[bucket.num_seqs](logits, inputs.sampling))
+        sampler = self.samplers[bucket.num_seqs, host.sampling.adjust is not None]
+        return jax.device_get(sampler(logits, inputs.sampling))
 
     def time_bucket(self, bucket: Bucket, repeats: int = 3) -> float:
         """Median seconds of an all-padding step of this bucket (for the planner's cost model)."""

@@ -41,7 +41,7 @@ def test_round_trip_good_and_bad_lines(llm, tmp_path, capsys):
     tok, max_len = llm.engine.tokenizer, llm.engine.max_model_len
     bad_bodies = {
         "hot": {"prompt": "x", "temperature": 7},
-        "penalty": {"prompt": "x", "presence_penalty": 0.5},
+        "penalty": {"prompt": "x", "presence_penalty": 2.5},
         "stream": {"prompt": "x", "stream": True},
         "long": {"prompt": "x", "max_tokens": 100000},
         "noprompt": {"max_tokens": 3},

@@ -1,6 +1,7 @@
 """SamplingParams refuses what the engine cannot represent (so LLM.generate is protected as much
-as the server): finite float32 floats, int32 integers, 63-bit seeds, stop ids that fit the banned
-slots with min_tokens; every refusal is "SamplingParams.<name>: ...", a short message."""
+as the server): finite float32 floats, int32 integers, 63-bit seeds, penalties and logit_bias in
+OpenAI's ranges; any number of stop ids with min_tokens; every refusal is
+"SamplingParams.<name>: ...", a short message."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 from jaxbatch.core.sampling_params import (
     INT32_MAX,
     MAX_BANNED_IDS,
-    MAX_BANNED_IDS_WITH_EOS,
     MIN_TEMPERATURE,
     SamplingParams,
     show,
@@ -79,7 +79,7 @@ def test_float_ranges(name, value):
     ("top_k", "5"), ("top_k", None), ("max_tokens", 0), ("max_tokens", 2**31),
     ("max_tokens", 5.0), ("max_tokens", HUGE), ("seed", -1), ("seed", 2**63), ("seed", 1.5),
     ("seed", HUGE), ("seed", False), ("logprobs", 21), ("logprobs", -1), ("logprobs", 2.0),
-    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.0), ("n", 2), ("n", HUGE),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.0), ("n", 0), ("n", 129), ("n", HUGE),
     ("n", "1"),
 ])
 def test_integers_must_fit(name, value):
@@ -98,17 +98,42 @@ def test_stop_token_ids_must_be_int32_token_ids(ids):
     refused("stop_token_ids", stop_token_ids=ids)
 
 
-def test_stop_token_ids_with_min_tokens_fit_the_banned_slots():
-    many = list(range(MAX_BANNED_IDS_WITH_EOS + 1))
-    assert MAX_BANNED_IDS_WITH_EOS == MAX_BANNED_IDS - 2
-    SamplingParams(min_tokens=1, stop_token_ids=many[:-1])
-    msg = refused("stop_token_ids", min_tokens=1, stop_token_ids=many)
-    assert "min_tokens" in msg
-    SamplingParams(min_tokens=0, stop_token_ids=list(range(1000)))  # never banned
-    SamplingParams(min_tokens=1, ignore_eos=True, stop_token_ids=list(range(MAX_BANNED_IDS)))
-    refused("stop_token_ids", min_tokens=1, ignore_eos=True,
-            stop_token_ids=list(range(MAX_BANNED_IDS + 1)))
-    refused("stop_token_ids", min_tokens=1, stop_token_ids=[5] * 7)  # duplicates take slots
+def test_any_number_of_stop_token_ids_with_min_tokens():
+    """They are banned until min_tokens is reached, beyond the plain width through a dense bias
+    (engine/sampler.py): nothing to refuse, nothing cut."""
+    many = list(range(10 * MAX_BANNED_IDS))
+    assert SamplingParams(min_tokens=1, stop_token_ids=many).stop_token_ids == tuple(many)
+    SamplingParams(min_tokens=1, ignore_eos=True, stop_token_ids=[5] * 70)
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+def test_presence_and_frequency_penalties_in_openai_range(name):
+    assert getattr(SamplingParams(**{name: -2}), name) == -2.0
+    assert getattr(SamplingParams(**{name: 2.0}), name) == 2.0
+    for bad in (2.01, -3, math.nan, math.inf, HUGE, "1", True, None):
+        refused(name, **{name: bad})
+
+
+def test_repetition_penalty_must_be_positive():
+    assert SamplingParams(repetition_penalty=1.5).has_penalties
+    assert not SamplingParams(repetition_penalty=1).has_penalties
+    for bad in (0, -1.0, math.nan, math.inf, "2"):
+        refused("repetition_penalty", repetition_penalty=bad)
+
+
+def test_logit_bias():
+    assert SamplingParams(logit_bias={5: 100, np.int64(7): -100.0}).logit_bias == \
+        {5: 100.0, 7: -100.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({5: 100.5}, {5: -101}, {5: math.nan}, {5: HUGE}, {-1: 1}, {2**31: 1},
+                {"5": 1}, {1.0: 1}, {5: "1"}, {5: True}, [(5, 1)]):
+        refused("logit_bias", logit_bias=bad)
+
+
+def test_prompt_logprobs_range():
+    assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    for bad in (-1, 21, 1.0, True):
+        refused("prompt_logprobs", prompt_logprobs=bad)
 
 
 @pytest.mark.parametrize("stop", ["", [""], [1], ["a", None], 5, {"a": 1}])
