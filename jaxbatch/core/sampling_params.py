@@ -15,6 +15,8 @@ import math
 import operator
 from typing import Any
 
+from jaxbatch.core.structured_outputs import StructuredOutputsParams, structured_outputs_from
+
 
 MAX_LOGPROBS = 20  # top-n logprobs are computed for a static n on device; requests ask for <= n
 # While min_tokens is not reached, stop_token_ids and the model's EOS ids are banned. Up to
@@ -78,10 +80,15 @@ class SamplingParams:
     # token id -> bias added to its logit, in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None  # top-n logprobs of each prompt token (vLLM's shape)
+    # JSON schema, regex, choice or Lark grammar the output must match (or its dict of fields)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}: {why}")
+
+        object.__setattr__(self, "structured_outputs",
+                           structured_outputs_from(self.structured_outputs))
 
         def number(name: str) -> float:
             value = getattr(self, name)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from jaxbatch.config import EngineConfig, cache_dir
 from jaxbatch.core.detokenizer import IncrementalDetokenizer
+from jaxbatch.core.grammar import GrammarMatchers
 from jaxbatch.core.kv_pages import PageAllocator
 from jaxbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxbatch.core.prompts import Prompt, encode_prompt
@@ -66,6 +67,8 @@ class Engine:
         self.warmup_seconds = 0.0
         self.startup_seconds = 0.0
         self.compiles_at_warmup = compile_guard.unplanned_count()
+        # structured output: one llguidance matcher per constrained request (core/grammar.py)
+        self.grammars = GrammarMatchers(self.tokenizer, runner.arch.vocab_size, self.eos_token_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LoadedModel | None = None) -> Engine:
@@ -150,6 +153,8 @@ class Engine:
         if bad:
             raise ValueError(f"SamplingParams.logit_bias: token ids out of range "
                              f"[0, {self.arch.vocab_size}): {bad[:5]}")
+        if sp.structured_outputs is not None:
+            self.grammars.check(sp.structured_outputs)  # ValueError: llguidance's message
         req = Request(request_id, ids, sp, time.time(), prompt=text,
                       auto_seed=self._rng.getrandbits(63))
         self.scheduler.add_request(req)  # may raise (KV capacity): nothing registered yet
@@ -213,9 +218,11 @@ class Engine:
         alone and the rest rebuilt. None when no request is left to run."""
         while sub.seqs:
             try:
+                mask = self.grammars.step_bitmask(sub.seqs, sub.bucket.num_seqs)
                 return build_step_inputs(sub.seqs, sub.bucket, self.pages.page_size,
                                          self.runner.pages_per_seq, self.eos_token_ids,
-                                         self.arch.vocab_size, self.runner.history_len)
+                                         self.arch.vocab_size, self.runner.history_len,
+                                         token_bitmask=mask)
             except RowError as e:
                 self._fail(sub.seqs.pop(e.row).request, e.cause, outputs)
         return None
@@ -231,6 +238,8 @@ class Engine:
                                                          out.top_logprobs[i][:n])]
             req.logprobs.append(_logprob_dict(tok, float(out.logprobs[i]), top))
         status = self._check_stop(req, tok)
+        if status is None and self.grammars.advance(req, tok):
+            status = RequestStatus.FINISHED_STOPPED  # grammar complete: only EOS could follow
         if status is not None:
             self.scheduler.finish_request(req, status)
             req.finish_time = now
@@ -302,6 +311,7 @@ class Engine:
         self.last_finished.append(req)
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
+        self.grammars.remove(req.request_id)
 
     def _check_guard(self) -> None:
         extra = self.compiles_since_warmup

@@ -107,7 +107,7 @@ class Runner:
         t0 = time.perf_counter()
         todo = [b for b in buckets if b not in self.executables]
         for b in tqdm(todo, desc="compiling step shapes", disable=not progress or not todo):
-            example = dummy_step_inputs(b, self.pages_per_seq)
+            example = dummy_step_inputs(b, self.pages_per_seq, self.arch.vocab_size)
             self.executables[b] = self._jitted.lower(self.params, self.kv_cache, example).compile()
             S, V = b.num_seqs, self.arch.vocab_size
             if (S, False) not in self.samplers:
@@ -129,7 +129,7 @@ class Runner:
 
     def time_bucket(self, bucket: Bucket, repeats: int = 3) -> float:
         """Median seconds of an all-padding step of this bucket (for the planner's cost model)."""
-        host = dummy_step_inputs(bucket, self.pages_per_seq)
+        host = dummy_step_inputs(bucket, self.pages_per_seq, self.arch.vocab_size)
         times = []
         for _ in range(repeats + 1):
             t = time.perf_counter()

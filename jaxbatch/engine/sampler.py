@@ -55,6 +55,10 @@ class SamplingInputs:
     want_logprobs: jax.Array | np.ndarray  # bool[S]
     # None in the plain shape; see LogitsAdjustments (a pytree None has no leaves)
     adjust: LogitsAdjustments | None = None
+    # i32[S, ceil(V/32)]: the tokens each row's grammar allows next, bit j of word w = token
+    # 32w+j (llguidance's layout); a row of -1 words allows all. Always sent by the engine (a
+    # fixed-size input: no recompile); None only in hand-built inputs.
+    token_bitmask: jax.Array | np.ndarray | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -139,6 +143,19 @@ def _adjust(logits: jax.Array, a: LogitsAdjustments) -> jax.Array:
     return jax.lax.cond(any_penalty, lambda x: _penalties(x, a), lambda x: x, logits)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits f32[S, V], bitmask i32[S, ceil(V/32)] -> logits with every token the row's grammar
+    does not allow at -inf. A step without a constrained row pays for one compare over the
+    mask (lax.cond)."""
+    S, V = logits.shape
+
+    def mask(x: jax.Array) -> jax.Array:
+        bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+        return jnp.where(bits.reshape(S, -1)[:, :V] != 0, x, _NEG_INF)
+
+    return jax.lax.cond(jnp.any(bitmask != -1), mask, lambda x: x, logits)
+
+
 def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:
     """logits f32[S, V] -> chosen ids and logprobs."""
     S, V = logits.shape
@@ -148,6 +165,8 @@ def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:
     logits = logits.at[rows, banned_idx].set(_NEG_INF, mode="drop")
     if s.adjust is not None:  # static: the pytree's shape chooses the compiled variant
         logits = _adjust(logits, s.adjust)
+    if s.token_bitmask is not None:  # structured output: before greedy and the draw
+        logits = apply_token_bitmask(logits, s.token_bitmask)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = s.temperature <= 0.0
 

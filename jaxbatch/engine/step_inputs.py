@@ -10,6 +10,8 @@ Layout (T = bucket tokens, S = bucket sequences, W = pages per sequence, B = ban
             than B ids to ban, adjust = LogitsAdjustments (bias f32[S, V], history i32[S, L]
             with L = history_len, penalties f32[S]; see engine/sampler.py)
 Padding sequences have kv_len 0 and q_len 0, point at the dummy page and are never read back.
+sampling.token_bitmask i32[S, ceil(V/32)]: the tokens each row's grammar allows next
+(core/grammar.py); all ones for rows without one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxbatch.core.grammar import bitmask_words
 from jaxbatch.core.sampling_params import MAX_BANNED_IDS
 from jaxbatch.core.scheduler import ScheduledSeq
 from jaxbatch.engine.sampler import LogitsAdjustments, SamplingInputs
@@ -64,6 +67,7 @@ def build_step_inputs(
     eos_token_ids: tuple[int, ...],
     vocab_size: int = 0,
     history_len: int = 0,
+    token_bitmask: np.ndarray | None = None,
 ) -> StepInputs:
     """vocab_size and history_len (the longest sequence) size the LogitsAdjustments of a step
     whose rows need them."""
@@ -127,7 +131,7 @@ def build_step_inputs(
         AttentionInputs(slot_mapping, kv_lens, page_indices, cu_q_lens, np.array([len(seqs)], i32)),
         logits_indices,
         SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters, banned, want_logprobs,
-                       adjust),
+                       adjust, token_bitmask),
     )
 
 
@@ -163,6 +167,7 @@ def _write_adjustments(a: LogitsAdjustments, i: int, req, ban: tuple[int, ...]) 
         a.presence[i] = sp.presence_penalty
 
 
-def dummy_step_inputs(bucket: Bucket, pages_per_seq: int) -> StepInputs:
+def dummy_step_inputs(bucket: Bucket, pages_per_seq: int, vocab_size: int) -> StepInputs:
     """An all-padding step of the bucket's shape (used for warm-up and calibration timing)."""
-    return build_step_inputs([], bucket, 1, pages_per_seq, ())
+    return build_step_inputs([], bucket, 1, pages_per_seq, (), token_bitmask=np.full(
+        (bucket.num_seqs, bitmask_words(vocab_size)), -1, np.int32))

@@ -1,0 +1,166 @@
+"""Grammar matchers on the host: one llguidance matcher per constrained request, and the step's
+token bitmask (host only: llguidance and numpy).
+
+The bitmask of a step is i32[S, ceil(V/32)]: bit j of word w of row i allows token 32*w + j
+(llguidance's layout, little-endian bits); a row with every bit set (-1) is unconstrained. The
+engine asks for it when it builds a step (`step_bitmask`), the sampler applies it to the logits
+inside the compiled step, and the sampled token advances the matcher (`advance`).
+
+Cost, measured on SmolLM2's 49,152-token vocabulary (2 vCPUs): 64 matchers of a JSON schema
+(an array of objects) need 0.17 ms per step for all 64 masks through llguidance's parallel
+executor (0.42 ms one after another), and 0.07 ms to consume the 64 sampled tokens: well under
+1% of a 64-row decode step, so masks are computed when the step is built, right after the
+previous step's tokens were consumed, without a thread of their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from jaxbatch.core.request import Request
+from jaxbatch.core.scheduler import ScheduledSeq
+from jaxbatch.core.structured_outputs import StructuredOutputsParams
+
+_COMPILED_KEPT = 64  # compiled grammars kept for reuse (LRU)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Width of a bitmask row: 32 tokens per int32 word."""
+    return (vocab_size + 31) // 32
+
+
+_LL_TOKENIZERS: dict[tuple, tuple[Any, llguidance.LLTokenizer]] = {}
+_LL_LOCK = threading.Lock()
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> llguidance.LLTokenizer:
+    """llguidance's view of a HF tokenizer (~0.3 s to build, so built once per tokenizer, vocab
+    size and EOS set; the entry holds the tokenizer, so its id() stays valid)."""
+    if tokenizer is None:
+        raise ValueError("structured output needs the model's tokenizer; this model has none")
+    key = (id(tokenizer), vocab_size, tuple(eos_token_ids))
+    with _LL_LOCK:
+        hit = _LL_TOKENIZERS.get(key)
+        if hit is None:
+            llt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                               eos_token=list(eos_token_ids) or None)
+            hit = _LL_TOKENIZERS[key] = (tokenizer, llt)
+    return hit[1]
+
+
+def check_grammar(params: StructuredOutputsParams, tokenizer: Any) -> str:
+    """Compile the grammar against the tokenizer -> llguidance's grammar text, or ValueError
+    with llguidance's message (a bad schema, regex or Lark grammar)."""
+    try:
+        grammar = params.to_grammar()
+    except ValueError as e:
+        raise ValueError(f"the {params.kind} grammar is invalid: {e}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, ll_tokenizer(tokenizer))
+    if is_error:
+        raise ValueError(f"the {params.kind} grammar is invalid: {messages[0]}")
+    return grammar
+
+
+class GrammarMatchers:
+    """The engine's matchers, by request id; only the engine thread touches them. A request's
+    grammar is checked when it is added (`check`) and its matcher made when its first sampling
+    row is built, from a compiled copy kept per grammar (64 requests sharing one schema compile
+    it once)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.words = bitmask_words(vocab_size)
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar -> fresh
+        self._executor: llguidance.LLExecutor | None = None
+        self._unconstrained: dict[int, np.ndarray] = {}  # rows -> read-only all-ones mask
+        self.mask_seconds = 0.0  # host time spent computing masks (reported by the benchmark)
+        self.masks_computed = 0
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def check(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher of this grammar (compiled once, then copied); ValueError with
+        llguidance's message when it does not compile."""
+        try:
+            grammar = params.to_grammar()
+        except ValueError as e:
+            raise ValueError(f"the {params.kind} grammar is invalid: {e}") from None
+        fresh = self._compiled.get(grammar)
+        if fresh is None:
+            llt = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            fresh = llguidance.LLMatcher(llt, grammar, log_level=0)
+            if fresh.is_error():
+                raise ValueError(f"the {params.kind} grammar is invalid: {fresh.get_error()}")
+            self._compiled[grammar] = fresh
+            if len(self._compiled) > _COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(grammar)
+        return fresh.deep_copy()
+
+    def _matcher(self, req: Request) -> llguidance.LLMatcher | None:
+        params = req.sampling_params.structured_outputs
+        if params is None:
+            return None
+        matcher = self._matchers.get(req.request_id)
+        if matcher is None:
+            matcher = self._matchers[req.request_id] = self.check(params)
+            if req.output_token_ids and not matcher.consume_tokens(req.output_token_ids):
+                raise RuntimeError(f"the grammar refused the request's output so far: "
+                                   f"{matcher.get_error()}")
+        return matcher
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def advance(self, req: Request, token: int) -> bool:
+        """The request's sampled token joins its matcher -> whether the grammar is complete
+        (nothing but EOS may follow). A token the mask did not allow is a RuntimeError."""
+        matcher = self._matchers.get(req.request_id)
+        if matcher is None:
+            return False
+        if not matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused sampled token {token}: "
+                               f"{matcher.get_error()}")
+        return matcher.is_stopped()
+
+    def step_bitmask(self, seqs: Sequence[ScheduledSeq], num_rows: int) -> np.ndarray:
+        """i32[num_rows, words]: row i the tokens seqs[i]'s grammar allows next (rows that
+        sample, of requests with a grammar); every other row all ones. Steps without a
+        constrained row share one read-only array per row count."""
+        todo = []
+        for i, s in enumerate(seqs):
+            if s.samples and s.request.sampling_params.structured_outputs is not None:
+                todo.append((self._matcher(s.request), i))
+        if not todo:
+            mask = self._unconstrained.get(num_rows)
+            if mask is None:
+                mask = np.full((num_rows, self.words), -1, np.int32)
+                mask.flags.writeable = False
+                self._unconstrained[num_rows] = mask
+            return mask
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        t = time.perf_counter()
+        mask = np.full((num_rows, self.words), -1, np.int32)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, todo, mask)
+        self.mask_seconds += time.perf_counter() - t
+        self.masks_computed += len(todo)
+        return mask
