@@ -16,6 +16,7 @@ from typing import Any
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("int8",)  # weight-only (model/quantize.py); None: weights in the compute dtype
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 POLICIES = ("mixed", "prefill_first", "decode_first")
 DEFAULT_MAX_MODEL_LEN_CAP = 4096  # max_model_len None: the model's positions, capped here
@@ -44,10 +45,17 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped 4096)
     tokenizer: str | None = None  # a directory with a tokenizer, when the model has none
     cache_dir: str | None = None  # None: $JAXBATCH_CACHE or ~/.cache/jaxbatch
+    # int8: linear weights stored int8 with per-output-column scales, converted in the step
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.quantization in ("none", ""):
+            object.__setattr__(self, "quantization", None)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or none, got "
+                             f"{self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -88,6 +88,7 @@ class Engine:
             model = model.with_dtype(precision.dtype)
             config = dataclasses.replace(
                 config, model=dataclasses.replace(config.model, dtype=precision.dtype))
+        model = model.quantized(config.model.quantization)  # after the dtype (model/quantize.py)
         config = dataclasses.replace(
             config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
         assert config.model.max_model_len is not None

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.quantize import Int8Weight, int8_matmul
 
 Params = dict
 AttentionFn = Callable[..., jax.Array]
@@ -94,10 +95,13 @@ def value_dtype(w: jax.Array):
     return jnp.dtype(jnp.bfloat16) if w.dtype == jnp.uint16 else w.dtype
 
 
-def _mm(x: jax.Array, w: jax.Array) -> jax.Array:
+def _mm(x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
     """x @ w accumulated in float32, rounded to x's dtype: what torch does for a bf16 matmul, and
     what XLA:CPU runs fast (a bf16 x bf16 -> bf16 dot took 91 GFLOP/s at M=64 on an AMX Xeon;
-    the same dot with f32 accumulation 428, f32 x f32 131). Bitwise x @ w for f32."""
+    the same dot with f32 accumulation 428, f32 x f32 131). Bitwise x @ w for f32. An int8
+    weight (`quantization: int8`) is converted inside the step (model/quantize.py)."""
+    if isinstance(w, Int8Weight):
+        return int8_matmul(x, w)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 

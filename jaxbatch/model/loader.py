@@ -23,6 +23,7 @@ from jaxbatch.config import cache_dir as default_cache_dir
 from jaxbatch.model import param_cache, registry
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.hf import load_hf_dir
+from jaxbatch.model.quantize import Int8Weight, quantize_params
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,22 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...] = ()
 
     def with_dtype(self, dtype: str | Any) -> LoadedModel:
-        """The same model with its params converted to `dtype` (a no-op when they already are)."""
+        """The same model with its params converted to `dtype` (a no-op when they already are);
+        int8 weights stay int8 (their f32 scales too)."""
         dt = resolve_dtype(dtype)
         if self.params["embed"].dtype == dt:
             return self
-        return dataclasses.replace(self, params=jax.tree.map(lambda p: p.astype(dt), self.params))
+        params = jax.tree.map(lambda p: p if isinstance(p, Int8Weight) else p.astype(dt),
+                              self.params, is_leaf=lambda p: isinstance(p, Int8Weight))
+        return dataclasses.replace(self, params=params)
+
+    def quantized(self, quantization: str | None) -> LoadedModel:
+        """The same model with its linear weights quantised (`quantization: int8`, see
+        model/quantize.py); a no-op for None. Call it after `with_dtype`: the rest of the params
+        stay in the compute dtype."""
+        if quantization is None:
+            return self
+        return dataclasses.replace(self, params=quantize_params(self.params, quantization))
 
 
 def resolve_dtype(dtype: str | Any) -> Any:
