@@ -123,7 +123,10 @@ class Runner:
         """Run one step; returns the sampler's output as numpy arrays."""
         exe = self.executables[bucket]  # KeyError = a shape nobody planned for
         inputs = jax.device_put(host)
-        self.kv_cache, logits = exe(self.params, self.kv_cache, inputs)
+        # the step was compiled without the sampler's adjustments (it never reads them)
+        step_inputs = inputs if inputs.sampling.adjust is None else dataclasses.replace(
+            inputs, sampling=dataclasses.replace(inputs.sampling, adjust=None))
+        self.kv_cache, logits = exe(self.params, self.kv_cache, step_inputs)
         sampler = self.samplers[bucket.num_seqs, host.sampling.adjust is not None]
         return jax.device_get(sampler(logits, inputs.sampling))
 

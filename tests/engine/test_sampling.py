@@ -117,3 +117,88 @@ def test_logprobs_match_hf(setup):
         assert [t for t, v in sorted(d.items(), key=lambda kv: kv[1].rank or 99)][:5] == \
             top5.tolist()
     assert llm.engine.compiles_since_warmup == 0
+
+
+# ---- penalties, logit_bias, min_tokens bans through the engine, against HF generate ----------
+class OpenAIPenalties:
+    """OpenAI's documented formula, written directly: mu[j] - c[j] * alpha_frequency -
+    float(c[j] > 0) * alpha_presence, c counting token j in the generated ids only."""
+
+    def __init__(self, n_prompt: int, frequency: float, presence: float) -> None:
+        self.n_prompt, self.frequency, self.presence = n_prompt, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        mu = scores[0].double().numpy()
+        c = np.bincount(input_ids[0, self.n_prompt:].numpy(), minlength=mu.shape[0])
+        mu = mu - c * self.frequency - (c > 0).astype(np.float64) * self.presence
+        return torch.tensor(mu[None], dtype=scores.dtype)
+
+
+def hf_generate(hf, prompt, n: int, processors=(), **kw) -> list[int]:
+    from transformers import LogitsProcessorList
+
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids),
+                          logits_processor=LogitsProcessorList(list(processors)), **kw)
+    return out[0, len(prompt):].tolist()
+
+
+REPEATS = [5, 17, 99, 5, 17, 99, 5, 17, 3, 3, 3, 250]
+
+
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=1.8), dict(repetition_penalty=0.7),
+                                dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+                                dict(frequency_penalty=-0.5, presence_penalty=1.0,
+                                     repetition_penalty=1.3)])
+def test_penalties_equal_hf_generate(setup, kw):
+    """Greedy with each penalty equals HF's generate with its own RepetitionPenaltyLogitsProcessor
+    (prompt + generated) and OpenAI's formula as a logits processor (generated only)."""
+    llm, hf, _ = setup
+    n = 16
+    procs = []
+    if kw.get("frequency_penalty") or kw.get("presence_penalty"):
+        procs.append(OpenAIPenalties(len(REPEATS), kw.get("frequency_penalty", 0.0),
+                                     kw.get("presence_penalty", 0.0)))
+    want = hf_generate(hf, REPEATS, n, procs, repetition_penalty=kw.get("repetition_penalty"))
+    plain = hf_generate(hf, REPEATS, n)
+    assert want != plain, "the penalty must change this output for the test to say anything"
+    outs = llm.generate([{"prompt_token_ids": REPEATS}] * 2,
+                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw),
+                         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want
+    assert outs[1].outputs[0].token_ids == plain  # a plain row in the same batch is untouched
+    assert llm.engine.compiles_since_warmup == 0
+
+
+def test_logit_bias_forces_and_forbids_tokens(setup):
+    llm, hf, _ = setup
+    plain = hf_generate(hf, PROMPT, 6)
+    forced, banned = llm.generate(
+        [{"prompt_token_ids": PROMPT}] * 2,
+        [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={123: 100}),
+         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                        logit_bias={plain[0]: -100})], use_tqdm=False)
+    assert forced.outputs[0].token_ids == [123] * 6
+    assert banned.outputs[0].token_ids[0] != plain[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([{"prompt_token_ids": PROMPT}],
+                     SamplingParams(logit_bias={llm.engine.arch.vocab_size: 1}), use_tqdm=False)
+
+
+def test_min_tokens_bans_many_stop_ids_like_hf(setup):
+    """20 stop ids (more than the plain ban width) held back until min_tokens, as HF's
+    MinNewTokensLengthLogitsProcessor does with them as EOS ids; then they stop generation."""
+    from transformers import MinNewTokensLengthLogitsProcessor
+
+    llm, hf, logits = setup
+    stop = [int(t) for t in np.argsort(-logits)[:20]]  # the likeliest first tokens
+    want = hf_generate(hf, PROMPT, 5, [MinNewTokensLengthLogitsProcessor(len(PROMPT), 5, stop)])
+    out = llm.generate([{"prompt_token_ids": PROMPT}],
+                       SamplingParams(temperature=0, max_tokens=5, min_tokens=5,
+                                      stop_token_ids=stop, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want and not set(want) & set(stop)
+    assert llm.engine.compiles_since_warmup == 0
