@@ -133,8 +133,14 @@ class RunnerConfig:
     seed: int = 0
     compile_guard: bool = False  # raise if anything compiles after warm-up
     progress: bool = True
+    # tensor parallelism over this many devices per engine (engine/sharding.py); data-parallel
+    # replicas: that many engines, each on its own tensor_parallel_size devices (server/replicas)
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                              f"{self.attention_backend!r}")

@@ -17,6 +17,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from jaxbatch.config import EngineConfig, cache_dir
 from jaxbatch.core.detokenizer import IncrementalDetokenizer
@@ -32,6 +33,7 @@ from jaxbatch.engine.attention import attention_fn
 from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype
 from jaxbatch.engine.runner import Runner
+from jaxbatch.engine.sharding import engine_mesh
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.planner import StepPlanner, StepTrace, SubStep, make_planner
@@ -71,8 +73,11 @@ class Engine:
         self.grammars = GrammarMatchers(self.tokenizer, runner.arch.vocab_size, self.eos_token_ids)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, model: LoadedModel | None = None) -> Engine:
-        """Load (unless `model` is given), build every part and compile every bucket."""
+    def from_config(cls, config: EngineConfig, model: LoadedModel | None = None,
+                    devices: Sequence[Any] | None = None) -> Engine:
+        """Load (unless `model` is given), build every part and compile every bucket. `devices`:
+        the devices this engine runs on (a data-parallel replica's; tensor_parallel_size of
+        them); None: the first tensor_parallel_size devices."""
         t_start = time.perf_counter()
         compile_guard.install()
         root = cache_dir(config.model.cache_dir)
@@ -93,7 +98,8 @@ class Engine:
             config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
         assert config.model.max_model_len is not None
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
-                        attention_fn(config.runner.attention_backend))
+                        attention_fn(config.runner.attention_backend),
+                        engine_mesh(config.runner.tensor_parallel_size, devices))
         scheduler = Scheduler(config.scheduler, PageAllocator(
             runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))
         planner = make_planner(config, model.arch)

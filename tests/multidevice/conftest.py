@@ -1,0 +1,38 @@
+"""Tests that need several devices. tests/engine/test_multidevice.py runs this folder in a
+subprocess with 4 forced CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4 must be
+set before jax is imported, so the main suite keeps its single device); collected in the main
+run they are skipped."""
+
+from __future__ import annotations
+
+import pytest
+
+NUM_DEVICES = 4
+
+
+def pytest_collection_modifyitems(config, items):
+    import jax
+
+    if jax.device_count() >= NUM_DEVICES:
+        return
+    skip = pytest.mark.skip(reason=f"needs {NUM_DEVICES} devices: run by "
+                                   f"tests/engine/test_multidevice.py in a subprocess")
+    for item in items:
+        if "multidevice" in str(item.fspath):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """kind -> (path, HF torch model), built once per session."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    models = {}
+
+    def get(kind: str):
+        if kind not in models:
+            path = str(tmp_path_factory.mktemp(kind))
+            models[kind] = (path, make_tiny_model(kind, path))
+        return models[kind]
+
+    return get
