@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.config import CacheConfig
+from jaxbatch.engine import sharding
 from jaxbatch.engine.sampler import SamplerOutput, sample
 from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
 from jaxbatch.model import llama
@@ -71,7 +72,12 @@ def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_
 
 class Runner:
     def __init__(self, arch: ModelArch, params: Any, cache: CacheConfig, max_model_len: int,
-                 attention_fn: Any) -> None:
+                 attention_fn: Any, mesh: Any = None) -> None:
+        """`mesh`: a "tp" mesh (engine/sharding.py) to run on, else the default device."""
+        self.placement: sharding.Placement | None = None
+        if mesh is not None:  # tensor parallel (or one replica's devices): see sharding.py
+            params, arch, self.placement = sharding.prepare(params, arch, mesh)
+            attention_fn = sharding.shard_attention(attention_fn, mesh)
         self.arch = arch
         if jax.default_backend() == "cpu":
             # bf16 weights held as uint16 bits, and a tied head as its own [H, V] copy: the two
@@ -79,6 +85,8 @@ class Runner:
             if params["embed"].dtype == jnp.bfloat16 and arch.tie_word_embeddings:
                 params = llama.with_head(params)
             params = llama.store_bf16_as_bits(params)
+        if self.placement is not None:
+            params = sharding.place(params, self.placement.params)
         self.params = params
         self.page_size = cache.page_size
         self.pages_per_seq = -(-max_model_len // cache.page_size)
@@ -87,15 +95,30 @@ class Runner:
         self.compute_dtype = llama.value_dtype(params["embed"])
         self.kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.compute_dtype)
         self.cache_dtype = kv_storage_dtype(self.kv_dtype)
-        self.num_pages = num_kv_pages(arch, cache, self.cache_dtype)
-        self.kv_cache = llama.init_kv_cache(arch, self.num_pages, self.page_size, self.cache_dtype)
-        self._jitted = jax.jit(
-            functools.partial(step_fn, arch=arch, attention_fn=attention_fn),
-            donate_argnums=(1,),
-        )
-        # The sampler is compiled per sequence count only (it does not depend on T): separating
-        # it from the step halves the per-bucket compile time (sorting and RNG compile slowly).
-        self._sample_jitted = jax.jit(sample)
+        tp = 1 if self.placement is None else self.placement.tp
+        # a sharded cache's budget is per device: each holds K/tp heads
+        self.num_pages = num_kv_pages(
+            dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads // tp), cache,
+            self.cache_dtype)
+        init_cache = functools.partial(llama.init_kv_cache, arch, self.num_pages, self.page_size,
+                                       self.cache_dtype)
+        step = functools.partial(step_fn, arch=arch, attention_fn=attention_fn)
+        if self.placement is None:
+            self.kv_cache = init_cache()
+            self._jitted = jax.jit(step, donate_argnums=(1,))
+            # The sampler is compiled per sequence count only (it does not depend on T):
+            # separating it from the step halves the per-bucket compile time (sorting and RNG
+            # compile slowly).
+            self._sample_jitted = jax.jit(sample)
+        else:
+            pl = self.placement
+            cache_s = {"k": pl.cache, "v": pl.cache}
+            self.kv_cache = jax.jit(init_cache, out_shardings=cache_s)()  # never whole on one
+            self._jitted = jax.jit(step, donate_argnums=(1,),
+                                   in_shardings=(pl.params, cache_s, pl.replicated),
+                                   out_shardings=(cache_s, pl.replicated))
+            self._sample_jitted = jax.jit(sample, in_shardings=pl.replicated,
+                                          out_shardings=pl.replicated)
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
         # (S, adjusted): the sampler for S rows, plain or with LogitsAdjustments
         self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
@@ -122,7 +145,10 @@ class Runner:
     def execute(self, host: StepInputs, bucket: Bucket) -> SamplerOutput:
         """Run one step; returns the sampler's output as numpy arrays."""
         exe = self.executables[bucket]  # KeyError = a shape nobody planned for
-        inputs = jax.device_put(host)
+        if self.placement is None:
+            inputs = jax.device_put(host)
+        else:
+            inputs = sharding.place(host, sharding.replicated_like(host, self.placement.replicated))
         # the step was compiled without the sampler's adjustments (it never reads them)
         step_inputs = inputs if inputs.sampling.adjust is None else dataclasses.replace(
             inputs, sampling=dataclasses.replace(inputs.sampling, adjust=None))
