@@ -279,16 +279,18 @@ class Engine:
         sp = req.sampling_params
         n_out = len(req.output_token_ids)
         detok = self._detok[req.request_id]
-        if detok is not None:
+        eos = n_out >= sp.min_tokens and not sp.ignore_eos and tok in self.eos_token_ids
+        stop_id = n_out >= sp.min_tokens and tok in sp.stop_ids
+        # vLLM: a stop token's text (EOS's too) is left out unless include_stop_str_in_output
+        if detok is not None and (not (eos or stop_id) or sp.include_stop_str_in_output):
             if detok.add(tok, check_stop=n_out >= sp.min_tokens) is not None:
                 req.stop_reason = detok.stopped_on
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and tok in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if tok in sp.stop_ids:
-                req.stop_reason = tok
-                return RequestStatus.FINISHED_STOPPED
+        if eos:
+            return RequestStatus.FINISHED_STOPPED
+        if stop_id:
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= (sp.max_tokens or 0) or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

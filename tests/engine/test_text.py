@@ -122,3 +122,30 @@ def test_bad_input_is_clear_and_loses_nothing(chat_llm):
         SamplingParams(temperature=-1)
     out = chat_llm.generate("still works", SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_stop_token_text_is_left_out_unless_asked(chat_llm, tok):
+    """vLLM: the text of a stop token id, and of EOS when special tokens are shown, is not in the
+    output text unless include_stop_str_in_output; the id itself is in token_ids."""
+    sp = dict(temperature=0, max_tokens=30, ignore_eos=True)
+    base = chat_llm.generate("Once upon a time", SamplingParams(**sp),
+                             use_tqdm=False)[0].outputs[0]
+    k = next(i for i, t in enumerate(base.token_ids) if tok.decode([t]).strip()
+             and base.token_ids.index(t) == i and i >= 2)
+    stop_id = base.token_ids[k]
+    for include in (False, True):
+        o = chat_llm.generate("Once upon a time", SamplingParams(
+            **sp, stop_token_ids=[stop_id], include_stop_str_in_output=include),
+            use_tqdm=False)[0].outputs[0]
+        assert o.token_ids == base.token_ids[: k + 1] and o.stop_reason == stop_id
+        assert o.text == tok.decode(o.token_ids[: k + 1 if include else k])
+    eos = tok.eos_token_id
+    assert tok.decode([eos], skip_special_tokens=False)  # e.g. "<|im_end|>": has a text
+    for include in (False, True):
+        o = chat_llm.generate("Once upon a time", SamplingParams(
+            temperature=0, max_tokens=30, min_tokens=3, logit_bias={eos: 100},
+            skip_special_tokens=False, include_stop_str_in_output=include),
+            use_tqdm=False)[0].outputs[0]
+        assert len(o.token_ids) == 4 and o.token_ids[-1] == eos and o.finish_reason == "stop"
+        assert o.text == tok.decode(o.token_ids if include else o.token_ids[:-1],
+                                    skip_special_tokens=False)
