@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxbatch.core.prompts import encode_text, render_chat
+from jaxbatch.core.prompts import encode_text
 from jaxbatch.core.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams, show
 from jaxbatch.openai_body import (  # noqa: F401 - re-exported: one protocol module
     DEFAULT_LIMITS,
@@ -44,6 +44,9 @@ from jaxbatch.openai_responses import (  # noqa: F401 - re-exported: one protoco
     usage,
     usage_chunk,
 )
+from jaxbatch.openai_structured import KEYS as STRUCTURED_OUTPUT_KEYS
+from jaxbatch.openai_structured import with_structured_outputs
+from jaxbatch.openai_tools import is_tool_message, parse_tools, render_tool_chat, tool_message
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat defaults to the room left
 
@@ -60,17 +63,16 @@ class ParsedRequest:
     include_usage: bool = False
     top_logprobs: int | None = None  # None: no logprobs; else top-n per token (0: sampled only)
     echo: bool = False  # completions: the prompt (and its logprobs) before each choice
+    tool_calls: bool = False  # chat with tools: the output is read for calls (tool_calls.py)
 
 
 # ---- parameters ------------------------------------------------------------------------------
 # name -> neutral value(s): accepted only when equal to one of them, otherwise refused by name
 _NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1),
-    "echo": (False, None), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
+    "echo": (False, None), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none"),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,), "store": (None, False),
 }
@@ -79,9 +81,10 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "see
            "ignore_eos", "n", "min_tokens", "stop_token_ids", "stream", "stream_options",
            "include_stop_str_in_output", "skip_special_tokens", "logprobs",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-           "prompt_logprobs"}
+           "prompt_logprobs", *STRUCTURED_OUTPUT_KEYS}
 _COMPLETION_KEYS = _COMMON | {"prompt", "echo"}  # chat's `echo` (vLLM's) stays refused
-_CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                        "tool_choice", "parallel_tool_calls"}
 _MAX_ERROR_TEXT = 300  # text quoted from elsewhere (a template's error) is cut to this
 
 
@@ -295,6 +298,7 @@ def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
     logprobs = _num_logprobs(body, "logprobs")
     max_tokens = _max_tokens(body, ["max_tokens"], COMPLETIONS_DEFAULT_MAX_TOKENS)
     sp = _sampling_params(body, max_tokens, logprobs, limits)
+    sp = with_structured_outputs(sp, body, tokenizer)  # response_format, guided_* (400s)
     raw = body.get("prompt")
     if raw is None:
         raise bad_request("'prompt' is required", "prompt")
@@ -380,18 +384,21 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
     top_logprobs = (top or 0) if want_logprobs else None
     max_tokens = _max_tokens(body, ["max_completion_tokens", "max_tokens"], None)
     sp = _sampling_params(body, max_tokens, top_logprobs, limits)
+    tools = parse_tools(body)  # tools, tool_choice (a forced call is a grammar)
+    sp = with_structured_outputs(sp, body, tokenizer, tools.forced_grammar() if tools else None)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    msgs = [_message(m, i) for i, m in enumerate(messages)]
+    msgs = [tool_message(m, i) if is_tool_message(m) else _message(m, i)
+            for i, m in enumerate(messages)]
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     try:
-        text, ids = render_chat(tokenizer, msgs)
+        text, ids = render_tool_chat(tokenizer, msgs, tools)
     except Exception as e:  # noqa: BLE001 - a template that raises on this conversation
         why = str(e)[:_MAX_ERROR_TEXT] or type(e).__name__
         raise bad_request(f"the chat template failed on these messages: {why}",
                           "messages") from None
     _check_length(len(ids), sp, max_model_len, "messages")
     return ParsedRequest("chat", model, [{"prompt_token_ids": ids, "prompt": text}], sp, stream,
-                         include_usage, top_logprobs)
+                         include_usage, top_logprobs, tool_calls=tools is not None)

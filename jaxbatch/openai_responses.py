@@ -13,7 +13,8 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.core.outputs import CompletionOutput, RequestOutput
+from jaxbatch.tool_calls import ToolCallStream, parse_tool_calls
 
 if TYPE_CHECKING:
     from jaxbatch.openai_protocol import ParsedRequest
@@ -85,14 +86,30 @@ def response_body(parsed: ParsedRequest, outputs: Sequence[RequestOutput], token
         if parsed.top_logprobs is not None:
             lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], parsed.top_logprobs) \
                 if chat else completion_logprobs(tokenizer, c.token_ids, c.logprobs or [])
-        text = {"message": {"role": "assistant", "content": c.text}} if chat else \
-            {"text": c.text}
-        choices.append({"index": i, **text, "logprobs": lp, "finish_reason": _finish_reason(o),
+        finish = _finish_reason(o)
+        if chat:
+            message, finish = _chat_message(parsed, c, finish)
+            text: dict[str, Any] = {"message": message}
+        else:
+            text = {"text": c.text}
+        choices.append({"index": i, **text, "logprobs": lp, "finish_reason": finish,
                         "stop_reason": c.stop_reason})
     return {"id": response_id or new_id(parsed.kind),
             "object": "chat.completion" if chat else "text_completion",
             "created": created or int(time.time()), "model": model, "choices": choices,
             "usage": usage(outputs)}
+
+
+def _chat_message(parsed: ParsedRequest, c: CompletionOutput, finish: str | None
+                  ) -> tuple[dict[str, Any], str | None]:
+    """The assistant message; with tools, its <tool_call> blocks as `tool_calls` (finish
+    reason "tool_calls" when it stopped by itself)."""
+    if parsed.tool_calls:
+        content, calls = parse_tool_calls(c.text)
+        if calls:
+            return ({"role": "assistant", "content": content, "tool_calls": calls},
+                    "tool_calls" if finish == "stop" else finish)
+    return {"role": "assistant", "content": c.text}, finish
 
 
 completion_response = chat_response = response_body  # one builder; kind comes from `parsed`
@@ -117,19 +134,27 @@ def completion_chunk(parsed: ParsedRequest, response_id: str, created: int, mode
 
 def chat_chunk(parsed: ParsedRequest, response_id: str, created: int, model: str,
                index: int, out: RequestOutput | None, tokenizer: Any,
-               first: bool = False) -> dict[str, Any]:
-    """One streamed chat delta; `first` adds the assistant role (out may then be None)."""
+               first: bool = False, tools: ToolCallStream | None = None) -> dict[str, Any]:
+    """One streamed chat delta; `first` adds the assistant role (out may then be None);
+    `tools` (with tools: one reader per choice) turns <tool_call> blocks into delta.tool_calls."""
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
     lp, finish = None, None
     if out is not None:
         c = out.outputs[0]
-        if out.delta_text:
-            delta["content"] = out.delta_text
+        content = out.delta_text
+        finish = _finish_reason(out)
+        if tools is not None:
+            content, calls = tools.feed(out.delta_text, final=out.finished)
+            if calls:
+                delta["tool_calls"] = calls
+            if finish == "stop" and tools.calls:
+                finish = "tool_calls"
+        if content:
+            delta["content"] = content
         if parsed.top_logprobs is not None and out.delta_token_ids and c.logprobs:
             k = len(out.delta_token_ids)
             lp = chat_logprobs(tokenizer, out.delta_token_ids, c.logprobs[-k:],
                                parsed.top_logprobs)
-        finish = _finish_reason(out)
     return {"id": response_id, "object": "chat.completion.chunk", "created": created,
             "model": model,
             "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}

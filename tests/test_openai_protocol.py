@@ -82,7 +82,7 @@ def test_sampling_parameters_mapped():
 
 @pytest.mark.parametrize("key,value", [
     ("best_of", 2), ("suffix", "x"), ("n", 2), ("tools", [{"type": "function"}]),
-    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "xml"}),
     ("no_such_parameter", 1), ("best_of", True),
 ])
 def test_unsupported_parameters_are_refused_by_name(key, value):

@@ -115,10 +115,7 @@ class GrammarMatchers:
         self._compiled.move_to_end(grammar)
         return fresh.deep_copy()
 
-    def _matcher(self, req: Request) -> llguidance.LLMatcher | None:
-        params = req.sampling_params.structured_outputs
-        if params is None:
-            return None
+    def _matcher(self, req: Request, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         matcher = self._matchers.get(req.request_id)
         if matcher is None:
             matcher = self._matchers[req.request_id] = self.check(params)
@@ -147,8 +144,9 @@ class GrammarMatchers:
         constrained row share one read-only array per row count."""
         todo = []
         for i, s in enumerate(seqs):
-            if s.samples and s.request.sampling_params.structured_outputs is not None:
-                todo.append((self._matcher(s.request), i))
+            params = s.request.sampling_params.structured_outputs
+            if s.samples and params is not None:
+                todo.append((self._matcher(s.request, params), i))
         if not todo:
             mask = self._unconstrained.get(num_rows)
             if mask is None:

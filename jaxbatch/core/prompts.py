@@ -31,13 +31,15 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> tuple[str | None, list[int]
     return None, [int(t) for t in prompt]
 
 
-def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True
-                ) -> tuple[str, list[int]]:
-    """Messages through the model's chat template -> (prompt text, token ids). The template
-    carries its own special tokens, so the text is tokenized without adding more (what
-    apply_chat_template(tokenize=True) does)."""
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    """Messages (and OpenAI tool definitions, for a template that renders them) through the
+    model's chat template -> (prompt text, token ids). The template carries its own special
+    tokens, so the text is tokenized without adding more (what apply_chat_template(tokenize=True)
+    does)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
+    extra = {"tools": tools} if tools else {}
     text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **extra)
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])

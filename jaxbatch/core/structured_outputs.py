@@ -10,7 +10,8 @@ vocabulary, applied to the logits inside the compiled step (engine/sampler.py).
 Grammars: `json` a JSON schema (dict or its JSON text; llguidance's JSON-schema subset, see
 https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md), `json_object` any JSON
 object, `regex` a Rust-regex the whole output must match, `choice` one of the strings,
-`grammar` a Lark grammar in llguidance's dialect (which embeds JSON schemas with `%json {...}`).
+`grammar` a Lark grammar in llguidance's dialect (which embeds JSON schemas with `%json {...}`)
+or a GBNF grammar (llama.cpp's, converted to Lark by llguidance).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class StructuredOutputsParams:
     json: dict | str | None = None  # a JSON schema
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
-    grammar: str | None = None  # Lark (llguidance's dialect)
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
     json_object: bool | None = None  # any JSON object
 
     def __post_init__(self) -> None:
@@ -80,7 +81,7 @@ class StructuredOutputsParams:
             return llguidance.grammar_from("lark", "start: " + " | ".join(
                 json.dumps(c) for c in self.choice))
         assert self.grammar is not None
-        return llguidance.grammar_from("lark", self.grammar)
+        return llguidance.grammar_from("grammar", self.grammar)  # Lark, or GBNF converted
 
 
 def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:

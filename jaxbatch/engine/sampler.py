@@ -143,7 +143,7 @@ def _adjust(logits: jax.Array, a: LogitsAdjustments) -> jax.Array:
     return jax.lax.cond(any_penalty, lambda x: _penalties(x, a), lambda x: x, logits)
 
 
-def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array | np.ndarray) -> jax.Array:
     """logits f32[S, V], bitmask i32[S, ceil(V/32)] -> logits with every token the row's grammar
     does not allow at -inf. A step without a constrained row pays for one compare over the
     mask (lax.cond)."""

@@ -24,6 +24,7 @@ from jaxbatch.openai_protocol import ApiError
 from jaxbatch.server.async_engine import EngineDeadError, QueueFullError, RequestStream
 from jaxbatch.server.middleware import ClientGone, internal_error, read_json_body
 from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
+from jaxbatch.tool_calls import ToolCallStream
 
 log = logging.getLogger("jaxbatch.server")
 
@@ -113,6 +114,7 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
     chat = parsed.kind == "chat"
     usage_null = {"usage": None} if parsed.include_usage else {}
     offsets = [0] * len(parsed.prompts)
+    tools = [ToolCallStream() for _ in parsed.prompts] if parsed.tool_calls else None
     if chat:
         for i in range(len(parsed.prompts)):
             await resp.write(_sse({**protocol.chat_chunk(parsed, response_id, created, model, i,
@@ -124,7 +126,11 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
         if not out.delta_text and not out.finished and not with_lp:
             continue  # a token whose text is held back (partial character, stop string)
         if chat:
-            chunk = protocol.chat_chunk(parsed, response_id, created, model, i, out, tok)
+            chunk = protocol.chat_chunk(parsed, response_id, created, model, i, out, tok,
+                                        tools=tools[i] if tools else None)
+            choice = chunk["choices"][0]
+            if not choice["delta"] and choice["finish_reason"] is None and not with_lp:
+                continue  # text held back by the tool-call reader
         else:
             chunk = protocol.completion_chunk(parsed, response_id, created, model, i, out, tok,
                                               offsets[i])

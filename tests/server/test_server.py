@@ -245,8 +245,8 @@ def test_unsupported_or_bad_parameters_are_400(client, extra):
 
 def test_chat_only_parameters_are_400(client):
     msgs = [{"role": "user", "content": "x"}]
-    for extra in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                  {"response_format": {"type": "json_object"}}, {"n": 3}):
+    for extra in ({"tools": [{"type": "function", "function": {"name": "f g"}}]},
+                  {"response_format": {"type": "xml"}}, {"n": 3}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=NAME, messages=msgs, extra_body=extra)
         assert e.value.body["param"] == next(iter(extra))
