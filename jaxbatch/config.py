@@ -134,7 +134,7 @@ class RunnerConfig:
     compile_guard: bool = False  # raise if anything compiles after warm-up
     progress: bool = True
     # tensor parallelism over this many devices per engine (engine/sharding.py); data-parallel
-    # replicas: that many engines, each on its own tensor_parallel_size devices (server/replicas)
+    # replicas: that many engines, each on its own tensor_parallel_size devices (engine/replicas)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
 

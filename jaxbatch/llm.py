@@ -11,6 +11,7 @@ from jaxbatch.core.prompts import Prompt, render_chat
 from jaxbatch.core.request import NewRequest
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.engine.engine import Engine
+from jaxbatch.engine.replicas import ReplicaRouter
 
 
 class LLM:
@@ -23,7 +24,9 @@ class LLM:
             cfg = config.replace(**({"model": model} if model else {}), **kwargs)
         else:
             cfg = config_from_sources(config, model=model, **kwargs)
-        self.engine = Engine.from_config(cfg)
+        # data_parallel_size > 1: a ReplicaRouter over that many engines (engine/replicas.py)
+        self.engine = Engine.from_config(cfg) if cfg.runner.data_parallel_size == 1 \
+            else ReplicaRouter.from_config(cfg)
         self._counter = 0
 
     def get_tokenizer(self):

@@ -139,11 +139,12 @@ def _raise_fd_limit(max_connections: int) -> None:
 
 
 def _default_engine(args: argparse.Namespace) -> EngineClient:
-    from jaxbatch.engine.engine import Engine
+    from jaxbatch.engine.replicas import ReplicaRouter, build_engine
 
-    engine = Engine.from_config(engine_config_from_args(args))
-    log.info("engine ready in %.1fs (warm-up %.1fs)", engine.startup_seconds,
-             engine.warmup_seconds)
+    engine = build_engine(engine_config_from_args(args))
+    for e in engine.replicas if isinstance(engine, ReplicaRouter) else [engine]:
+        log.info("engine ready in %.1fs (warm-up %.1fs)", getattr(e, "startup_seconds", 0.0),
+                 getattr(e, "warmup_seconds", 0.0))
     return engine
 
 

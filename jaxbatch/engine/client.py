@@ -28,6 +28,8 @@ class EngineStats:
     kv_pages_cached: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # data-parallel replicas (engine/replicas.py): each replica's own stats; these are summed
+    replicas: tuple[EngineStats, ...] = ()
 
     @property
     def padding_fraction(self) -> float:

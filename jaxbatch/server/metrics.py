@@ -75,6 +75,17 @@ class ServerMetrics:
         self.kv_cached = Gauge(p + "kv_pages_cached",
                                "KV pages holding cached prefixes no request uses", registry=r)
         self._last_prefix = (0, 0)
+        # data-parallel replicas (engine/replicas.py): the engine gauges above are their sums
+        self.replica_waiting = Gauge(p + "replica_num_requests_waiting",
+                                     "requests waiting in one replica", ["replica"], registry=r)
+        self.replica_running = Gauge(p + "replica_num_requests_running",
+                                     "requests running in one replica", ["replica"], registry=r)
+        self.replica_kv_used = Gauge(p + "replica_kv_pages_used",
+                                     "KV-cache pages in use in one replica", ["replica"],
+                                     registry=r)
+        self.replica_kv_free = Gauge(p + "replica_kv_pages_free",
+                                     "KV-cache pages free in one replica", ["replica"],
+                                     registry=r)
         self.compiles = Gauge(p + "compiles_since_warmup",
                               "XLA compilations after warm-up (should stay 0)", registry=r)
         self.connections_refused = Counter(p + "connections_refused",
@@ -115,6 +126,11 @@ class ServerMetrics:
         self.kv_usage.set(used / max(1, used + free))
         self.padding.set(stats.padding_fraction)
         self.compiles.set(stats.compiles_since_warmup)
+        for i, rep in enumerate(stats.replicas):
+            self.replica_waiting.labels(replica=str(i)).set(rep.num_waiting)
+            self.replica_running.labels(replica=str(i)).set(rep.num_running)
+            self.replica_kv_used.labels(replica=str(i)).set(rep.kv_pages_used)
+            self.replica_kv_free.labels(replica=str(i)).set(rep.kv_pages_free)
         self.kv_cached.set(stats.kv_pages_cached)
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self.prefix_queries.inc(max(0, queries - self._last_prefix[0]))
