@@ -48,3 +48,6 @@ class RequestOutput:
     # set when the engine failed this request (finish_reason "error"); the front end answers it
     # as an internal error, never as a normal completion
     error: str | None = None
+    # when asked (SamplingParams.prompt_logprobs), vLLM's shape: None for the first prompt token,
+    # then {token id: Logprob} per prompt token, the token itself with its rank and the top-n
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -58,6 +58,8 @@ class Request:
     finish_time: float | None = None
     # per generated token, if asked: {token_id: Logprob} with the top-n and the sampled token
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    # per prompt token, if asked (engine/prompt_logprobs.py): None first, then {token_id: Logprob}
+    prompt_logprobs: list[dict[int, Logprob] | None] = dataclasses.field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -177,7 +177,8 @@ class Scheduler:
         returns the chunk's length, or 0 (and no change) when the pages are short."""
         pages = self.pages
         hit: list[int] = []
-        if pages.enable_caching:
+        # prompt_logprobs need every prompt position's logits: no cached prefix for them
+        if pages.enable_caching and req.sampling_params.prompt_logprobs is None:
             # at most num_tokens - 1 tokens from the cache: the last one is computed for logits
             limit = (req.num_tokens - 1) // pages.page_size
             hit = pages.match(self._hashes(req, limit)[:limit])

@@ -28,7 +28,7 @@ from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from jaxbatch.engine import compile_guard
+from jaxbatch.engine import compile_guard, prompt_logprobs
 from jaxbatch.engine.attention import attention_fn
 from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype
@@ -203,6 +203,9 @@ class Engine:
             if host is None:
                 continue
             out = self.runner.execute(host, sub.bucket)  # a device failure breaks the engine
+            targets = prompt_logprobs.prompt_targets(sub.seqs, sub.bucket.num_tokens)
+            if targets is not None:  # some row asked for its prompt's logprobs
+                prompt_logprobs.collect(sub.seqs, self.runner.prompt_logprobs(targets))
             ran.extend(sub.seqs)
             for i, s in enumerate(sub.seqs):
                 if s.samples:
@@ -314,6 +317,8 @@ class Engine:
             req.request_id, req.prompt, req.prompt_token_ids, [comp], finished,
             RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time),
             delta_text=delta, delta_token_ids=new_ids or [],
+            prompt_logprobs=None if req.sampling_params.prompt_logprobs is None else
+            list(req.prompt_logprobs or [None]),
         )
 
     def _forget(self, req: Request) -> None:

@@ -26,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.config import CacheConfig
+from jaxbatch.core.sampling_params import MAX_LOGPROBS
 from jaxbatch.engine import sharding
+from jaxbatch.engine.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs_fn
 from jaxbatch.engine.sampler import SamplerOutput, sample
 from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
 from jaxbatch.model import llama
@@ -34,6 +36,7 @@ from jaxbatch.model.arch import ModelArch
 from jaxbatch.planner import Bucket
 
 DEFAULT_KV_CACHE_GB = 2.0
+PROMPT_LOGPROBS_ROWS = 64  # prompt positions one compiled prompt-logprobs call scores
 
 
 def kv_cache_dtype(setting: str, compute_dtype: Any) -> Any:
@@ -62,12 +65,13 @@ def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any) -> int:
 
 
 def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn):
-    """Model forward for one bucket -> (updated cache, logits f32[S, V] of the sampling rows)."""
+    """Model forward for one bucket -> (updated cache, logits f32[S, V] of the sampling rows,
+    hidden [T, H]: left on the device, read only for prompt logprobs)."""
     hidden, kv_cache = llama.forward(
         params, kv_cache, inputs.token_ids, inputs.positions, inputs.attn,
         arch=arch, attention_fn=attention_fn,
     )
-    return kv_cache, llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch)
+    return kv_cache, llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch), hidden
 
 
 class Runner:
@@ -116,12 +120,14 @@ class Runner:
             self.kv_cache = jax.jit(init_cache, out_shardings=cache_s)()  # never whole on one
             self._jitted = jax.jit(step, donate_argnums=(1,),
                                    in_shardings=(pl.params, cache_s, pl.replicated),
-                                   out_shardings=(cache_s, pl.replicated))
+                                   out_shardings=(cache_s, pl.replicated, pl.replicated))
             self._sample_jitted = jax.jit(sample, in_shardings=pl.replicated,
                                           out_shardings=pl.replicated)
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
         # (S, adjusted): the sampler for S rows, plain or with LogitsAdjustments
         self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
+        self._hidden: Any = None  # the last step's hidden states [T, H], on the device
 
     def compile(self, buckets: list[Bucket], progress: bool = True) -> float:
         """Compile every bucket's step ahead of time. Returns the seconds it took."""
@@ -140,6 +146,8 @@ class Runner:
                 adjusted = dataclasses.replace(
                     example.sampling, adjust=empty_adjustments(S, V, self.history_len))
                 self.samplers[S, True] = self._sample_jitted.lower(logits, adjusted).compile()
+        if self._prompt_lp is None:
+            self._prompt_lp = self._compile_prompt_logprobs()
         return time.perf_counter() - t0
 
     def execute(self, host: StepInputs, bucket: Bucket) -> SamplerOutput:
@@ -152,9 +160,39 @@ class Runner:
         # the step was compiled without the sampler's adjustments (it never reads them)
         step_inputs = inputs if inputs.sampling.adjust is None else dataclasses.replace(
             inputs, sampling=dataclasses.replace(inputs.sampling, adjust=None))
-        self.kv_cache, logits = exe(self.params, self.kv_cache, step_inputs)
+        self.kv_cache, logits, self._hidden = exe(self.params, self.kv_cache, step_inputs)
         sampler = self.samplers[bucket.num_seqs, host.sampling.adjust is not None]
         return jax.device_get(sampler(logits, inputs.sampling))
+
+    def _compile_prompt_logprobs(self) -> jax.stages.Compiled:
+        """params, hidden [P, H], targets i32[P] -> PromptLogprobsOutput, P = PROMPT_LOGPROBS_ROWS
+        (one shape whatever the buckets: the rows are gathered from the step's hidden states)."""
+        fn = functools.partial(prompt_logprobs_fn, arch=self.arch)
+        rows = PROMPT_LOGPROBS_ROWS
+        hidden = jax.ShapeDtypeStruct((rows, self.arch.hidden_size), self.compute_dtype)
+        targets = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        return jax.jit(fn).lower(self.params, hidden, targets).compile()
+
+    def prompt_logprobs(self, targets: np.ndarray) -> PromptLogprobsOutput:
+        """Prompt logprobs at the positions of the last step where targets i32[T] >= 0 (numpy
+        arrays of T rows; the others are left zero)."""
+        assert self._prompt_lp is not None, "compile() first"
+        T, rows = len(targets), PROMPT_LOGPROBS_ROWS
+        where = np.nonzero(targets >= 0)[0]
+        hidden = np.asarray(jax.device_get(self._hidden))[where]
+        out = PromptLogprobsOutput(np.zeros(T, np.float32), np.zeros(T, np.int32),
+                                   np.zeros((T, MAX_LOGPROBS), np.int32),
+                                   np.zeros((T, MAX_LOGPROBS), np.float32))
+        for k in range(0, len(where), rows):
+            idx = where[k : k + rows]
+            h = np.zeros((rows, hidden.shape[1]), hidden.dtype)
+            h[: len(idx)] = hidden[k : k + rows]
+            t = np.full(rows, -1, np.int32)
+            t[: len(idx)] = targets[idx]
+            got = jax.device_get(self._prompt_lp(self.params, h, t))
+            for name in ("target_logprobs", "target_ranks", "top_ids", "top_logprobs"):
+                getattr(out, name)[idx] = getattr(got, name)[: len(idx)]
+        return out
 
     def time_bucket(self, bucket: Bucket, repeats: int = 3) -> float:
         """Median seconds of an all-padding step of this bucket (for the planner's cost model)."""
