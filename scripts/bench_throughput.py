@@ -9,7 +9,7 @@ the median of later passes is "steady". Prints a table, then each jaxbatch run's
 vLLM's best dtype (the one with the lower steady wall time): steady throughput and cold
 start-to-last-token (process start -> end of pass 1).
 
-  python scripts/bench_throughput.py --dtypes auto,float32 --peer vllm \
+  python scripts/bench_throughput.py --dtypes auto,float32[,bfloat16+int8] --peer vllm \
       --peer-python $PEERS/venv/bin/python --peer-model $PEERS/smollm2-fp32 \
       --peer-env $PEERS/env.sh --peer-dtypes float32,bfloat16 [--profile]
 
@@ -40,15 +40,22 @@ def worker(args: argparse.Namespace) -> None:
 
     rows = [json.loads(line) for line in open(args.workload)]
     kwargs = json.loads(args.engine_kwargs)
-    llm = LLM(config=args.config, dtype=args.dtype, progress=False, **kwargs)
+    dtype, _, quant = args.dtype.partition("+")  # "bfloat16+int8": int8 weights, bf16 compute
+    if quant:
+        kwargs["quantization"] = quant
+    llm = LLM(config=args.config, dtype=dtype, progress=False, **kwargs)
     eng = llm.engine
+    from jaxbatch.model.quantize import weight_bytes
+
+    step_mb = weight_bytes(eng.runner.params)["decode_step"] / 2**20
     ready = time.time() - t_proc
     prec = eng.precision
     print("READY " + json.dumps({"startup_s": round(ready, 2), "warmup_s": round(
         eng.warmup_seconds, 2), "compiled_shapes": len(eng.runner.executables),
         "buckets": [list(b) for b in eng.planner.buckets], "planner": eng.planner.name,
         "dtype": eng.config.model.dtype, "kv_cache": str(eng.runner.kv_dtype.__name__),
-        "measured_gflops": prec.gflops if prec else None}), flush=True)
+        "measured_gflops": prec.gflops if prec else None,
+        "weight_mb_per_step": round(step_mb, 1)}), flush=True)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
     sps = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
            for r in rows]
@@ -129,6 +136,7 @@ def summarise(name: str, r: dict) -> dict:
         "compiles_after_warmup": res[-1].get("compiles_since_warmup"),
         "warmup_s": r["ready"].get("warmup_s"),
         "dtype": r["ready"].get("dtype"),
+        "weight_mb_per_step": r["ready"].get("weight_mb_per_step"),
         "measured_gflops": r["ready"].get("measured_gflops"),
         "profile": r.get("profile"),
     }
@@ -138,7 +146,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", default=DEFAULT_WORKLOAD)
     p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--dtypes", default="auto", help="jaxbatch: comma list of auto,float32,bfloat16")
+    p.add_argument("--dtypes", default="auto",
+                   help="jaxbatch: comma list of auto,float32,bfloat16; DTYPE+int8 (e.g. "
+                        "bfloat16+int8): int8 weights (quantization: int8) computing in DTYPE")
     p.add_argument("--peer-dtypes", default="float32,bfloat16", help="vLLM: comma list")
     p.add_argument("--profile", action="store_true", help="trace steps, print the op breakdown")
     p.add_argument("--profile-steps", type=int, default=30)
@@ -186,7 +196,7 @@ def main() -> None:
                                                                  log)))
     cols = ["engine", "dtype", "startup_s", "cold_wall_s", "steady_wall_s", "steady_out_tok_s",
             "steady_total_tok_s", "cold_start_to_last_s", "steps", "padding_fraction",
-            "compiled_shapes", "compiles_after_warmup"]
+            "compiled_shapes", "compiles_after_warmup", "weight_mb_per_step"]
     print("\n" + " | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r.get(c):.3f}" if isinstance(r.get(c), float) else str(r.get(c))

@@ -96,10 +96,15 @@ def int8_matmul(x: jax.Array, w: Int8Weight) -> jax.Array:
     return (y * w.scale).astype(x.dtype)
 
 
-def weight_bytes(params: dict) -> dict[str, int]:
-    """Bytes of the layer weights (everything a decode step reads from the stacked layers) and
-    of the whole params pytree, as stored."""
-    def nbytes(tree: Any) -> int:
-        return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+def _nbytes(tree: Any) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
 
-    return {"layers": nbytes(params["layers"]), "total": nbytes(params)}
+
+def weight_bytes(params: dict) -> dict[str, int]:
+    """Bytes as stored: `layers` (the stacked layer weights), `decode_step` (what every step
+    reads whatever its size: the layers, the head — `lm_head`, else the tied embedding — and
+    the final norm; the embedding rows of the step's tokens are left out) and `total`."""
+    head = params["lm_head"] if "lm_head" in params else params["embed"]
+    layers = _nbytes(params["layers"])
+    return {"layers": layers, "decode_step": layers + _nbytes(head) + _nbytes(
+        params["final_norm"]), "total": _nbytes(params)}
