@@ -116,7 +116,7 @@ def main() -> None:
         raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than --tokens {args.tokens}")
     ids = ids[:args.tokens]
     print(f"{args.model}: {len(ids)} tokens of {os.path.basename(args.text)}")
-    results = []
+    results: list[tuple[str, float, float | None, float]] = []
     if args.hf:
         t = time.perf_counter()
         nll = hf_nll(base, ids)
@@ -127,11 +127,11 @@ def main() -> None:
         t = time.perf_counter()
         model = base.with_dtype(dtype).quantized(quant or None)
         nll = token_nll(model, ids)
-        mb = weight_bytes(engine_params(model))["decode_step"] / 2**20
-        results.append((run, math.exp(nll.mean()), mb, time.perf_counter() - t))
+        step_mb = weight_bytes(engine_params(model))["decode_step"] / 2**20
+        results.append((run, math.exp(nll.mean()), step_mb, time.perf_counter() - t))
     ref = results[0][1]
-    for name, ppl, mb, secs in results:
-        mbs = f"{mb:7.1f} MB weights/step" if mb is not None else " " * 23
+    for name, ppl, row_mb, secs in results:
+        mbs = f"{row_mb:7.1f} MB weights/step" if row_mb is not None else " " * 23
         print(f"{name:22s} perplexity {ppl:9.4f}  ({ppl / ref - 1:+.3%} vs {results[0][0]})  "
               f"{mbs}  {secs:5.1f} s")
 
