@@ -52,7 +52,16 @@ def test_quantiser_matches_numpy_oracle():
     np.testing.assert_allclose(st[1], np.where(s == 1.0, 1.0, 2 * s), rtol=1e-6)
 
 
-def test_config_and_params():
+def test_config_and_flag():
+    import argparse
+
+    from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args(["--quantization", "int8"])).model.quantization \
+        == "int8"
+    assert engine_config_from_args(p.parse_args([])).model.quantization is None
     assert ModelConfig(quantization="int8").quantization == "int8"
     assert ModelConfig(quantization="none").quantization is None
     with pytest.raises(ValueError, match="quantization must be one of"):
