@@ -107,6 +107,8 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 _PREFIX_CACHE = re.compile(
     rb"^[A-Za-z_]\w*?[:_]prefix_cache_(queries|hits)(?:_total)?(?:\{[^}]*\})?\s+(\S+)\s*$", re.M)
+# jaxbatch's live re-planning (engine/replan.py): bucket sets swapped in, last predicted gain
+_REPLAN = re.compile(rb"^jaxbatch_(replans|replan_predicted_gain)\s+(\S+)\s*$", re.M)
 
 
 async def prefix_cache_counters(session: aiohttp.ClientSession, base: str,
@@ -122,6 +124,8 @@ async def prefix_cache_counters(session: aiohttp.ClientSession, base: str,
     found: dict[str, float] = {}
     for kind, value in _PREFIX_CACHE.findall(text):
         found[kind.decode()] = found.get(kind.decode(), 0.0) + float(value)
+    for kind, value in _REPLAN.findall(text):
+        found[kind.decode()] = float(value)
     return found if {"queries", "hits"} <= set(found) else None
 
 
@@ -159,6 +163,9 @@ async def run(args: argparse.Namespace, rows: list[dict]) -> dict:
         hit_rate = round((after["hits"] - before["hits"])
                          / (after["queries"] - before["queries"]), 4)
     summary["prefix_cache_hit_rate"] = hit_rate
+    if after is not None and "replans" in after:
+        summary["replans"] = int(after["replans"] - (before or {}).get("replans", 0.0))
+        summary["replan_predicted_gain"] = after.get("replan_predicted_gain")
     return summary
 
 
@@ -209,6 +216,9 @@ def print_table(s: dict) -> None:
                      f"{s[f'{name}_ms_p50']} / {s[f'{name}_ms_p99']}"))
     if s.get("prefix_cache_hit_rate") is not None:
         rows.append(("prefix cache hit rate", f"{s['prefix_cache_hit_rate']:.1%}"))
+    if s.get("replans") is not None:
+        rows.append(("live re-plans (last predicted gain)",
+                     f"{s['replans']} ({s['replan_predicted_gain'] or 0:.1%})"))
     if s["errors"]:
         rows.append(("errors", "; ".join(s["errors"])))
     width = max(len(k) for k, _ in rows)

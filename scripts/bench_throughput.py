@@ -33,6 +33,30 @@ REPO = os.path.dirname(HERE)
 DEFAULT_WORKLOAD = os.path.join(REPO, "..", "shared", "workloads", "bench64.jsonl")
 
 
+def bucket_rates(eng) -> list[dict]:
+    """Per bucket of the pass just run: steps, median step seconds, and the matmul rate the step
+    reached: FLOPs of its matmuls (2 x body params per padded token, 2 x hidden x vocab per
+    sampling row) over its median time. Attention is left out of the FLOPs, so in decode buckets
+    the rate is low by design: it shows how far attention and overheads keep a step from the
+    matmul rate measured at start-up."""
+    import statistics
+
+    from jaxbatch.planner.cost import ModelDims
+
+    dims = ModelDims.from_arch(eng.arch)
+    by: dict = {}
+    for r in eng.trace.rows:
+        if r.bucket is not None and r.measured_s:
+            by.setdefault(tuple(r.bucket), []).append(r.measured_s)
+    out = []
+    for (T, S), times in sorted(by.items()):
+        med = statistics.median(times)
+        flops = 2.0 * dims.body_params * T + 2.0 * dims.head_params * S
+        out.append({"bucket": [T, S], "steps": len(times), "median_ms": round(med * 1e3, 2),
+                    "matmul_gflops": round(flops / med / 1e9, 1)})
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     """Runs inside the subprocess: one engine, several passes, RESULT lines on stdout."""
     t_proc = float(os.environ["BENCH_T0"])
@@ -72,6 +96,7 @@ def worker(args: argparse.Namespace) -> None:
             "out_tok_s": round(n_out / dt, 1), "total_tok_s": round((n_out + n_prompt) / dt, 1),
             "compiles_since_warmup": eng.compiles_since_warmup,
             "first_ids": [list(o.outputs[0].token_ids[:8]) for o in outs[:2]],
+            "bucket_rates": bucket_rates(eng),
             **eng.trace.summary()}), flush=True)
     if args.profile:
         from profile_steps import profile_engine
@@ -139,6 +164,7 @@ def summarise(name: str, r: dict) -> dict:
         "weight_mb_per_step": r["ready"].get("weight_mb_per_step"),
         "measured_gflops": r["ready"].get("measured_gflops"),
         "profile": r.get("profile"),
+        "bucket_rates": res[-1].get("bucket_rates"),
     }
 
 
@@ -205,6 +231,10 @@ def main() -> None:
         if r.get("measured_gflops"):
             rates = ", ".join(f"{k} {v:.0f}" for k, v in r["measured_gflops"].items())
             print(f"{r['engine']}: dtype auto chose {r['dtype']} (matmul GFLOP/s: {rates})")
+        if r.get("bucket_rates"):
+            print(f"{r['engine']} per bucket (last pass): " + "; ".join(
+                f"{b['bucket'][0]}x{b['bucket'][1]} {b['steps']} steps {b['median_ms']} ms "
+                f"{b['matmul_gflops']} GFLOP/s" for b in r["bucket_rates"]))
         if r.get("profile"):
             print(f"{r['engine']} profile ({r['profile']['steps']} steps, replayed): " + ", ".join(
                 f"{k} {v:.1%}" for k, v in r["profile"]["share"].items()))
