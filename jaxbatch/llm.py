@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbatch.config import EngineConfig, config_from_sources
-from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.core.outputs import RequestMetrics, RequestOutput
+from jaxbatch.core.parallel_sampling import choice_request_ids
 from jaxbatch.core.prompts import Prompt, render_chat
 from jaxbatch.core.request import NewRequest
 from jaxbatch.core.sampling_params import SamplingParams
@@ -48,10 +49,13 @@ class LLM:
         first = self._counter
         ids = [f"llm-{first + i}" for i in range(len(prompts))]
         # a bad prompt fails the call whole: nothing half-submitted runs on
-        self.engine.add_requests([NewRequest(rid, p, sp)
-                                  for rid, p, sp in zip(ids, prompts, params)])
+        added = self.engine.add_requests([NewRequest(rid, p, sp)
+                                          for rid, p, sp in zip(ids, prompts, params)])
         self._counter += len(prompts)
-        return self._run(ids, use_tqdm)
+        done = self._run([r.request_id for r in added], use_tqdm)
+        # n > 1: the choices of one prompt in one RequestOutput (vLLM's shape)
+        return [_merge(rid, [done[c] for c in choice_request_ids(rid, sp.n)])
+                for rid, sp in zip(ids, params)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -64,7 +68,7 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         from tqdm import tqdm
 
         want = set(ids)
@@ -78,4 +82,19 @@ class LLM:
             if not self.engine.has_unfinished_requests() and len(done) < len(ids):
                 raise RuntimeError("engine went idle with requests unfinished")  # never silent
         bar.close()
-        return [done[i] for i in ids]
+        return done
+
+
+def _merge(request_id: str, choices: list[RequestOutput]) -> RequestOutput:
+    """The final outputs of one prompt's choices -> one output holding every choice."""
+    if len(choices) == 1:
+        return choices[0]
+    first = choices[0]
+    times = [c.metrics.first_token_time for c in choices if c.metrics.first_token_time]
+    ends = [c.metrics.finish_time for c in choices if c.metrics.finish_time]
+    return RequestOutput(
+        request_id, first.prompt, first.prompt_token_ids,
+        [c.outputs[0] for c in choices], True,
+        RequestMetrics(first.metrics.arrival_time, min(times, default=None),
+                       max(ends, default=None)),
+        error=next((c.error for c in choices if c.error is not None), None))

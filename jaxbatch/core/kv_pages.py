@@ -4,7 +4,8 @@ Pages hold `page_size` tokens. Page 0 is the dummy page: padding tokens write th
 padding sequences point at it, so the kernels never special-case padding.
 
 Every other page is in exactly one of three states (`check()` asserts it after every step):
-  used    ref_count > 0: in the page table of one or more running requests
+  used    ref_count > 0: in the page table of one or more running requests (shared by a
+          prefix-cache hit or by the choices of one prompt, `share`)
   cached  ref_count 0, holding the KV of a full page that is in the prefix cache: kept until its
           memory is needed, then evicted least recently used first
   empty   ref_count 0, nothing worth keeping
@@ -116,6 +117,15 @@ class PageAllocator:
             self.ref_counts[page] = 1
             page_table.append(page)
         return True
+
+    def share(self, pages: Sequence[int]) -> list[int]:
+        """A new page table holding `pages` (used by another sequence), one more reference each:
+        a choice forked off its parent's prompt (core/parallel_sampling.py). Neither sequence
+        writes them again, so they need no copy."""
+        for page in pages:
+            assert page != DUMMY_PAGE and self.ref_counts[page] > 0, (page, self.ref_counts[page])
+            self.ref_counts[page] += 1
+        return list(pages)
 
     def _take_page(self) -> int:
         if self.empty_pages:

@@ -60,6 +60,12 @@ class Request:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     # per prompt token, if asked (engine/prompt_logprobs.py): None first, then {token_id: Logprob}
     prompt_logprobs: list[dict[int, Logprob] | None] = dataclasses.field(default_factory=list)
+    # Parallel sampling (n > 1, core/parallel_sampling.py): which choice this sequence is; the
+    # choices waiting for this one to compute their shared prompt (then it computes all but the
+    # prompt's last token, and they fork off it); the one this choice waits for.
+    choice_index: int = 0
+    forks: list[Request] = dataclasses.field(default_factory=list, repr=False, compare=False)
+    fork_parent: Request | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -79,8 +85,14 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV this sequence computes before it samples: all of them, but the
+        prompt's last one while choices wait to fork off it (each computes that one itself)."""
+        return self.num_tokens - 1 if self.forks else self.num_tokens
+
+    @property
     def num_tokens_owed(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens_to_compute - self.num_computed_tokens
 
     @property
     def finish_reason(self) -> str | None:

@@ -19,6 +19,7 @@ from jaxbatch.core.structured_outputs import StructuredOutputsParams, structured
 
 
 MAX_LOGPROBS = 20  # top-n logprobs are computed for a static n on device; requests ask for <= n
+MAX_N = 128  # choices per prompt (OpenAI's limit); each runs as its own sequence
 # While min_tokens is not reached, stop_token_ids and the model's EOS ids are banned. Up to
 # MAX_BANNED_IDS of them ride in a small per-row array of the plain sampler; a row with more
 # bans them through the dense bias of the adjusted sampler (engine/sampler.py): no limit.
@@ -60,7 +61,7 @@ def _is_int(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    n: int = 1
+    n: int = 1  # choices (sequences) per prompt, sharing its KV: core/parallel_sampling.py
     temperature: float = 1.0  # 0: greedy; 0 < t < MIN_TEMPERATURE is raised to it (as vLLM)
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -112,8 +113,7 @@ class SamplingParams:
                 raise bad(name, f"{why}, got {show(value)}")
             object.__setattr__(self, name, operator.index(value))
 
-        if not _is_int(self.n) or self.n != 1:
-            raise bad("n", f"only n=1 is supported, got {show(self.n)}")
+        integer("n", 1, MAX_N, f"must be an integer in [1, {MAX_N}]")
         if number("temperature") < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:

@@ -28,6 +28,11 @@ all of them are cached, the last page is therefore *not* shared but recomputed i
 (vLLM's choice): the shared copy is never written, which copy-on-write would need a device-side
 page copy for, and it costs at most page_size - 1 extra tokens once per such request. After each
 step, every page that became full is entered into the cache (`update`).
+
+Parallel sampling (n > 1; see parallel_sampling.py): only a prompt's first choice is queued; it
+takes seats for all its choices at admission (max_num_seqs counts them), computes the prompt but
+its last token, and then, in `update`, the other choices fork off it into `running`, sharing its
+pages; the device page copies that takes are handed to the engine (`take_page_copies`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import dataclasses
 from collections import deque
 
 from jaxbatch.config import SchedulerConfig
+from jaxbatch.core import parallel_sampling
 from jaxbatch.core.kv_pages import PageAllocator, extend_page_hashes
 from jaxbatch.core.request import Request, RequestStatus
 
@@ -76,6 +82,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._prefill_streak = 0  # consecutive steps that left someone starving (see policies)
+        self._page_copies: list[tuple[int, int]] = []  # (src, dst) pages of this step's forks
 
     # ---- queue management ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -91,6 +98,18 @@ class Scheduler:
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         assert status.finished
+        parent = req.fork_parent
+        if parent is not None:  # a choice still waiting for its prompt: it holds nothing
+            parent.forks.remove(req)
+            req.fork_parent = None
+            req.status = status
+            return
+        if req.forks:  # the waiting choices still need the prompt: the next one takes it on
+            heir = parallel_sampling.hand_over(req)
+            queue = self.running if req in self.running else self.waiting
+            queue[queue.index(req)] = heir
+            req.status = status
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -161,7 +180,8 @@ class Scheduler:
             budget -= n
         if admit and not preempted:
             while self.waiting and budget > 0 and len(seqs) < cfg.max_num_seqs \
-                    and len(self.running) < cfg.max_num_seqs:
+                    and self._seats(self.running) + self._seats([self.waiting[0]]) \
+                    <= cfg.max_num_seqs:
                 req = self.waiting[0]
                 n = self._admit(req, budget)
                 if n == 0:
@@ -180,7 +200,7 @@ class Scheduler:
         # prompt_logprobs need every prompt position's logits: no cached prefix for them
         if pages.enable_caching and req.sampling_params.prompt_logprobs is None:
             # at most num_tokens - 1 tokens from the cache: the last one is computed for logits
-            limit = (req.num_tokens - 1) // pages.page_size
+            limit = (req.num_tokens_to_compute - 1) // pages.page_size
             hit = pages.match(self._hashes(req, limit)[:limit])
         req.num_computed_tokens = len(hit) * pages.page_size
         n = self._chunk(req, budget)
@@ -201,6 +221,11 @@ class Scheduler:
             extend_page_hashes(req.page_hashes, req.token_slice(have * size, num_pages * size),
                                size, req.prefix_cache_key)
         return req.page_hashes
+
+    @staticmethod
+    def _seats(reqs: list[Request] | deque[Request]) -> int:
+        """Sequences these requests are or will be: each with its choices waiting to fork."""
+        return sum(1 + len(r.forks) for r in reqs)
 
     def _chunk(self, req: Request, budget: int) -> int:
         owed = req.num_tokens_owed
@@ -231,7 +256,24 @@ class Scheduler:
                 tok = sampled[req.request_id]
                 req.output_token_ids.append(tok)
                 new_tokens.append((req, tok))
+            if req.forks and req.num_tokens_owed == 0:
+                self._fork(req)
         return new_tokens
+
+    def _fork(self, parent: Request) -> None:
+        """The parent computed its prompt but the last token: its waiting choices join
+        `running` right after it, sharing its pages (those without a free page are queued)."""
+        forked, unforked, copies = parallel_sampling.fork(parent, self.pages)
+        at = self.running.index(parent) + 1
+        self.running[at:at] = forked
+        self.waiting.extendleft(reversed(unforked))
+        self._page_copies.extend(copies)
+
+    def take_page_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) pages the last `update`'s forks need copied on the device
+        before the next step runs (the engine hands them to the runner)."""
+        copies, self._page_copies = self._page_copies, []
+        return copies
 
     def _cache_full_pages(self, req: Request, start: int) -> None:
         """Enter the pages that became full this step (their KV now computed) into the cache."""

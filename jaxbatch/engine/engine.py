@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbatch.config import EngineConfig, cache_dir
+from jaxbatch.core import parallel_sampling
 from jaxbatch.core.detokenizer import IncrementalDetokenizer
 from jaxbatch.core.grammar import GrammarMatchers
 from jaxbatch.core.kv_pages import PageAllocator
@@ -115,11 +116,13 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
     def add_requests(self, new: Sequence[NewRequest]) -> list[Request]:
         """Add several requests at once, atomically: if any is refused (ValueError: a bad prompt,
-        a duplicate id, more KV than the cache holds) none of them is added."""
+        a duplicate id, more KV than the cache holds) none of them is added. A request with
+        SamplingParams.n > 1 adds one Request per choice (ids `choice_request_ids`), sharing the
+        prompt's KV (core/parallel_sampling.py); all of them are returned."""
         added: list[Request] = []
         try:
             for item in new:
-                added.append(self._add(item))
+                added.extend(self._add(item))
         except BaseException:
             for req in added:  # roll back: no output, no trace of them
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
@@ -132,11 +135,9 @@ class Engine:
                     sampling_params: SamplingParams | None = None) -> Request:
         return self.add_requests([NewRequest(request_id, prompt, sampling_params)])[0]
 
-    def _add(self, new: NewRequest) -> Request:
+    def _add(self, new: NewRequest) -> list[Request]:
         sp = new.sampling_params or SamplingParams()
         request_id = new.request_id if new.request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = encode_prompt(self.tokenizer, new.prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -162,14 +163,31 @@ class Engine:
                              f"[0, {self.arch.vocab_size}): {bad[:5]}")
         if sp.structured_outputs is not None:
             self.grammars.check(sp.structured_outputs)  # ValueError: llguidance's message
-        req = Request(request_id, ids, sp, time.time(), prompt=text,
-                      auto_seed=self._rng.getrandbits(63))
-        self.scheduler.add_request(req)  # may raise (KV capacity): nothing registered yet
-        self.requests[request_id] = req
-        self._detok[request_id] = None if self.tokenizer is None else IncrementalDetokenizer(
-            self.tokenizer, ids, sp.skip_special_tokens, sp.stop_strings,
-            sp.include_stop_str_in_output)
-        return req
+        return self._add_choices(request_id, ids, text, sp)
+
+    def _add_choices(self, request_id: str, ids: list[int], text: str | None,
+                     sp: SamplingParams) -> list[Request]:
+        """One Request per choice (sp.n of them), queued and registered."""
+        max_seqs = self.config.scheduler.max_num_seqs
+        if sp.n > max_seqs:
+            raise ValueError(f"SamplingParams.n: {sp.n} choices run as {sp.n} sequences at once; "
+                             f"this engine runs at most {max_seqs} (max_num_seqs)")
+        rids = parallel_sampling.choice_request_ids(request_id, sp.n)
+        taken = [rid for rid in rids if rid in self.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        now = time.time()
+        choices = [Request(rid, ids, parallel_sampling.choice_params(sp, j), now,
+                           prompt=text, auto_seed=self._rng.getrandbits(63), choice_index=j)
+                   for j, rid in enumerate(rids)]
+        for req in parallel_sampling.group(choices):
+            self.scheduler.add_request(req)  # may raise (KV capacity): the first one would
+        for req in choices:
+            self.requests[req.request_id] = req
+            self._detok[req.request_id] = None if self.tokenizer is None else \
+                IncrementalDetokenizer(self.tokenizer, ids, sp.skip_special_tokens,
+                                       sp.stop_strings, sp.include_stop_str_in_output)
+        return choices
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -214,6 +232,9 @@ class Engine:
         # rows that did not run (their sub-step lost a failed request) are scheduled again
         new_tokens = self.scheduler.update(ScheduledBatch(ran, batch.preempted),
                                            {k: v[0] for k, v in sampled.items()})
+        copies = self.scheduler.take_page_copies()  # choices forked off a prompt (n > 1)
+        if copies:
+            self.runner.copy_pages(copies)  # before any later step writes the copies
         now = time.time()
         for req, tok in new_tokens:
             try:
@@ -271,7 +292,8 @@ class Engine:
             out = self._output(req, finished=True)
         except Exception:  # noqa: BLE001 - the detokenizer may be what failed
             out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                                [CompletionOutput(0, "", list(req.output_token_ids), "error")],
+                                [CompletionOutput(req.choice_index, "", list(req.output_token_ids),
+                                                  "error")],
                                 True, RequestMetrics(req.arrival_time, req.first_token_time,
                                                      req.finish_time))
         out.error = req.error
@@ -311,7 +333,7 @@ class Engine:
         logprobs = None
         if req.sampling_params.logprobs is not None:
             logprobs = list(req.logprobs)
-        comp = CompletionOutput(0, text, ids, req.finish_reason if finished else None,
+        comp = CompletionOutput(req.choice_index, text, ids, req.finish_reason if finished else None,
                                 req.stop_reason, logprobs)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, [comp], finished,

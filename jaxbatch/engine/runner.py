@@ -36,6 +36,7 @@ from jaxbatch.model.arch import ModelArch
 from jaxbatch.planner import Bucket
 
 DEFAULT_KV_CACHE_GB = 2.0
+PAGE_COPY_WIDTH = 8  # pages one compiled copy moves (fork of n > 1 choices); more: several calls
 PROMPT_LOGPROBS_ROWS = 64  # prompt positions one compiled prompt-logprobs call scores
 
 
@@ -124,6 +125,7 @@ class Runner:
             self._sample_jitted = jax.jit(sample, in_shardings=pl.replicated,
                                           out_shardings=pl.replicated)
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
+        self._page_copy: jax.stages.Compiled | None = None  # compiled with the buckets
         # (S, adjusted): the sampler for S rows, plain or with LogitsAdjustments
         self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
@@ -148,7 +150,35 @@ class Runner:
                 self.samplers[S, True] = self._sample_jitted.lower(logits, adjusted).compile()
         if self._prompt_lp is None:
             self._prompt_lp = self._compile_prompt_logprobs()
+        if self._page_copy is None:
+            self._page_copy = self._compile_page_copy()
         return time.perf_counter() - t0
+
+    def _compile_page_copy(self) -> jax.stages.Compiled:
+        """cache, src i32[C], dst i32[C] -> cache with page dst[i] = page src[i] in every layer,
+        K and V (in place: the cache is donated). C = PAGE_COPY_WIDTH, padded with 0 -> 0 (the
+        dummy page onto itself)."""
+        def copy(kv_cache, src, dst):
+            return {name: c.at[:, dst].set(c[:, src]) for name, c in kv_cache.items()}
+
+        spec = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
+        idx = jax.ShapeDtypeStruct((PAGE_COPY_WIDTH,), jnp.int32)
+        out = jax.tree.map(lambda a: a.sharding, self.kv_cache)
+        return jax.jit(copy, donate_argnums=(0,), out_shardings=out).lower(
+            spec, idx, idx).compile()
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV pages (src, dst) on the device: the private copy of a prompt's last partial
+        page for each choice forked off it (core/parallel_sampling.py). Queued before the next
+        step, which therefore sees the copies."""
+        assert self._page_copy is not None, "compile() first"
+        for k in range(0, len(pairs), PAGE_COPY_WIDTH):
+            chunk = pairs[k : k + PAGE_COPY_WIDTH]
+            src = np.zeros(PAGE_COPY_WIDTH, np.int32)
+            dst = np.zeros(PAGE_COPY_WIDTH, np.int32)
+            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
+            self.kv_cache = self._page_copy(self.kv_cache, src, dst)
 
     def execute(self, host: StepInputs, bucket: Bucket) -> SamplerOutput:
         """Run one step; returns the sampler's output as numpy arrays."""
