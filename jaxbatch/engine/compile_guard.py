@@ -1,8 +1,10 @@
 """Counts XLA compilations, so an engine can prove nothing compiles after its warm-up; and turns
 on JAX's persistent compilation cache so a restart loads its executables instead of compiling.
 
-Compilations inside `planned()` (an engine's warm-up) are expected; any other compilation in the
-process is "unplanned". An engine remembers the unplanned count at the end of its warm-up and
+Compilations inside `planned()` (an engine's warm-up, or a bucket set compiled in the background
+by the live re-planner) are expected; any other compilation in the process is "unplanned".
+`planned()` marks its own thread only (JAX reports a compilation on the thread that runs it), so
+a background compile does not hide a stray compile of the stepping thread. An engine remembers the unplanned count at the end of its warm-up and
 fails loudly if it grows, so a second engine warming up in the same process does not trip the
 first one's guard, but a stray shape anywhere does.
 """
@@ -21,7 +23,7 @@ _EVENTS = ("/jax/core/compile/backend_compile_duration",)
 _lock = threading.Lock()
 _total = 0
 _planned_total = 0
-_planned_depth = 0
+_local = threading.local()  # .depth: planned() nesting on this thread
 _installed = False
 
 
@@ -30,7 +32,7 @@ def _listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
     if event in _EVENTS:
         with _lock:
             _total += 1
-            if _planned_depth:
+            if getattr(_local, "depth", 0):
                 _planned_total += 1
 
 
@@ -44,15 +46,12 @@ def install() -> None:
 
 @contextlib.contextmanager
 def planned() -> Iterator[None]:
-    """Compilations in this block are expected (warm-up)."""
-    global _planned_depth
-    with _lock:
-        _planned_depth += 1
+    """Compilations on this thread in this block are expected (warm-up)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
     finally:
-        with _lock:
-            _planned_depth -= 1
+        _local.depth -= 1
 
 
 def unplanned_count() -> int:

@@ -1,0 +1,153 @@
+"""Live re-planning: a bucket set learned from the traffic, compiled without a pause.
+
+Between two steps the engine calls `tick()`. When the planner-side `LiveReplanner` is due, a
+background thread takes a copy of the recent step shapes and executed steps, asks it for a
+cheaper bucket set (planner/replan.py), and if there is one compiles the missing shapes
+(`Runner.compile_buckets`, counted as planned compiles on that thread only: the compile guard
+still sees any stray compile of the stepping thread). A later `tick()` swaps the new set in
+between two steps: the planner is rebuilt on the new buckets (priced by the fitted step-time
+model), executables of dropped buckets are released, the set is saved so a restart begins with
+it. Serving never waits: the stepping thread only reads a finished result.
+
+On a 2-core CPU the background compile competes with the steps for the cores; that is the price
+of the new shapes, paid once, and it is why a proposal must beat the current set by `min_gain`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from jaxbatch.engine import compile_guard
+from jaxbatch.planner import Bucket, StepPlanner
+from jaxbatch.planner.replan import LiveReplanner, Proposal, load_set, save_set, saved_set_path
+from jaxbatch.planner.step_time import StepTimeModel
+
+if TYPE_CHECKING:
+    from jaxbatch.engine.engine import Engine
+
+log = logging.getLogger("jaxbatch")
+
+
+@dataclasses.dataclass
+class ReplanEvent:
+    """One swap, for logs, /metrics and the bench output."""
+
+    time: float
+    step: int
+    old: list[Bucket]
+    new: list[Bucket]
+    predicted_gain: float
+    compile_s: float
+    why: str
+
+
+class BackgroundReplan:
+    def __init__(self, replanner: LiveReplanner, save_path: str | None) -> None:
+        self.replanner = replanner
+        self.save_path = save_path
+        self.events: list[ReplanEvent] = []
+        self.last_gain = 0.0  # predicted gain of the last proposal looked at (0: none)
+        self._thread: threading.Thread | None = None
+        self._ready: tuple[Proposal, dict, dict, float] | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def observe(self, tokens: int, seqs: int) -> None:
+        self.replanner.observe(tokens, seqs)
+
+    def tick(self, engine: Engine) -> None:
+        """Between two steps: swap in a finished set, or start looking for one."""
+        if self._ready is not None:
+            self._swap(engine, *self._ready)
+            self._ready = None
+        if self._error is not None:
+            log.error("live re-planning failed (the current buckets stay): %s", self._error)
+            self._error = None
+        if self.busy or not self.replanner.due():
+            return
+        hist = self.replanner.snapshot()
+        executed = self._recent(engine)
+        current = list(engine.planner.buckets)
+        self._thread = threading.Thread(
+            target=self._work, args=(engine.runner, hist, current, executed),
+            name="jaxbatch-replan", daemon=True)
+        self._thread.start()
+
+    def _recent(self, engine: Engine) -> list:
+        """The executed steps of the window (copies of the trace's last rows)."""
+        rows = engine.trace.rows
+        n = min(len(rows), self.replanner.shapes.maxlen or len(rows))
+        return list(itertools.islice(rows, len(rows) - n, None))
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Tests: block until the background work (if any) is done."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _work(self, runner: Any, hist: dict, current: list[Bucket], executed: list) -> None:
+        try:
+            prop = self.replanner.propose(hist, current, executed)
+            self.last_gain = prop.gain if prop else 0.0
+            if prop is None:
+                return
+            log.info("live re-plan: compiling %s", prop.describe())
+            t0 = time.perf_counter()
+            with compile_guard.planned():
+                steps, samplers = runner.compile_buckets(prop.buckets)
+            self._ready = (prop, steps, samplers, time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001 - reported on the stepping thread
+            self._error = e
+
+    def _swap(self, engine: Engine, prop: Proposal, steps: dict, samplers: dict,
+              compile_s: float) -> None:
+        runner, old = engine.runner, list(engine.planner.buckets)
+        runner.executables.update(steps)
+        runner.samplers.update(samplers)
+        model = StepTimeModel.fit(self._recent(engine))
+        engine.planner = StepPlanner(prop.buckets, model.bucket_cost(), name="dp (live)")
+        runner.keep_only(set(prop.buckets))
+        why = prop.describe()
+        if self.save_path:
+            save_set(self.save_path, prop.buckets, why)
+        self.events.append(ReplanEvent(time.time(), engine.trace.num_steps, old,
+                                       list(prop.buckets), prop.gain, compile_s, why))
+        log.info("live re-plan: swapped in %s (compiled in %.1f s in the background)", why,
+                 compile_s)
+
+
+def live_replan_setup(config: Any, cache_root: str) -> tuple[Any, BackgroundReplan | None]:
+    """(config, replan) for an engine: with live_replan on and a set saved by an earlier run of
+    the same model and limits, the config's planner becomes that fixed set."""
+    pc = config.planner
+    if not pc.live_replan:
+        return config, None
+    sched = config.scheduler
+    key = hashlib.sha256(json.dumps({
+        "model": config.model.model, "dtype": config.model.dtype,
+        "max_model_len": config.model.max_model_len, "page_size": config.cache.page_size,
+        "scheduler": dataclasses.asdict(sched), "max_shapes": pc.max_compiled_shapes,
+        "planner": pc.planner,
+    }, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = saved_set_path(cache_root, key)
+    saved = load_set(path)
+    if saved is not None and max(saved) == Bucket(sched.max_num_batched_tokens,
+                                                  sched.max_num_seqs):
+        log.info("live re-plan: starting from the bucket set learned by an earlier run (%s)",
+                 path)
+        spec = "fixed:[" + ",".join(f"({t},{s})" for t, s in saved) + "]"
+        config = dataclasses.replace(config, planner=dataclasses.replace(pc, planner=spec))
+    replanner = LiveReplanner(sched.max_num_batched_tokens, sched.max_num_seqs,
+                              pc.max_compiled_shapes, window=pc.replan_window_steps,
+                              interval=pc.replan_interval_steps, min_gain=pc.replan_min_gain,
+                              min_steps=min(256, pc.replan_window_steps))
+    return config, BackgroundReplan(replanner, path)
