@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from jaxbatch.cli import distributed
+from jaxbatch.cli.distributed import add_distributed_args
 from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
 from jaxbatch.engine.client import EngineClient
 from jaxbatch.openai_protocol import RequestLimits
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=default, metavar="N",
                        help=f"RequestLimits.{f.name} (default %(default)s)")
     add_engine_args(p)
+    add_distributed_args(p)
     return p
 
 
@@ -158,6 +161,16 @@ def main(argv: list[str] | None = None,
     logging.getLogger("jaxbatch").setLevel(args.log_level.upper())
     limits = limits_from_args(args)  # refuse bad limits before the (slow) engine start
     _raise_fd_limit(limits.max_connections)
+    if distributed.enabled(args):  # several processes: process 0 serves, the others follow
+        config = distributed.start(args, engine_config_from_args(args))
+        if not distributed.is_leader(args):
+            return distributed.follow(config)
+        from jaxbatch.engine.engine import Engine
+
+        try:
+            return asyncio.run(_serve(args, Engine.from_config(config)))
+        finally:
+            distributed.finish()
     engine = (make_engine or _default_engine)(args)
     return asyncio.run(_serve(args, engine))
 

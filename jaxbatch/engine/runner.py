@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxbatch.config import CacheConfig
 from jaxbatch.core.sampling_params import MAX_LOGPROBS
-from jaxbatch.engine import sharding
+from jaxbatch.engine import multihost, sharding
 from jaxbatch.engine.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs_fn
 from jaxbatch.engine.sampler import SamplerOutput, sample
 from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
@@ -124,6 +124,8 @@ class Runner:
                                    out_shardings=(cache_s, pl.replicated, pl.replicated))
             self._sample_jitted = jax.jit(sample, in_shardings=pl.replicated,
                                           out_shardings=pl.replicated)
+        # multi-host: process 0 announces every device operation to the others (multihost.py)
+        self.leader = multihost.leader_for_this_process()
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
         self._page_copy: jax.stages.Compiled | None = None  # compiled with the buckets
         # (S, adjusted): the sampler for S rows, plain or with LogitsAdjustments
@@ -152,6 +154,8 @@ class Runner:
             self._prompt_lp = self._compile_prompt_logprobs()
         if self._page_copy is None:
             self._page_copy = self._compile_page_copy()
+        if self.leader is not None:
+            self.leader.warm(self, buckets)
         return time.perf_counter() - t0
 
     def _compile_page_copy(self) -> jax.stages.Compiled:
@@ -178,11 +182,20 @@ class Runner:
             src = np.zeros(PAGE_COPY_WIDTH, np.int32)
             dst = np.zeros(PAGE_COPY_WIDTH, np.int32)
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
-            self.kv_cache = self._page_copy(self.kv_cache, src, dst)
+            if self.leader is not None:
+                self.leader.copy(src, dst)
+            self.copy_page_chunk(src, dst)
+
+    def copy_page_chunk(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """One compiled page copy: src, dst i32[PAGE_COPY_WIDTH]."""
+        assert self._page_copy is not None, "compile() first"
+        self.kv_cache = self._page_copy(self.kv_cache, src, dst)
 
     def execute(self, host: StepInputs, bucket: Bucket) -> SamplerOutput:
         """Run one step; returns the sampler's output as numpy arrays."""
         exe = self.executables[bucket]  # KeyError = a shape nobody planned for
+        if self.leader is not None:
+            self.leader.step(host, bucket)
         if self.placement is None:
             inputs = jax.device_put(host)
         else:
