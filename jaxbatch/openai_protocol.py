@@ -17,7 +17,7 @@ re-exported here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxbatch.core.prompts import encode_text
@@ -63,6 +63,7 @@ class ParsedRequest:
     include_usage: bool = False
     top_logprobs: int | None = None  # None: no logprobs; else top-n per token (0: sampled only)
     echo: bool = False  # completions: the prompt (and its logprobs) before each choice
+    prompt_logprobs: int | None = None  # as the body asked (echo with logprobs computes them too)
     tool_calls: bool = False  # chat with tools: the output is read for calls (tool_calls.py)
 
 
@@ -149,17 +150,18 @@ def _stop(body: dict, limits: RequestLimits) -> list[str] | str | None:
 
 def _sampling_params(body: dict, max_tokens: int | None, top_logprobs: int | None,
                      limits: RequestLimits) -> SamplingParams:
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise bad_request(f"only n=1 is supported, got {show(n)}", "n", "unsupported_parameter")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if isinstance(stop_ids, list) and len(stop_ids) > limits.max_stop_token_ids:
             raise bad_request(f"'stop_token_ids' accepts at most {limits.max_stop_token_ids} "
                               f"ids, got {len(stop_ids)}", "stop_token_ids")
         _int_list(stop_ids, "stop_token_ids")
+    if body.get("prompt_logprobs") is not None and body.get("stream") is True:
+        raise bad_request("'prompt_logprobs' is not available when 'stream' is true (as in vLLM)",
+                          "prompt_logprobs")
     number = (int, float)
     kwargs: dict[str, Any] = {  # types here; ranges and finiteness in SamplingParams
+        "n": _get(body, "n", int, 1),  # choices, each its own sequence (parallel_sampling.py)
         "temperature": _get(body, "temperature", number, 1.0),
         "top_p": _get(body, "top_p", number, 1.0),
         "top_k": _get(body, "top_k", int, 0),
@@ -315,6 +317,9 @@ def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
     if len(items) > limits.max_prompts_per_request:
         raise bad_request(f"'prompt' holds {len(items)} prompts; at most "
                           f"{limits.max_prompts_per_request} are allowed per request", "prompt")
+    if len(items) * sp.n > limits.max_prompts_per_request:  # each choice is an engine request
+        raise bad_request(f"{len(items)} prompts x n={sp.n} is {len(items) * sp.n} choices; at "
+                          f"most {limits.max_prompts_per_request} are allowed per request", "n")
     if not all(isinstance(item, str) or isinstance(item, list) for item in items):
         raise bad_request("'prompt' must be a string, a list of strings, a list of token ids "
                           "or a list of token-id lists", "prompt")
@@ -330,7 +335,11 @@ def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
             prompts.append({"prompt_token_ids": list(ids), "prompt": None})
         _check_length(len(prompts[-1]["prompt_token_ids"]), sp, max_model_len, "prompt")
     echo = _get(body, "echo", bool, False)
-    return ParsedRequest("completion", model, prompts, sp, stream, include_usage, logprobs, echo)
+    asked = sp.prompt_logprobs
+    if echo and logprobs is not None and asked is None:  # vLLM: the echoed prompt's logprobs
+        sp = dataclasses.replace(sp, prompt_logprobs=logprobs)
+    return ParsedRequest("completion", model, prompts, sp, stream, include_usage, logprobs, echo,
+                         prompt_logprobs=asked)
 
 
 def _message(msg: Any, i: int) -> dict[str, str]:
@@ -371,6 +380,24 @@ def _message(msg: Any, i: int) -> dict[str, str]:
     return out
 
 
+def check_names_used(msgs: list[dict], text: str, render: Callable[[list[dict]], str]) -> None:
+    """A message's `name` is passed to the chat template (as transformers and vLLM pass the
+    message dict); a template that renders the chat the same without the names would drop them
+    silently, so that is a 400 (tool messages' names are the tool-call code's)."""
+    named = [i for i, m in enumerate(msgs) if "name" in m and m.get("role") != "tool"]
+    if not named:
+        return
+    try:
+        same = render([m if m.get("role") == "tool" else
+                       {k: v for k, v in m.items() if k != "name"} for m in msgs]) == text
+    except Exception:  # noqa: BLE001 - it renders differently without them: they are used
+        same = False
+    if same:
+        raise bad_request(f"messages[{named[0]}].name: this model's chat template does not use "
+                          f"a message's 'name' (it would be dropped); remove it", "messages",
+                          "unsupported_parameter")
+
+
 def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
                        served_models: Sequence[str] | None = None,
                        limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
@@ -399,6 +426,8 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
         why = str(e)[:_MAX_ERROR_TEXT] or type(e).__name__
         raise bad_request(f"the chat template failed on these messages: {why}",
                           "messages") from None
+    check_names_used(msgs, text, lambda ms: render_tool_chat(tokenizer, ms, tools)[0])
     _check_length(len(ids), sp, max_model_len, "messages")
     return ParsedRequest("chat", model, [{"prompt_token_ids": ids, "prompt": text}], sp, stream,
-                         include_usage, top_logprobs, tool_calls=tools is not None)
+                         include_usage, top_logprobs, tool_calls=tools is not None,
+                         prompt_logprobs=sp.prompt_logprobs)

@@ -25,7 +25,8 @@ def new_id(kind: str) -> str:
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    # the prompt once per prompt, not per choice (n > 1: OpenAI's and vLLM's usage)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o.outputs[0].index == 0)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
@@ -44,15 +45,50 @@ def completion_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequ
     """Legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                             "text_offset": []}
+    assert len(token_ids) == len(logprobs), (len(token_ids), len(logprobs))
     for tok, d in zip(token_ids, logprobs):
         text = _token_text(tokenizer, tok)
         out["tokens"].append(text)
-        out["token_logprobs"].append(_finite(d[tok].logprob))
-        out["top_logprobs"].append({_token_text(tokenizer, t): _finite(lp.logprob)
-                                    for t, lp in d.items()})
+        # None: the first prompt token when echoed (it has no logprob), as vLLM shapes it
+        out["token_logprobs"].append(None if d is None else _finite(d[tok].logprob))
+        out["top_logprobs"].append(None if d is None else {
+            _token_text(tokenizer, t): _finite(lp.logprob) for t, lp in d.items()})
         out["text_offset"].append(text_offset)
         text_offset += len(text)
     return out
+
+
+def prompt_logprobs_json(tokenizer: Any, plp: Sequence[dict | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None, then per prompt token {"<id>": {logprob, rank,
+    decoded_token}} (the token itself and the top-n)."""
+    return [None if d is None else {
+        str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                 "decoded_token": _token_text(tokenizer, t)} for t, lp in d.items()}
+        for d in plp]
+
+
+def _echo(out: RequestOutput, tokenizer: Any) -> str:
+    """The prompt's text as echoed (decoded when it was given as token ids, as vLLM does)."""
+    if out.prompt is not None:
+        return out.prompt
+    return "" if tokenizer is None else tokenizer.decode(out.prompt_token_ids)
+
+
+def _completion_choice(parsed: ParsedRequest, out: RequestOutput, tokenizer: Any,
+                       token_ids: Sequence[int], logprobs: Sequence[dict], text: str,
+                       first: bool, text_offset: int = 0) -> dict[str, Any]:
+    """A completions choice's text and logprobs; with echo, `first` (the whole answer, or a
+    stream's first chunk of this choice) puts the prompt and its logprobs before them."""
+    choice: dict[str, Any] = {"text": text, "logprobs": None}
+    if parsed.echo and first:
+        choice["text"] = _echo(out, tokenizer) + text
+        token_ids = [*out.prompt_token_ids, *token_ids]
+        logprobs = [*(out.prompt_logprobs or []), *logprobs]
+    if parsed.top_logprobs is not None and token_ids:
+        choice["logprobs"] = completion_logprobs(tokenizer, token_ids, logprobs, text_offset)
+    if parsed.prompt_logprobs is not None and first:
+        choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, out.prompt_logprobs or [])
+    return choice
 
 
 def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[dict],
@@ -82,22 +118,25 @@ def response_body(parsed: ParsedRequest, outputs: Sequence[RequestOutput], token
     choices = []
     for i, o in enumerate(outputs):
         c = o.outputs[0]
-        lp = None
-        if parsed.top_logprobs is not None:
-            lp = chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], parsed.top_logprobs) \
-                if chat else completion_logprobs(tokenizer, c.token_ids, c.logprobs or [])
         finish = _finish_reason(o)
         if chat:
+            lp = None if parsed.top_logprobs is None else \
+                chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], parsed.top_logprobs)
             message, finish = _chat_message(parsed, c, finish)
-            text: dict[str, Any] = {"message": message}
+            text: dict[str, Any] = {"message": message, "logprobs": lp}
         else:
-            text = {"text": c.text}
-        choices.append({"index": i, **text, "logprobs": lp, "finish_reason": finish,
+            text = _completion_choice(parsed, o, tokenizer, c.token_ids, c.logprobs or [],
+                                      c.text, first=True)
+        choices.append({"index": i, **text, "finish_reason": finish,
                         "stop_reason": c.stop_reason})
-    return {"id": response_id or new_id(parsed.kind),
+    body = {"id": response_id or new_id(parsed.kind),
             "object": "chat.completion" if chat else "text_completion",
             "created": created or int(time.time()), "model": model, "choices": choices,
             "usage": usage(outputs)}
+    if chat and parsed.prompt_logprobs is not None and outputs:  # vLLM: on the response
+        body["prompt_logprobs"] = prompt_logprobs_json(tokenizer,
+                                                       outputs[0].prompt_logprobs or [])
+    return body
 
 
 def _chat_message(parsed: ParsedRequest, c: CompletionOutput, finish: str | None
@@ -117,15 +156,15 @@ completion_response = chat_response = response_body  # one builder; kind comes f
 
 def completion_chunk(parsed: ParsedRequest, response_id: str, created: int, model: str,
                      index: int, out: RequestOutput, tokenizer: Any,
-                     text_offset: int = 0) -> dict[str, Any]:
-    """One streamed delta of prompt `index` (text, new tokens' logprobs, finish reason)."""
+                     text_offset: int = 0, first: bool = False) -> dict[str, Any]:
+    """One streamed delta of prompt `index` (text, new tokens' logprobs, finish reason);
+    `first`: this choice's first chunk, which carries the echoed prompt and prompt logprobs."""
     c = out.outputs[0]
-    lp = None
-    if parsed.top_logprobs is not None and out.delta_token_ids and c.logprobs:
-        k = len(out.delta_token_ids)
-        lp = completion_logprobs(tokenizer, out.delta_token_ids, c.logprobs[-k:], text_offset)
-    choice = {"index": index, "text": out.delta_text, "logprobs": lp,
-              "finish_reason": _finish_reason(out)}
+    k = len(out.delta_token_ids)
+    logprobs = (c.logprobs or [])[len(c.logprobs or []) - k:] if k else []
+    choice = {"index": index, **_completion_choice(
+        parsed, out, tokenizer, out.delta_token_ids if logprobs else [], logprobs,
+        out.delta_text, first, text_offset), "finish_reason": _finish_reason(out)}
     if out.finished:
         choice["stop_reason"] = c.stop_reason
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,

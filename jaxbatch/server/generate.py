@@ -62,8 +62,11 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         stream = await st.engine.add(response_id, parsed.prompts, parsed.sampling_params)
     except ValueError as e:  # the engine refused a prompt (token out of range, KV capacity ...)
-        raise protocol.bad_request(str(e), "prompt" if kind == "completion" else "messages") \
-            from None
+        msg, param = str(e), "prompt" if kind == "completion" else "messages"
+        if msg.startswith("SamplingParams."):  # e.g. a logit_bias id past the vocabulary
+            param, msg = msg.removeprefix("SamplingParams.").split(":", 1)[0], \
+                msg.removeprefix("SamplingParams.")
+        raise protocol.bad_request(msg, param) from None
     except QueueFullError as e:
         raise ApiError(429, str(e), "rate_limit_error", None, "rate_limit_exceeded") from None
     except EngineDeadError as e:
@@ -113,17 +116,19 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
     created = int(time.time())
     chat = parsed.kind == "chat"
     usage_null = {"usage": None} if parsed.include_usage else {}
-    offsets = [0] * len(parsed.prompts)
-    tools = [ToolCallStream() for _ in parsed.prompts] if parsed.tool_calls else None
+    offsets = [0] * len(stream.ids)  # per choice: every prompt's n choices (index i * n + j)
+    started: set[int] = set()  # completions' choices that sent a chunk (the first echoes)
+    tools = [ToolCallStream() for _ in stream.ids] if parsed.tool_calls else None
     if chat:
-        for i in range(len(parsed.prompts)):
+        for i in range(len(stream.ids)):
             await resp.write(_sse({**protocol.chat_chunk(parsed, response_id, created, model, i,
                                                          None, tok, first=True), **usage_null}))
     async for i, out in stream:
         if out.error is not None:
             raise _engine_failed(response_id, out)
         with_lp = parsed.top_logprobs is not None and bool(out.delta_token_ids)
-        if not out.delta_text and not out.finished and not with_lp:
+        echo = parsed.echo and i not in started
+        if not out.delta_text and not out.finished and not with_lp and not echo:
             continue  # a token whose text is held back (partial character, stop string)
         if chat:
             chunk = protocol.chat_chunk(parsed, response_id, created, model, i, out, tok,
@@ -133,7 +138,8 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
                 continue  # text held back by the tool-call reader
         else:
             chunk = protocol.completion_chunk(parsed, response_id, created, model, i, out, tok,
-                                              offsets[i])
+                                              offsets[i], first=i not in started)
+            started.add(i)
             lp = chunk["choices"][0]["logprobs"]
             if lp and lp["tokens"]:
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
