@@ -40,7 +40,8 @@ def _token_text(tokenizer: Any, tok: int) -> str:
     return f"token_id:{tok}" if tokenizer is None else tokenizer.decode([tok])
 
 
-def completion_logprobs(tokenizer: Any, token_ids: Sequence[int], logprobs: Sequence[dict],
+def completion_logprobs(tokenizer: Any, token_ids: Sequence[int],
+                        logprobs: Sequence[dict | None],
                         text_offset: int = 0) -> dict[str, list]:
     """Legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
@@ -75,7 +76,7 @@ def _echo(out: RequestOutput, tokenizer: Any) -> str:
 
 
 def _completion_choice(parsed: ParsedRequest, out: RequestOutput, tokenizer: Any,
-                       token_ids: Sequence[int], logprobs: Sequence[dict], text: str,
+                       token_ids: Sequence[int], logprobs: Sequence[dict | None], text: str,
                        first: bool, text_offset: int = 0) -> dict[str, Any]:
     """A completions choice's text and logprobs; with echo, `first` (the whole answer, or a
     stream's first chunk of this choice) puts the prompt and its logprobs before them."""
@@ -129,10 +130,11 @@ def response_body(parsed: ParsedRequest, outputs: Sequence[RequestOutput], token
                                       c.text, first=True)
         choices.append({"index": i, **text, "finish_reason": finish,
                         "stop_reason": c.stop_reason})
-    body = {"id": response_id or new_id(parsed.kind),
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created or int(time.time()), "model": model, "choices": choices,
-            "usage": usage(outputs)}
+    body: dict[str, Any] = {
+        "id": response_id or new_id(parsed.kind),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created or int(time.time()), "model": model, "choices": choices,
+        "usage": usage(outputs)}
     if chat and parsed.prompt_logprobs is not None and outputs:  # vLLM: on the response
         body["prompt_logprobs"] = prompt_logprobs_json(tokenizer,
                                                        outputs[0].prompt_logprobs or [])

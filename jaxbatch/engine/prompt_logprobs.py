@@ -29,10 +29,10 @@ from jaxbatch.model.arch import ModelArch
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PromptLogprobsOutput:
-    target_logprobs: jax.Array  # f32[T] logprob of targets[t] at position t
-    target_ranks: jax.Array  # i32[T] 1 + how many tokens are more likely (vLLM's rank)
-    top_ids: jax.Array  # i32[T, MAX_LOGPROBS]
-    top_logprobs: jax.Array  # f32[T, MAX_LOGPROBS]
+    target_logprobs: jax.Array | np.ndarray  # f32[T] logprob of targets[t] at position t
+    target_ranks: jax.Array | np.ndarray  # i32[T] 1 + how many tokens are more likely (vLLM's)
+    top_ids: jax.Array | np.ndarray  # i32[T, MAX_LOGPROBS]
+    top_logprobs: jax.Array | np.ndarray  # f32[T, MAX_LOGPROBS]
 
 
 def prompt_logprobs_fn(params, hidden: jax.Array, targets: jax.Array, *,
