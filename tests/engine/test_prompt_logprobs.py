@@ -70,3 +70,21 @@ def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(setup):
     # and a request after it still finds the prefix cached
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert llm.engine.pages.hits > hits
+
+
+def test_targets_skip_positions_already_collected():
+    """A recompute (after preemption) runs the prompt again: only positions still owed are
+    scored, at their place in the step's flattened tokens."""
+    from jaxbatch.core.outputs import Logprob
+    from jaxbatch.core.request import Request
+    from jaxbatch.core.scheduler import ScheduledSeq
+    from jaxbatch.engine.prompt_logprobs import prompt_targets
+
+    prompt = list(range(100, 110))
+    plain = Request("a", [1, 2, 3], SamplingParams())
+    req = Request("b", prompt, SamplingParams(prompt_logprobs=1))
+    req.prompt_logprobs = [None] + [{t: Logprob(0.0)} for t in prompt[1:6]]  # tokens 1..5 done
+    t = prompt_targets([ScheduledSeq(plain, 0, 3), ScheduledSeq(req, 0, 10)], 16)
+    assert t is not None
+    assert t.tolist() == [-1] * 3 + [-1] * 5 + prompt[6:] + [-1] * 4
+    assert prompt_targets([ScheduledSeq(plain, 0, 3)], 16) is None
