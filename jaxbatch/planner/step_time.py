@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
@@ -60,7 +61,8 @@ class StepTimeModel:
 
     def bucket_cost(self) -> TableCost:
         """The part of a step's cost that the bucket choice changes (see the module doc)."""
-        return TableCost(self.fixed_s, self.body, name="fitted on executed steps")
+        table = {(b.num_tokens, b.num_seqs): v for b, v in self.fixed_s.items()}
+        return TableCost(table, self.body, name="fitted on executed steps")
 
     def describe(self) -> str:
         return (f"fitted on {self.num_steps} executed steps ({self.num_dropped} outliers "
@@ -113,10 +115,10 @@ def prediction_report(model: StepTimeModel, records: Sequence[StepRecord]) -> di
         acc[0] += 1
         acc[1] += model.predict(r)
         acc[2] += r.measured_s
-    buckets = [{"bucket": list(b), "steps": int(n), "predicted_s": p, "measured_s": m,
-                "error": (p - m) / m if m else 0.0}
-               for b, (n, p, m) in sorted(per.items())]
-    pred = sum(b["predicted_s"] for b in buckets)
-    meas = sum(b["measured_s"] for b in buckets)
+    buckets: list[dict[str, Any]] = [
+        {"bucket": list(b), "steps": int(n), "predicted_s": p, "measured_s": m,
+         "error": (p - m) / m if m else 0.0} for b, (n, p, m) in sorted(per.items())]
+    pred = sum(float(v[1]) for v in per.values())
+    meas = sum(float(v[2]) for v in per.values())
     return {"steps": len(rows), "predicted_s": pred, "measured_s": meas,
             "error": (pred - meas) / meas if meas else 0.0, "buckets": buckets}
