@@ -12,6 +12,7 @@ receives and runs the same operation on their devices:
   broadcast is one compiled program, compiled at warm-up (WARM), whatever the bucket
   STEP  the host StepInputs of bucket (T, S); flags: the sampler's optional inputs it carries
   COPY  src, dst i32[PAGE_COPY_WIDTH] of one Runner.copy_pages chunk (n > 1 forks)
+  PROMPT_LOGPROBS  hidden [P, H] and targets i32[P] of one Runner.prompt_logprobs_chunk
   STOP  the leader is done: followers leave their loop
 
 The followers build the same runner and compile the same buckets (the planner's bucket choice is
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaxbatch")
 
-STOP, STEP, COPY, WARM = 0, 1, 2, 3
+STOP, STEP, COPY, WARM, PROMPT_LOGPROBS = 0, 1, 2, 3, 4
 HEADER = 4  # i32: op, T, S, flags
 
 
@@ -81,6 +82,14 @@ def _step_template(runner: Runner, bucket: Bucket, flags: int) -> StepInputs:
         token_bitmask=host.sampling.token_bitmask if flags & BITMASK else None))
 
 
+def _prompt_logprobs_template(runner: Runner) -> tuple[np.ndarray, np.ndarray]:
+    from jaxbatch.engine.runner import PROMPT_LOGPROBS_ROWS
+
+    rows = PROMPT_LOGPROBS_ROWS
+    return (np.zeros((rows, runner.arch.hidden_size), runner.compute_dtype),
+            np.zeros(rows, np.int32))
+
+
 def _copy_template() -> tuple[np.ndarray, np.ndarray]:
     from jaxbatch.engine.runner import PAGE_COPY_WIDTH
 
@@ -95,7 +104,8 @@ class Channel:
     def __init__(self, runner: Runner, buckets: list[Bucket]) -> None:
         self.runner = runner
         sizes = [_nbytes(_step_template(runner, b, ADJUST | BITMASK)) for b in buckets]
-        self.size = 4 * HEADER + max([*sizes, _nbytes(_copy_template())])
+        self.size = 4 * HEADER + max([*sizes, _nbytes(_copy_template()),
+                                      _nbytes(_prompt_logprobs_template(runner))])
 
     def send(self, header: tuple[int, int, int, int], payload: Any = ()) -> None:
         buf = np.zeros(self.size, np.uint8)
@@ -144,6 +154,10 @@ class Leader:
         assert self.channel is not None, "compile() first"
         self.channel.send((COPY, 0, 0, 0), (src, dst))
 
+    def prompt_logprobs(self, h: np.ndarray, t: np.ndarray) -> None:
+        assert self.channel is not None, "compile() first"
+        self.channel.send((PROMPT_LOGPROBS, 0, 0, 0), (h, t))
+
     def stop(self) -> None:
         assert self.channel is not None, "compile() first"
         self.channel.send((STOP, 0, 0, 0))
@@ -159,6 +173,8 @@ def follow(runner: Runner, buckets: list[Bucket]) -> int:
             return steps
         if op == COPY:  # what Runner.copy_pages runs for one chunk on the leader
             runner.copy_page_chunk(*_unpack(body, _copy_template()))
+        elif op == PROMPT_LOGPROBS:
+            runner.prompt_logprobs_chunk(*_unpack(body, _prompt_logprobs_template(runner)))
         elif op == STEP:
             bucket = Bucket(T, S)
             runner.execute(_unpack(body, _step_template(runner, bucket, flags)), bucket)

@@ -216,6 +216,15 @@ class Runner:
         targets = jax.ShapeDtypeStruct((rows,), jnp.int32)
         return jax.jit(fn).lower(self.params, hidden, targets).compile()
 
+    def prompt_logprobs_chunk(self, h: np.ndarray, t: np.ndarray) -> Any:
+        """One compiled prompt-logprobs call: hidden [P, H], targets i32[P] (host arrays)."""
+        assert self._prompt_lp is not None, "compile() first"
+        if self.leader is not None:
+            self.leader.prompt_logprobs(h, t)
+        if self.placement is not None:
+            h, t = sharding.place((h, t), (self.placement.replicated,) * 2)
+        return jax.device_get(self._prompt_lp(self.params, h, t))
+
     def prompt_logprobs(self, targets: np.ndarray) -> PromptLogprobsOutput:
         """Prompt logprobs at the positions of the last step where targets i32[T] >= 0 (numpy
         arrays of T rows; the others are left zero)."""
@@ -232,7 +241,7 @@ class Runner:
             h[: len(idx)] = hidden[k : k + rows]
             t = np.full(rows, -1, np.int32)
             t[: len(idx)] = targets[idx]
-            got = jax.device_get(self._prompt_lp(self.params, h, t))
+            got = self.prompt_logprobs_chunk(h, t)
             for name in ("target_logprobs", "target_ranks", "top_ids", "top_logprobs"):
                 getattr(out, name)[idx] = getattr(got, name)[: len(idx)]
         return out

@@ -66,6 +66,11 @@ def test_two_processes_serve_like_one(tiny_chat_dir, tmp_path):
         got = [post(url + "/v1/completions", {
             "model": tiny_chat_dir, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True})["choices"][0]["text"] for p in PROMPTS]
+        # n = 2 forks a page copy and prompt_logprobs runs its own compiled call: both are
+        # device operations the follower must run too
+        forked = post(url + "/v1/completions", {
+            "model": tiny_chat_dir, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "n": 2, "prompt_logprobs": 1})
         with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
             metrics = r.read().decode()
         assert "jaxbatch_compiles_since_warmup 0.0" in metrics
@@ -83,3 +88,12 @@ def test_two_processes_serve_like_one(tiny_chat_dir, tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     want = [o.outputs[0].text for o in single.generate(PROMPTS, sp, use_tqdm=False)]
     assert got == want
+    texts = [c["text"] for c in forked["choices"]]
+    assert len(texts) == 2 and texts[0] == texts[1] and texts[0] and want[1].startswith(texts[0])
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    plp = single.generate([PROMPTS[1]], sp, use_tqdm=False)[0].prompt_logprobs
+    assert plp is not None and len(plp) > 1
+    got_plp = forked["choices"][0].get("prompt_logprobs") or forked.get("prompt_logprobs")
+    assert [None if d is None else {int(t): round(v["logprob"], 4) for t, v in d.items()}
+            for d in got_plp] == \
+        [None if d is None else {t: round(v.logprob, 4) for t, v in d.items()} for d in plp]
