@@ -121,10 +121,22 @@ class PlannerConfig:
     # dp: the workload (JSONL/JSON) or step trace whose step shapes the buckets are chosen for;
     # None: bench64's lengths, shipped in the package
     planner_workload: str | None = None
+    # live re-planning (engine/replan.py): every replan_interval_steps, the shapes of the last
+    # replan_window_steps steps are re-planned with the step-time model fitted on the executed
+    # steps; a set predicted >= replan_min_gain cheaper is compiled in the background, swapped in
+    # between two steps, and saved in the cache dir for the next start
+    live_replan: bool = False
+    replan_interval_steps: int = 512
+    replan_window_steps: int = 4096
+    replan_min_gain: float = 0.10
 
     def __post_init__(self) -> None:
         if self.max_compiled_shapes < 1:
             raise ValueError("max_compiled_shapes must be >= 1")
+        if self.replan_interval_steps < 1 or self.replan_window_steps < 1:
+            raise ValueError("replan_interval_steps and replan_window_steps must be >= 1")
+        if not 0.0 < self.replan_min_gain < 1.0:
+            raise ValueError(f"replan_min_gain must be in (0, 1), got {self.replan_min_gain}")
 
 
 @dataclasses.dataclass(frozen=True)

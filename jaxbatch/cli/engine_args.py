@@ -16,6 +16,7 @@ _ENGINE_ARGS = [
     ("--long-prefill-token-threshold", int), ("--planner-workload", str),
     ("--tensor-parallel-size", int), ("--data-parallel-size", int),
     ("--quantization", str),
+    ("--replan-interval-steps", int), ("--replan-window-steps", int), ("--replan-min-gain", float),
 ]
 
 
@@ -28,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="raise if anything compiles after warm-up")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV pages of shared prompt prefixes (default on)")
+    g.add_argument("--live-replan", action=argparse.BooleanOptionalAction, default=None,
+                   help="learn the bucket set from the traffic: compile a cheaper set in the "
+                        "background and swap it in between steps (engine/replan.py)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -35,4 +39,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                  for flag, _ in _ENGINE_ARGS}
     overrides["compile_guard"] = args.compile_guard
     overrides["enable_prefix_caching"] = args.enable_prefix_caching
+    overrides["live_replan"] = args.live_replan
     return config_from_sources(args.config, **overrides)

@@ -28,6 +28,10 @@ class EngineStats:
     kv_pages_cached: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # live re-planning (engine/replan.py): sets swapped in, and the predicted saving of the last
+    # set it looked at (0 when off or nothing better was found)
+    replans: int = 0
+    replan_predicted_gain: float = 0.0
     # data-parallel replicas (engine/replicas.py): each replica's own stats; these are summed
     replicas: tuple[EngineStats, ...] = ()
 

@@ -75,6 +75,11 @@ class ServerMetrics:
         self.kv_cached = Gauge(p + "kv_pages_cached",
                                "KV pages holding cached prefixes no request uses", registry=r)
         self._last_prefix = (0, 0)
+        self.replans = Gauge(p + "replans", "bucket sets swapped in by live re-planning",
+                             registry=r)
+        self.replan_gain = Gauge(p + "replan_predicted_gain",
+                                 "predicted saving of the last bucket set looked at by live "
+                                 "re-planning (fraction of the recent steps' time)", registry=r)
         # data-parallel replicas (engine/replicas.py): the engine gauges above are their sums
         self.replica_waiting = Gauge(p + "replica_num_requests_waiting",
                                      "requests waiting in one replica", ["replica"], registry=r)
@@ -131,6 +136,8 @@ class ServerMetrics:
             self.replica_running.labels(replica=str(i)).set(rep.num_running)
             self.replica_kv_used.labels(replica=str(i)).set(rep.kv_pages_used)
             self.replica_kv_free.labels(replica=str(i)).set(rep.kv_pages_free)
+        self.replans.set(stats.replans)
+        self.replan_gain.set(stats.replan_predicted_gain)
         self.kv_cached.set(stats.kv_pages_cached)
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self.prefix_queries.inc(max(0, queries - self._last_prefix[0]))
