@@ -33,6 +33,7 @@ from jaxbatch.engine import compile_guard, prompt_logprobs
 from jaxbatch.engine.attention import attention_fn
 from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype
+from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
 from jaxbatch.engine.runner import Runner
 from jaxbatch.engine.sharding import engine_mesh
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
@@ -72,6 +73,7 @@ class Engine:
         self.compiles_at_warmup = compile_guard.unplanned_count()
         # structured output: one llguidance matcher per constrained request (core/grammar.py)
         self.grammars = GrammarMatchers(self.tokenizer, runner.arch.vocab_size, self.eos_token_ids)
+        self.replan: BackgroundReplan | None = None  # live re-planning (engine/replan.py)
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LoadedModel | None = None,
@@ -103,12 +105,14 @@ class Engine:
                         engine_mesh(config.runner.tensor_parallel_size, devices))
         scheduler = Scheduler(config.scheduler, PageAllocator(
             runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))
+        config, replan = live_replan_setup(config, root)  # may start from a learned set
         planner = make_planner(config, model.arch)
         with compile_guard.planned():
             warmup = runner.compile(planner.buckets, progress=config.runner.progress)
             planner.calibrate(runner.time_bucket)
         engine = cls(config, model, runner, scheduler, planner)
         engine.precision = precision
+        engine.replan = replan
         engine.warmup_seconds = warmup
         engine.startup_seconds = time.perf_counter() - t_start
         return engine
@@ -210,9 +214,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
+        if self.replan is not None:
+            self.replan.tick(self)  # between steps: swap in a learned set, or look for one
         if not batch.seqs:
             self._check_guard()
             return outputs
+        if self.replan is not None:
+            self.replan.observe(batch.num_tokens, len(batch.seqs))
         sampled: dict[str, tuple] = {}
         ran: list[ScheduledSeq] = []
         for sub in self.planner.plan(batch):
@@ -374,6 +382,8 @@ class Engine:
             steps=t.num_steps,
             real_tokens=t.real_tokens,
             computed_tokens=t.padded_tokens,
+            replans=len(self.replan.events) if self.replan else 0,
+            replan_predicted_gain=self.replan.last_gain if self.replan else 0.0,
         )
 
 

@@ -36,8 +36,8 @@ from jaxbatch.model.arch import ModelArch
 from jaxbatch.planner import Bucket
 
 DEFAULT_KV_CACHE_GB = 2.0
-PAGE_COPY_WIDTH = 8  # pages one compiled copy moves (fork of n > 1 choices); more: several calls
 PROMPT_LOGPROBS_ROWS = 64  # prompt positions one compiled prompt-logprobs call scores
+PAGE_COPY_WIDTH = 8  # pages one compiled copy moves (fork of n > 1 choices); more: several calls
 
 
 def kv_cache_dtype(setting: str, compute_dtype: Any) -> Any:
@@ -127,33 +127,22 @@ class Runner:
         # multi-host: process 0 announces every device operation to the others (multihost.py)
         self.leader = multihost.leader_for_this_process()
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
-        self._page_copy: jax.stages.Compiled | None = None  # compiled with the buckets
         # (S, adjusted): the sampler for S rows, plain or with LogitsAdjustments
         self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._page_copy: jax.stages.Compiled | None = None  # compiled with the buckets
         self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
         self._hidden: Any = None  # the last step's hidden states [T, H], on the device
 
     def compile(self, buckets: list[Bucket], progress: bool = True) -> float:
         """Compile every bucket's step ahead of time. Returns the seconds it took."""
-        from tqdm import tqdm
-
         t0 = time.perf_counter()
-        todo = [b for b in buckets if b not in self.executables]
-        for b in tqdm(todo, desc="compiling step shapes", disable=not progress or not todo):
-            example = dummy_step_inputs(b, self.pages_per_seq, self.arch.vocab_size)
-            self.executables[b] = self._jitted.lower(self.params, self.kv_cache, example).compile()
-            S, V = b.num_seqs, self.arch.vocab_size
-            if (S, False) not in self.samplers:
-                logits = jax.ShapeDtypeStruct((S, V), jnp.float32)
-                self.samplers[S, False] = self._sample_jitted.lower(
-                    logits, example.sampling).compile()
-                adjusted = dataclasses.replace(
-                    example.sampling, adjust=empty_adjustments(S, V, self.history_len))
-                self.samplers[S, True] = self._sample_jitted.lower(logits, adjusted).compile()
-        if self._prompt_lp is None:
-            self._prompt_lp = self._compile_prompt_logprobs()
+        steps, samplers = self.compile_buckets(buckets, progress)
+        self.executables.update(steps)
+        self.samplers.update(samplers)
         if self._page_copy is None:
             self._page_copy = self._compile_page_copy()
+        if self._prompt_lp is None:
+            self._prompt_lp = self._compile_prompt_logprobs()
         if self.leader is not None:
             self.leader.warm(self, buckets)
         return time.perf_counter() - t0
@@ -190,6 +179,40 @@ class Runner:
         """One compiled page copy: src, dst i32[PAGE_COPY_WIDTH]."""
         assert self._page_copy is not None, "compile() first"
         self.kv_cache = self._page_copy(self.kv_cache, src, dst)
+
+    def compile_buckets(self, buckets: list[Bucket], progress: bool = False
+                        ) -> tuple[dict[Bucket, Any], dict[tuple[int, bool], Any]]:
+        """The executables of the buckets (and samplers of the sequence counts) not compiled
+        yet, without installing them: the live re-planner calls this on a background thread
+        while the engine steps. It lowers against the cache's shape only: the cache array itself
+        is donated (deleted) by every step of the stepping thread."""
+        from tqdm import tqdm
+
+        cache_spec = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
+        steps: dict[Bucket, Any] = {}
+        samplers: dict[tuple[int, bool], Any] = {}
+        todo = [b for b in buckets if b not in self.executables]
+        for b in tqdm(todo, desc="compiling step shapes", disable=not progress or not todo):
+            example = dummy_step_inputs(b, self.pages_per_seq, self.arch.vocab_size)
+            steps[b] = self._jitted.lower(self.params, cache_spec, example).compile()
+            S, V = b.num_seqs, self.arch.vocab_size
+            if (S, False) not in self.samplers and (S, False) not in samplers:
+                logits = jax.ShapeDtypeStruct((S, V), jnp.float32)
+                samplers[S, False] = self._sample_jitted.lower(logits, example.sampling).compile()
+                adjusted = dataclasses.replace(
+                    example.sampling, adjust=empty_adjustments(S, V, self.history_len))
+                samplers[S, True] = self._sample_jitted.lower(logits, adjusted).compile()
+        return steps, samplers
+
+    def keep_only(self, buckets: set[Bucket]) -> None:
+        """Release the executables of every other bucket, and the samplers no kept bucket uses
+        (the live re-planner swapped in a new set)."""
+        seqs = {b.num_seqs for b in buckets}
+        for b in [b for b in self.executables if b not in buckets]:
+            del self.executables[b]
+        for key in [k for k in self.samplers if k[0] not in seqs]:
+            del self.samplers[key]
 
     def execute(self, host: StepInputs, bucket: Bucket) -> SamplerOutput:
         """Run one step; returns the sampler's output as numpy arrays."""
