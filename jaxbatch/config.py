@@ -121,6 +121,9 @@ class PlannerConfig:
     # dp: the workload (JSONL/JSON) or step trace whose step shapes the buckets are chosen for;
     # None: bench64's lengths, shipped in the package
     planner_workload: str | None = None
+    # tensor parallelism: the all-reduce rate (GB/s per device) the analytic cost prices the
+    # collectives with; None: measured on the mesh at start (jaxbatch plan: a nominal 10)
+    collective_gbps: float | None = None
     # live re-planning (engine/replan.py): every replan_interval_steps, the shapes of the last
     # replan_window_steps steps are re-planned with the step-time model fitted on the executed
     # steps; a set predicted >= replan_min_gain cheaper is compiled in the background, swapped in

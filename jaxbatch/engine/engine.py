@@ -29,13 +29,13 @@ from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from jaxbatch.engine import compile_guard, prompt_logprobs
+from jaxbatch.engine import compile_guard, multihost, prompt_logprobs
 from jaxbatch.engine.attention import attention_fn
 from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype
 from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
 from jaxbatch.engine.runner import Runner
-from jaxbatch.engine.sharding import engine_mesh
+from jaxbatch.engine.sharding import collective_gbps, engine_mesh
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.planner import StepPlanner, StepTrace, SubStep, make_planner
@@ -103,10 +103,12 @@ class Engine:
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                         attention_fn(config.runner.attention_backend),
                         engine_mesh(config.runner.tensor_parallel_size, devices))
+        runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several
         scheduler = Scheduler(config.scheduler, PageAllocator(
             runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))
         config, replan = live_replan_setup(config, root)  # may start from a learned set
-        planner = make_planner(config, model.arch)
+        planner = make_planner(config, model.arch, collective_gbps(
+            config.planner.collective_gbps, runner.placement, model.arch.hidden_size))
         with compile_guard.planned():
             warmup = runner.compile(planner.buckets, progress=config.runner.progress)
             planner.calibrate(runner.time_bucket)

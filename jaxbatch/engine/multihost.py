@@ -188,7 +188,7 @@ def run_follower(config: EngineConfig) -> int:
     from jaxbatch.engine import compile_guard
     from jaxbatch.engine.attention import attention_fn
     from jaxbatch.engine.runner import Runner
-    from jaxbatch.engine.sharding import engine_mesh
+    from jaxbatch.engine.sharding import collective_gbps, engine_mesh
     from jaxbatch.model.loader import load_model
     from jaxbatch.planner import make_planner
 
@@ -202,7 +202,9 @@ def run_follower(config: EngineConfig) -> int:
     runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                     attention_fn(config.runner.attention_backend),
                     engine_mesh(config.runner.tensor_parallel_size, jax.devices()))
-    buckets = make_planner(config, model.arch).buckets
+    gbps = collective_gbps(config.planner.collective_gbps, runner.placement,
+                           model.arch.hidden_size)  # a collective: as on the leader
+    buckets = make_planner(config, model.arch, gbps).buckets
     runner.compile(buckets, progress=False)
     steps = follow(runner, buckets)
     log.info("follower %d: the leader stopped after %d steps", jax.process_index(), steps)

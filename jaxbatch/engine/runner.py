@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxbatch.config import CacheConfig
 from jaxbatch.core.sampling_params import MAX_LOGPROBS
-from jaxbatch.engine import multihost, sharding
+from jaxbatch.engine import sharding
 from jaxbatch.engine.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs_fn
 from jaxbatch.engine.sampler import SamplerOutput, sample
 from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
@@ -124,8 +124,9 @@ class Runner:
                                    out_shardings=(cache_s, pl.replicated, pl.replicated))
             self._sample_jitted = jax.jit(sample, in_shardings=pl.replicated,
                                           out_shardings=pl.replicated)
-        # multi-host: process 0 announces every device operation to the others (multihost.py)
-        self.leader = multihost.leader_for_this_process()
+        # multi-host: on process 0, a multihost.Leader (set by the engine) that announces every
+        # device operation to the other processes before it runs
+        self.leader: Any = None
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
         # (S, adjusted): the sampler for S rows, plain or with LogitsAdjustments
         self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}

@@ -21,7 +21,7 @@ import logging
 
 from jaxbatch.config import EngineConfig
 from jaxbatch.planner.buckets import Bucket, SubStep
-from jaxbatch.planner.cost import ArchDims, ModelDims, analytic_cost
+from jaxbatch.planner.cost import ArchDims, ModelDims, analytic_cost, hardware
 from jaxbatch.planner.select import build_planner, workload_source
 from jaxbatch.planner.simulate import Lengths, default_workload
 from jaxbatch.planner.step import StepPlanner
@@ -32,16 +32,21 @@ __all__ = ["Bucket", "StepPlanner", "StepRecord", "StepTrace", "SubStep", "make_
 log = logging.getLogger("jaxbatch")
 
 
-def make_planner(config: EngineConfig, arch: ArchDims) -> StepPlanner:
+def make_planner(config: EngineConfig, arch: ArchDims, collective_gbps: float | None = None
+                 ) -> StepPlanner:
     """The engine's planner for `config` (planner, max_compiled_shapes, planner_workload, the
     scheduler's limits, page size), pricing steps with the loaded model's dimensions (`arch`:
-    model.arch.ModelArch, whatever format the weights came from). `config.model.max_model_len`
+    model.arch.ModelArch, whatever format the weights came from) split over
+    tensor_parallel_size devices, the collectives at `collective_gbps` (measured on the mesh;
+    config.planner.collective_gbps when given). `config.model.max_model_len`
     must be resolved (Engine.from_config does it). ValueError for a bucket set that cannot hold
     the scheduler's largest step."""
     max_model_len = config.model.max_model_len
     if max_model_len is None:
         raise ValueError("make_planner needs a resolved max_model_len (Engine.from_config)")
-    cost = analytic_cost(ModelDims.from_arch(arch), config.model.dtype)
+    cost = analytic_cost(ModelDims.from_arch(arch), config.model.dtype,
+                         hardware(config.planner.collective_gbps or collective_gbps),
+                         tp=config.runner.tensor_parallel_size)
     lengths: Lengths = []
     hist = None
     if config.planner.planner == "dp":

@@ -21,7 +21,14 @@ from typing import Any
 
 from jaxbatch.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
 from jaxbatch.planner import simulate
-from jaxbatch.planner.cost import AffineCost, CostModel, analytic_cost, model_dims, token_cost
+from jaxbatch.planner.cost import (
+    AffineCost,
+    CostModel,
+    analytic_cost,
+    hardware,
+    model_dims,
+    token_cost,
+)
 from jaxbatch.planner.select import Selection, build_planner, histogram
 from jaxbatch.planner.step import StepPlanner
 from jaxbatch.planner.step_time import StepTimeModel, prediction_report
@@ -38,7 +45,9 @@ def make_cost(spec: str | None, config: EngineConfig,
         measured = trace_rows and any(r.measured_s for r in trace_rows)
         spec = "fit" if measured else "analytic"
     if spec == "analytic":
-        return analytic_cost(model_dims(config.model.model), config.model.dtype)
+        return analytic_cost(model_dims(config.model.model), config.model.dtype,
+                             hardware(config.planner.collective_gbps),
+                             tp=config.runner.tensor_parallel_size)
     if spec.startswith("tokens"):
         return token_cost(float(spec.split(":", 1)[1]) if ":" in spec else 0.0)
     if spec == "fit":

@@ -192,11 +192,36 @@ SMOLLM2_135M = ModelDims(hidden=576, intermediate=1536, layers=30, heads=9, kv_h
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """Nominal machine: the ratio peak_flops / mem_bw (FLOPs per byte) sets how many tokens'
-    compute one weight read is worth. 10 FLOP/byte is a CPU; a GPU is 100-300."""
+    compute one weight read is worth. 10 FLOP/byte is a CPU; a GPU is 100-300. Under tensor
+    parallelism a collective moving B bytes per device costs collective_latency_s + B /
+    collective_bw (the engine measures collective_bw on its mesh at start; NVLink is ~1e11-4e11,
+    PCIe ~1e10, host-to-host networks 1e9-1e10)."""
 
     peak_flops: float = 1e12
     mem_bw: float = 1e11
     dispatch_s: float = 1e-4
+    collective_bw: float = 1e10
+    collective_latency_s: float = 2e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveBytes:
+    """What tensor parallelism over tp devices adds to a step (Megatron layout, see
+    engine/sharding.py), in bytes each device moves (ring algorithms: an all-reduce of B bytes
+    moves 2 (tp-1)/tp B, an all-gather (tp-1)/tp B)."""
+
+    per_token: float  # 2 all-reduces of the hidden state per layer: after o and after down
+    per_seq: float  # the all-gather of the vocab-split logits row (f32)
+    per_step: int  # collectives launched per step (their latency): 2 per layer + 1
+
+    @classmethod
+    def of(cls, dims: ModelDims, dtype: str, tp: int) -> CollectiveBytes:
+        if tp <= 1:
+            return cls(0.0, 0.0, 0)
+        width = 2 if dtype in ("bfloat16", "bf16") else 4
+        all_reduce = 2.0 * (tp - 1) / tp * dims.hidden * width
+        return cls(per_token=2 * dims.layers * all_reduce,
+                   per_seq=(tp - 1) / tp * dims.vocab * 4, per_step=2 * dims.layers + 1)
 
 
 def model_dims(model: str | None) -> ModelDims:
@@ -209,18 +234,32 @@ def model_dims(model: str | None) -> ModelDims:
 
 
 def analytic_cost(dims: ModelDims = SMOLLM2_135M, dtype: str = "float32",
-                  hw: Hardware = Hardware()) -> AffineCost:
+                  hw: Hardware = Hardware(), tp: int = 1) -> AffineCost:
     """c(T, S) = dispatch + weight bytes / bw + T * 2 * body / peak + S * 2 * (head + sampler) /
     peak. The sampler (softmax, top-k/p over the vocabulary) is counted as another head's worth
-    of work per row."""
+    of work per row. Under tensor parallelism (tp > 1) each device reads and multiplies 1/tp of
+    the body and the head (the sampler runs whole on the gathered logits), and the collectives
+    add their bytes / collective_bw per token and per sequence and their latency per step
+    (CollectiveBytes). The ratios step : token : sequence move with tp and the collective rate,
+    and the bucket choice with them."""
     width = 2 if dtype in ("bfloat16", "bf16") else 4
     weights = dims.body_params + dims.head_params * (1 if dims.tied else 2)
+    comm = CollectiveBytes.of(dims, dtype, tp)
+    tp = max(1, tp)
     return AffineCost(
-        overhead_s=hw.dispatch_s + weights * width / hw.mem_bw,
-        per_token_s=2.0 * dims.body_params / hw.peak_flops,
-        per_seq_s=4.0 * dims.head_params / hw.peak_flops,
-        name="analytic",
+        overhead_s=hw.dispatch_s + weights * width / tp / hw.mem_bw
+        + comm.per_step * hw.collective_latency_s,
+        per_token_s=2.0 * dims.body_params / tp / hw.peak_flops
+        + comm.per_token / hw.collective_bw,
+        per_seq_s=2.0 * dims.head_params * (1 + 1 / tp) / hw.peak_flops
+        + comm.per_seq / hw.collective_bw,
+        name="analytic" if tp == 1 else f"analytic tp={tp}",
     )
+
+
+def hardware(collective_gbps: float | None) -> Hardware:
+    """The nominal machine with a configured or measured collective bandwidth (GB/s)."""
+    return Hardware() if not collective_gbps else Hardware(collective_bw=collective_gbps * 1e9)
 
 
 def token_cost(per_step_tokens: float = 0.0, per_seq_tokens: float = 0.0) -> AffineCost:
