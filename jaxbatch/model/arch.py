@@ -1,7 +1,11 @@
-"""The architecture of a Llama-family model, read from a Hugging Face config.
+"""The architecture of a supported decoder-only model, read from a Hugging Face config.
 
-Covers Llama 2/3 (incl. `llama3` rope scaling), SmolLM2 (tied embeddings), Mistral and Qwen2
-(QKV bias). Frozen, hashable: it is a static argument of the jitted step.
+One forward (model/llama.py) covers every family; this record says which of its options a model
+uses. Families: Llama 2/3 (incl. `llama3` rope scaling), SmolLM2 (tied embeddings), Mistral,
+Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Gemma 2 and Gemma 3 text (sandwich norms,
+(1 + w) RMSNorm, GeGLU, scaled embeddings, soft-capping, interleaved sliding/global layers, a
+local rope base), Phi-3 (fused qkv / gate_up, split at load), Mixtral, Qwen2-MoE and Qwen3-MoE
+(routed experts, model/moe.py). Frozen, hashable: it is a static argument of the jitted step.
 """
 
 from __future__ import annotations
@@ -10,7 +14,51 @@ import dataclasses
 import math
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# HF `architectures` class -> the model_type its config carries. Loading refuses anything else,
+# naming it (see `check_supported`).
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# HF activation name -> what the MLP applies (llama.py ACTIVATIONS)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# A sliding window wider than this is no window (a global layer fed as data; see llama.forward)
+NO_WINDOW = 1 << 30
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def check_supported(cfg: Any) -> str:
+    """The config's model_type, or UnsupportedArchitectureError naming what is not supported."""
+    names = list(getattr(cfg, "architectures", None) or [])
+    bad = [a for a in names if a not in SUPPORTED_ARCHITECTURES]
+    if bad:
+        raise UnsupportedArchitectureError(
+            f"architecture {', '.join(bad)} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    model_type = getattr(cfg, "model_type", "llama")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise UnsupportedArchitectureError(
+            f"{model_type} with use_bidirectional_attention (an encoder) is not supported")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedArchitectureError(
+            f"model_type {model_type!r} is not supported; supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    return model_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,68 +79,127 @@ class ModelArch:
     # rope scaling as a sorted tuple of (key, value) so the dataclass stays hashable
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     sliding_window: int | None = None
+    # which layers use `sliding_window` (length num_layers); () = all of them
+    sliding_layers: tuple[bool, ...] = ()
+    # the rope of sliding layers when it differs from the global one (Gemma 3's local base)
+    local_rope_theta: float | None = None
+    local_rope_scaling: tuple[tuple[str, Any], ...] = ()
+    qk_norm: bool = False  # RMSNorm over each head's q and k before rope (Qwen3, Gemma 3)
+    gemma_norms: bool = False  # RMSNorm as x * (1 + w) in f32; post-attn and pre/post-MLP norms
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden), in the compute dtype
+    hidden_act: str = "silu"
+    attn_soft_cap: float | None = None  # cap * tanh(scores / cap) before the softmax
+    final_soft_cap: float | None = None  # the same on the logits
+    query_pre_attn_scalar: float | None = None  # softmax scale scalar**-0.5 instead of D**-0.5
+    # routed experts (0: a dense MLP); see model/moe.py
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ValueError(f"sliding_layers has {len(self.sliding_layers)} entries for "
+                             f"{self.num_layers} layers")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedArchitectureError(
+                f"activation {self.hidden_act!r} is not supported ({SUPPORTED_ACTIVATIONS})")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} with "
+                             f"{self.num_experts} experts")
 
     @property
     def rope_type(self) -> str:
         return dict(self.rope_scaling).get("rope_type", "default")
 
+    @property
+    def sm_scale(self) -> float:
+        """The softmax scale: query_pre_attn_scalar**-0.5 (Gemma) or 1/sqrt(head_dim)."""
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some layers slide and some are global: the window is per-layer data in the scan."""
+        return self.sliding_window is not None and bool(self.sliding_layers) \
+            and not all(self.sliding_layers)
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's window (NO_WINDOW for a global layer)."""
+        if self.sliding_window is None:
+            return (NO_WINDOW,) * self.num_layers
+        slides = self.sliding_layers or (True,) * self.num_layers
+        return tuple(self.sliding_window if s else NO_WINDOW for s in slides)
+
+    @property
+    def two_ropes(self) -> bool:
+        """Sliding layers rotate with their own rope (Gemma 3): a table per kind in the scan."""
+        return self.local_rope_theta is not None and self.mixed_windows
+
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelArch:
-        model_type = getattr(cfg, "model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
-            )
-        # transformers >= 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta/rope_scaling
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        legacy = getattr(cfg, "rope_scaling", None) or {}
-        rope = {**legacy, **rope}
-        theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        rope.setdefault("rope_type", "default")
-        if rope["rope_type"] not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported")
+        model_type = check_supported(cfg)
+        theta, rope, local = _rope_settings(cfg)
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        sliding = getattr(cfg, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-            sliding = None
-        if model_type == "mistral" and sliding is not None and sliding >= cfg.max_position_embeddings:
-            sliding = None
-        bias = bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2"
+        num_layers = cfg.num_hidden_layers
+        window, sliding_layers = _sliding(cfg, model_type, num_layers)
+        bias = bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2" or (
+            model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True)))
+        gemma = model_type in GEMMA_TYPES
+        act = getattr(cfg, "hidden_activation", None) if gemma else None
+        act = act or getattr(cfg, "hidden_act", None) or "silu"
         return cls(
             model_type=model_type,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(theta),
+            rope_theta=theta,
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attention_bias=bias,
-            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if _hashable(v))),
-            sliding_window=sliding,
+            rope_scaling=rope,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            local_rope_theta=None if local is None else local[0],
+            local_rope_scaling=() if local is None else local[1],
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            gemma_norms=gemma,
+            scale_embeddings=gemma,
+            hidden_act=act,
+            # HF's Gemma 3 attention takes no soft cap whatever its config says
+            attn_soft_cap=getattr(cfg, "attn_logit_softcapping", None)
+            if model_type == "gemma2" else None,
+            final_soft_cap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
+            query_pre_attn_scalar=getattr(cfg, "query_pre_attn_scalar", None) if gemma else None,
+            **_moe_settings(cfg, model_type, num_layers),
         )
 
-    def inv_freq(self):
-        """Rotary inverse frequencies [head_dim/2] as float64 numpy (scaling applied)."""
+    def inv_freq(self, local: bool = False):
+        """Rotary inverse frequencies [head_dim/2] as float64 numpy (scaling applied); `local`:
+        those of the sliding layers when they have their own rope (`two_ropes`)."""
         import numpy as np
 
         d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-        rs = dict(self.rope_scaling)
-        if self.rope_type == "linear":
+        theta, scaling = self.rope_theta, self.rope_scaling
+        if local and self.local_rope_theta is not None:
+            theta, scaling = self.local_rope_theta, self.local_rope_scaling
+        inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        rs = dict(scaling)
+        kind = rs.get("rope_type", "default")
+        if kind == "linear":
             inv = inv / float(rs["factor"])
-        elif self.rope_type == "llama3":
+        elif kind == "llama3":
             factor = float(rs["factor"])
             low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
             old_ctx = float(rs["original_max_position_embeddings"])
@@ -108,20 +215,31 @@ class ModelArch:
     def param_shapes(self) -> dict[str, Any]:
         """The params pytree's expected shapes; loaders check every tensor against it."""
         L, H, I = self.num_layers, self.hidden_size, self.intermediate_size
-        qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layers = {
+        D = self.head_dim
+        qd, kvd = self.num_heads * D, self.num_kv_heads * D
+        layers: dict[str, tuple[int, ...]] = {
             "attn_norm": (L, H),
             "wq": (L, H, qd),
             "wk": (L, H, kvd),
             "wv": (L, H, kvd),
             "wo": (L, qd, H),
             "mlp_norm": (L, H),
-            "w_gate": (L, H, I),
-            "w_up": (L, H, I),
-            "w_down": (L, I, H),
         }
         if self.attention_bias:
             layers.update(bq=(L, qd), bk=(L, kvd), bv=(L, kvd))
+        if self.qk_norm:
+            layers.update(q_norm=(L, D), k_norm=(L, D))
+        if self.gemma_norms:
+            layers.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
+        if self.num_experts:
+            E, Ie = self.num_experts, self.moe_intermediate_size
+            layers.update(router=(L, H, E), experts_gate=(L, E, H, Ie),
+                          experts_up=(L, E, H, Ie), experts_down=(L, E, Ie, H))
+            I = self.shared_expert_intermediate_size
+            if I:
+                layers.update(shared_gate=(L, H, 1))
+        if I:  # the dense MLP, or the MoE's shared expert
+            layers.update(w_gate=(L, H, I), w_up=(L, H, I), w_down=(L, I, H))
         shapes: dict[str, Any] = {
             "embed": (self.vocab_size, H),
             "layers": layers,
@@ -130,6 +248,81 @@ class ModelArch:
         if not self.tie_word_embeddings:
             shapes["lm_head"] = (H, self.vocab_size)
         return shapes
+
+
+def _one_rope(rope: dict[str, Any], cfg: Any) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    """(theta, hashable scaling) of one rope parameter dict; refuses what the forward lacks."""
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_type", "default")
+    if rope["rope_type"] not in ("default", "linear", "llama3"):
+        raise UnsupportedArchitectureError(f"rope_type {rope['rope_type']!r} is not supported")
+    partial = rope.pop("partial_rotary_factor", None)
+    if partial is None:
+        partial = getattr(cfg, "partial_rotary_factor", 1.0)
+    if float(partial) != 1.0:
+        raise UnsupportedArchitectureError(f"partial_rotary_factor {partial} is not supported")
+    return float(theta), tuple(sorted((k, v) for k, v in rope.items() if _hashable(v)))
+
+
+def _rope_settings(cfg: Any):
+    """-> (theta, scaling, local (theta, scaling) or None). transformers >= 5 keeps rope settings
+    in `rope_parameters`, per layer type for Gemma 3; 4.x in rope_theta / rope_scaling."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if "full_attention" in params or "sliding_attention" in params:
+        theta, scaling = _one_rope(params.get("full_attention") or {}, cfg)
+        local = _one_rope(params.get("sliding_attention") or {}, cfg)
+        return theta, scaling, (None if local == (theta, scaling) else local)
+    legacy = getattr(cfg, "rope_scaling", None) or {}
+    theta, scaling = _one_rope({**legacy, **params}, cfg)
+    return theta, scaling, None
+
+
+def _sliding(cfg: Any, model_type: str, num_layers: int) -> tuple[int | None, tuple[bool, ...]]:
+    """(window, which layers slide): `layer_types` when the config has them, else every layer
+    (Mistral, Phi-3, Mixtral). A window no sequence can exceed is no window."""
+    window = getattr(cfg, "sliding_window", None)
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and \
+            not getattr(cfg, "use_sliding_window", False):
+        window = None
+    if not window or window <= 0 or window >= cfg.max_position_embeddings:
+        return None, ()
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return int(window), ()
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise UnsupportedArchitectureError(f"layer types {unknown} are not supported")
+    slides = tuple(t == "sliding_attention" for t in types)
+    if len(slides) != num_layers:
+        raise ValueError(f"layer_types has {len(slides)} entries for {num_layers} layers")
+    if not any(slides):
+        return None, ()
+    return int(window), (() if all(slides) else slides)
+
+
+def _moe_settings(cfg: Any, model_type: str, num_layers: int) -> dict[str, Any]:
+    if model_type not in MOE_TYPES:
+        return {}
+    if model_type == "mixtral":  # Mixtral always renormalises its top-k weights
+        return {"num_experts": cfg.num_local_experts, "num_experts_per_tok":
+                cfg.num_experts_per_tok, "moe_intermediate_size": cfg.intermediate_size,
+                "norm_topk_prob": True}
+    dense = list(getattr(cfg, "mlp_only_layers", None) or [])
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    dense += [i for i in range(num_layers) if (i + 1) % step]
+    if dense:
+        raise UnsupportedArchitectureError(
+            f"{model_type} with dense MLP layers {sorted(set(dense))} among the expert layers "
+            "is not supported (mlp_only_layers / decoder_sparse_step): every layer must be MoE")
+    return {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "norm_topk_prob": bool(getattr(cfg, "norm_topk_prob", False)),
+            "shared_expert_intermediate_size":
+                int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+                if model_type == "qwen2_moe" else 0}
 
 
 def _hashable(v: Any) -> bool:

@@ -6,6 +6,12 @@ run with `lax.scan` so compile time does not grow with depth; the KV cache rides
 carry (measured faster than passing it as scan inputs) and each layer addresses its slab through
 offset page ids, so no per-layer copy of the cache is made.
 
+Every supported family runs through this one forward; `ModelArch` switches its options: q/k
+norms (Qwen3, Gemma 3), Gemma's (1 + w) norms after attention and around the MLP, scaled
+embeddings and soft-capping, GeGLU, routed experts (model/moe.py). Layers that differ by kind
+(Gemma's sliding and global layers) stay in the one scan: each layer's window and rope table are
+scanned inputs (data), so compile time stays flat in depth and in the pattern's period.
+
 Letter legend: T tokens, S sequences, H hidden, N heads, K kv heads, D head dim, I mlp, V vocab,
 L layers.
 """
@@ -13,17 +19,25 @@ L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch.model import moe
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.quantize import Int8Weight, int8_matmul
 
 Params = dict
 AttentionFn = Callable[..., jax.Array]
+# HF activation name -> jax; gelu_pytorch_tanh is GeGLU's tanh approximation (Gemma)
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
 
 
 @jax.tree_util.register_dataclass
@@ -52,15 +66,21 @@ def _kv_encode(x: jax.Array, store_dtype) -> jax.Array:
     return x.astype(store_dtype)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """RMSNorm over the last axis. Llama rounds the normalised x to x's dtype, then scales by w;
+    Gemma (`plus_one`) scales by (1 + w) in float32, then rounds (as HF does each)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
     return w * xf.astype(x.dtype)
 
 
-def rope_tables(arch: ModelArch, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [T, D] in float32, laid out as HF's rotate_half expects (halves repeated)."""
-    inv = jnp.asarray(arch.inv_freq().astype(np.float32))
+def rope_tables(arch: ModelArch, positions: jax.Array,
+                local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, D] in float32, laid out as HF's rotate_half expects (halves repeated);
+    `local`: the sliding layers' own rope (Gemma 3)."""
+    inv = jnp.asarray(arch.inv_freq(local).astype(np.float32))
     freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -105,6 +125,34 @@ def _mm(x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _layer_inputs(arch: ModelArch) -> dict[str, jax.Array]:
+    """Per-layer data scanned with the weights: the window of each layer when sliding and
+    global layers mix (NO_WINDOW for a global one), and which rope table it uses when the
+    sliding layers have their own (Gemma 3)."""
+    extra: dict[str, jax.Array] = {}
+    if arch.mixed_windows:
+        extra["window"] = jnp.asarray(arch.layer_windows, jnp.int32)
+    if arch.two_ropes:
+        extra["local_rope"] = jnp.asarray(arch.sliding_layers, jnp.int32)
+    return extra
+
+
+def mlp(h: jax.Array, lp: Params, arch: ModelArch) -> jax.Array:
+    """h [T, H] -> [T, H]: the gated MLP (SwiGLU / GeGLU), or the routed experts (plus
+    Qwen2-MoE's gated shared expert, held in the dense w_* leaves)."""
+    act = ACTIVATIONS[arch.hidden_act]
+
+    def dense() -> jax.Array:
+        return _mm(act(_mm(h, lp["w_gate"])) * _mm(h, lp["w_up"]), lp["w_down"])
+
+    if not arch.num_experts:
+        return dense()
+    out = moe.experts_mlp(h, lp, arch, act)
+    if arch.shared_expert_intermediate_size:
+        out = out + moe.shared_expert_gate(h, lp["shared_gate"]) * dense()
+    return out
+
+
 def forward(
     params: Params,
     kv_cache: dict[str, jax.Array],
@@ -123,23 +171,36 @@ def forward(
     L, N_pages, P, K, D = kv_cache["k"].shape
     N, T = arch.num_heads, token_ids.shape[0]
     x = values(params["embed"][token_ids])  # [T, H]
+    if arch.scale_embeddings:  # HF: sqrt(H) as a float32 tensor cast to the weights' dtype
+        x = x * jnp.asarray(np.float32(math.sqrt(arch.hidden_size))).astype(x.dtype)
     cos, sin = rope_tables(arch, positions)
-    sm_scale = 1.0 / float(np.sqrt(D))
+    if arch.two_ropes:  # [2, T, D]: global, local
+        cos_l, sin_l = rope_tables(arch, positions, local=True)
+        cos, sin = jnp.stack([cos, cos_l]), jnp.stack([sin, sin_l])
+    sm_scale = arch.sm_scale
     store = kv_cache["k"].dtype
+    eps, gemma = arch.rms_norm_eps, arch.gemma_norms
 
-    def layer(carry, lp_and_idx):
+    def norm(v: jax.Array, w: jax.Array) -> jax.Array:
+        return rms_norm(v, w, eps, plus_one=gemma)
+
+    def layer(carry, xs):
         x, k_cache, v_cache = carry
-        lp, li = lp_and_idx
+        lp, li, extra = xs
         lp = jax.tree.map(values, lp)
-        h = rms_norm(x, lp["attn_norm"], arch.rms_norm_eps)
+        h = norm(x, lp["attn_norm"])
         q = _mm(h, lp["wq"])
         k = _mm(h, lp["wk"])
         v = _mm(h, lp["wv"])
         if arch.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = apply_rope(q.reshape(T, N, D), cos, sin)
-        k = apply_rope(k.reshape(T, K, D), cos, sin)
-        v = v.reshape(T, K, D)
+        q, k, v = q.reshape(T, N, D), k.reshape(T, K, D), v.reshape(T, K, D)
+        if arch.qk_norm:  # per head, before rope (Qwen3, Gemma 3)
+            q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
+        c, s = cos, sin
+        if arch.two_ropes:
+            c, s = cos[extra["local_rope"]], sin[extra["local_rope"]]
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
         # Write this layer's new K/V into its slab of the cache, which is carried as
         # [L*N_pages, P, K, D]: no reshape of the carry inside the loop, so XLA keeps the update
         # in place for every T (a flat-slot reshape made T=1 copy the whole cache per layer).
@@ -156,18 +217,25 @@ def forward(
             attn.cu_q_lens,
             attn.num_seqs,
             sm_scale=sm_scale,
-            sliding_window=arch.sliding_window,
+            soft_cap=arch.attn_soft_cap,
+            # a traced i32 scalar when sliding and global layers mix, else static
+            sliding_window=extra["window"] if arch.mixed_windows else arch.sliding_window,
         )
-        x = x + _mm(o.reshape(T, N * D).astype(x.dtype), lp["wo"])
-        h = rms_norm(x, lp["mlp_norm"], arch.rms_norm_eps)
-        x = x + _mm(jax.nn.silu(_mm(h, lp["w_gate"])) * _mm(h, lp["w_up"]), lp["w_down"])
+        o = _mm(o.reshape(T, N * D).astype(x.dtype), lp["wo"])
+        if gemma:
+            o = norm(o, lp["post_attn_norm"])
+        x = x + o
+        m = mlp(norm(x, lp["mlp_norm"]), lp, arch)
+        if gemma:
+            m = norm(m, lp["post_mlp_norm"])
+        x = x + m
         return (x, k_cache, v_cache), None
 
     idx = jnp.arange(arch.num_layers, dtype=jnp.int32)
     flat = (L * N_pages, P, K, D)
     (x, k_cache, v_cache), _ = jax.lax.scan(
         layer, (x, kv_cache["k"].reshape(flat), kv_cache["v"].reshape(flat)),
-        (params["layers"], idx),
+        (params["layers"], idx, _layer_inputs(arch)),
     )
     shape = kv_cache["k"].shape
     return x, {"k": k_cache.reshape(shape), "v": v_cache.reshape(shape)}
@@ -176,13 +244,20 @@ def forward(
 def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax.Array:
     """hidden [S, H] (rows that sample) -> float32 logits [S, V] (matmul in hidden's dtype).
     The head is `lm_head` [H, V] when present (a tied model's runner may add one, see
-    `with_head`), else the embedding used transposed."""
-    h = rms_norm(hidden, values(params["final_norm"]).astype(hidden.dtype), arch.rms_norm_eps)
+    `with_head`), else the embedding used transposed. Gemma's final soft cap applies last."""
+    h = rms_norm(hidden, values(params["final_norm"]).astype(hidden.dtype), arch.rms_norm_eps,
+                 plus_one=arch.gemma_norms)
     if "lm_head" in params:
         w = values(params["lm_head"]).astype(hidden.dtype)
-        return jnp.dot(h, w, preferred_element_type=jnp.float32)
-    w = values(params["embed"]).astype(hidden.dtype)
-    return jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
+    else:
+        w = values(params["embed"]).astype(hidden.dtype)
+        logits = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+    if arch.final_soft_cap is not None:
+        cap = float(arch.final_soft_cap)
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
 
 
 def with_head(params: Params) -> Params:

@@ -2,7 +2,9 @@
 
 Every loader (safetensors directory, GGUF file) produces a flat {hf_name: numpy array} dict and
 calls `assemble_params`, which raises on any missing, unexpected or mis-shaped tensor.
-Linear weights are stored [in, out] (x @ W), i.e. HF's [out, in] transposed.
+Linear weights are stored [in, out] (x @ W), i.e. HF's [out, in] transposed. Which HF tensor
+feeds which leaf is per family (model/hf_names.py): fused tensors are split, per-expert tensors
+stacked.
 """
 
 from __future__ import annotations
@@ -14,38 +16,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.hf_names import TOP_SOURCES, Source, layer_sources, layer_tensor_names
 
 
 class WeightLoadError(ValueError):
     pass
 
 
-# params leaf -> (HF name pattern within a layer, transpose?)
-_LAYER_MAP = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-}
-_TOP_MAP = {"embed": ("model.embed_tokens.weight", False), "final_norm": ("model.norm.weight", False),
-            "lm_head": ("lm_head.weight", True)}
 # Tensors some checkpoints carry that hold nothing we need.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 def expected_hf_names(arch: ModelArch) -> set[str]:
     shapes = arch.param_shapes()
-    names = {_TOP_MAP[k][0] for k in shapes if k != "layers"}
-    for i in range(arch.num_layers):
-        names |= {f"model.layers.{i}.{_LAYER_MAP[k][0]}" for k in shapes["layers"]}
+    names = {TOP_SOURCES[k].name for k in shapes if k != "layers"}
+    for src in layer_sources(arch).values():
+        for i in range(arch.num_layers):
+            names.update(layer_tensor_names(arch, i, src))
     return names
 
 
@@ -66,9 +53,15 @@ def assemble_params(arch: ModelArch, tensors: dict[str, Any], dtype: Any) -> dic
         )
     shapes = arch.param_shapes()
 
-    def take(name: str, transpose: bool, want: tuple[int, ...]) -> np.ndarray:
+    def take(name: str, src: Source, want: tuple[int, ...]) -> np.ndarray:
         a = np.asarray(tensors[name])
-        a = a.T if transpose else a
+        if src.rows is not None:  # one part of a fused tensor (HF layout: parts are rows)
+            start, stop, total = src.rows
+            if a.shape[0] != total:
+                raise WeightLoadError(
+                    f"fused tensor {name!r} has {a.shape[0]} rows, expected {total}")
+            a = a[start:stop]
+        a = a.T if src.transpose else a
         if tuple(a.shape) != tuple(want):
             raise WeightLoadError(
                 f"tensor {name!r} has shape {tuple(a.shape)} (as [in, out] if a linear weight), "
@@ -80,14 +73,17 @@ def assemble_params(arch: ModelArch, tensors: dict[str, Any], dtype: Any) -> dic
     for key, want in shapes.items():
         if key == "layers":
             continue
-        name, tr = _TOP_MAP[key]
-        params[key] = jnp.asarray(take(name, tr, want), dtype=dtype)
+        params[key] = jnp.asarray(take(TOP_SOURCES[key].name, TOP_SOURCES[key], want), dtype=dtype)
     layers = {}
-    for key, want in shapes["layers"].items():
-        suffix, tr = _LAYER_MAP[key]
-        stacked = np.stack(
-            [take(f"model.layers.{i}.{suffix}", tr, want[1:]) for i in range(arch.num_layers)]
-        )
-        layers[key] = jnp.asarray(stacked, dtype=dtype)
+    for key, src in layer_sources(arch).items():
+        want = shapes["layers"][key][1:]
+        per_layer = []
+        for i in range(arch.num_layers):
+            names = layer_tensor_names(arch, i, src)
+            if "{e}" in src.name:  # one tensor per expert -> [E, ...]
+                per_layer.append(np.stack([take(n, src, want[1:]) for n in names]))
+            else:
+                per_layer.append(take(names[0], src, want))
+        layers[key] = jnp.asarray(np.stack(per_layer), dtype=dtype)
     params["layers"] = layers
     return params

@@ -30,6 +30,12 @@ Blocking, and why (T tokens, S sequence slots, K_s = history of sequence s, q_s 
     * Hkv + h of k_pages viewed as [N * P * Hkv, D]), so the KV tile size is independent of the
     page size (P = 1, 16, 32, ... all work) and every load past a sequence's history is masked
     off: unused (even NaN-filled) pages are never read. Softmax is online (flash) in float32.
+  * Triton tiles need power-of-two sizes: a head_dim D that is not one (Phi-3's 96) is padded
+    inside the kernel to Dp = pow2(D) columns: loads mask the columns >= D to zero (so q.k and
+    p.v are unchanged) and stores skip them; nothing outside the kernel is padded or copied.
+  * The sliding window rides in the metadata (a fourth row), not in the compiled program, so
+    one executable serves layers with different windows (Gemma's sliding and global layers,
+    scanned with the window as data).
   * Triton needs static grids, so grid sizes depend on T, S, Hkv, W and the tuning knobs only;
     all ragged structure is data. Padding sequences and padding rows are never computed; the
     output starts as zeros (aliased through the calls; the split merge scatters decode rows),
@@ -58,11 +64,26 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _rows(ref, rows):
-    """ref [X, D] viewed at rows i32[R] -> [R, D]; pure array indexing (interpret mode needs it)."""
+def _rows(ref, rows, past_end=False):
+    """ref [X, D] viewed at rows i32[R] -> [R, Dp], Dp = pow2(D); pure array indexing
+    (interpret mode needs it). Columns >= D are padding: clamped to D - 1 for a load (masked by
+    `_col_mask`), aimed past the end for a store (`past_end`: interpret mode's scatter drops
+    them; a clamped duplicate could overwrite a real column)."""
     R, D = rows.shape[0], ref.shape[1]
-    cols = jnp.arange(D, dtype=jnp.int32)
-    return ref.at[jnp.broadcast_to(rows[:, None], (R, D)), jnp.broadcast_to(cols[None, :], (R, D))]
+    Dp = _pow2(D)
+    cols = jnp.arange(Dp, dtype=jnp.int32)
+    if Dp != D:
+        cols = jnp.where(cols < D, cols, D) if past_end else jnp.minimum(cols, D - 1)
+    return ref.at[jnp.broadcast_to(rows[:, None], (R, Dp)),
+                  jnp.broadcast_to(cols[None, :], (R, Dp))]
+
+
+def _col_mask(row_mask, D):
+    """row_mask [R] -> [R, Dp]: the real rows' real columns (all columns when D = Dp)."""
+    Dp = _pow2(D)
+    if Dp == D:
+        return row_mask[:, None]
+    return row_mask[:, None] & (jnp.arange(Dp, dtype=jnp.int32) < D)[None, :]
 
 
 def _attend_block(q, k_ref, v_ref, pages_ref, carry, j, *, seq, kv_head, row_pos, key_lo, key_hi,
@@ -78,8 +99,9 @@ def _attend_block(q, k_ref, v_ref, pages_ref, carry, j, *, seq, kv_head, row_pos
     page_col = jnp.minimum(kpos // page_size, width - 1)
     page = plt.load(pages_ref.at[seq * width + page_col], mask=load_ok, other=0)
     rows = (page * page_size + kpos % page_size) * num_kv_heads + kv_head  # [bk]
-    k = plt.load(_rows(k_ref, rows), mask=load_ok[:, None], other=0)  # [bk, D]
-    v = plt.load(_rows(v_ref, rows), mask=load_ok[:, None], other=0)
+    kv_ok = _col_mask(load_ok, k_ref.shape[1])
+    k = plt.load(_rows(k_ref, rows), mask=kv_ok, other=0)  # [bk, Dp], padding columns zero
+    v = plt.load(_rows(v_ref, rows), mask=kv_ok, other=0)
     s = plt.dot(q, k, trans_b=True) * sm_scale  # [R, bk] f32
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
@@ -97,14 +119,14 @@ def _attend_block(q, k_ref, v_ref, pages_ref, carry, j, *, seq, kv_head, row_pos
 
 def _attend_rows(q_ref, k_ref, v_ref, pages_ref, *, q_rows, row_ok, row_pos, blocks, bk, **kw):
     """Attend R query rows (flat indices q_rows into [T * Hq, D]) to KV blocks [blocks) ->
-    (m, l, normalised out [R, D]) in float32."""
+    (m, l, normalised out [R, Dp]) in float32 (columns >= D are zeros)."""
     R = q_rows.shape[0]
-    D = q_ref.shape[1]
-    q = plt.load(_rows(q_ref, q_rows), mask=row_ok[:, None], other=0)  # [R, D]
+    Dp = _pow2(q_ref.shape[1])
+    q = plt.load(_rows(q_ref, q_rows), mask=_col_mask(row_ok, q_ref.shape[1]), other=0)
     carry = (
         jnp.full((R,), _NEG, jnp.float32),
         jnp.zeros((R,), jnp.float32),
-        jnp.zeros((R, D), jnp.float32),
+        jnp.zeros((R, Dp), jnp.float32),
     )
     body = functools.partial(_attend_block, q, k_ref, v_ref, pages_ref, row_pos=row_pos, bk=bk,
                              **kw)
@@ -113,14 +135,15 @@ def _attend_rows(q_ref, k_ref, v_ref, pages_ref, *, q_rows, row_ok, row_pos, blo
 
 
 def _store(ref, rows, row_ok, val):
-    """Store val [R] or [R, D] at rows of ref; masked-off rows aim past the end, so interpret
-    mode's scatter drops them (a clamped duplicate could overwrite a real row) and the GPU never
-    touches them."""
+    """Store val [R] or [R, Dp] at rows of ref; masked-off rows (and padding columns) aim past
+    the end, so interpret mode's scatter drops them (a clamped duplicate could overwrite a real
+    row) and the GPU never touches them."""
     dst = jnp.where(row_ok, rows, ref.shape[0])
     if val.ndim == 1:
         plt.store(ref.at[dst], val.astype(ref.dtype), mask=row_ok)
     else:
-        plt.store(_rows(ref, dst), val.astype(ref.dtype), mask=row_ok[:, None])
+        plt.store(_rows(ref, dst, past_end=True), val.astype(ref.dtype),
+                  mask=_col_mask(row_ok, ref.shape[1]))
 
 
 def _window_lo(first_pos, sliding_window):
@@ -130,12 +153,13 @@ def _window_lo(first_pos, sliding_window):
 
 
 def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, G, Gp, Hq, S, splits,
-                   bk, sliding_window, **kw):
+                   bk, windowed, **kw):
     """Program (seq, kv head, split): all G query heads of a 1-token sequence against one KV
     head, over split `c` of its KV blocks. splits == 1: out_refs = (aliased in, out) and rows
     are final; else out_refs = (out [splits*S*Hq, D], m, l [splits*S*Hq]) partials."""
     seq, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_start, q_len, kv_len = meta_ref[0, seq], meta_ref[1, seq], meta_ref[2, seq]
+    sliding_window = meta_ref[3, seq] if windowed else None
 
     @pl.when(q_len == 1)
     def _():
@@ -161,7 +185,7 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, G, Gp, H
 
 
 def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_ref, o_ref, *, G,
-                    R, bq, Hq, bk, sliding_window, **kw):
+                    R, bq, Hq, bk, windowed, **kw):
     del o_in_ref  # aliased to o_ref
     i, h = pl.program_id(0), pl.program_id(1)
     seq, first = blocks_ref[0, i], blocks_ref[1, i]  # first: block's first token in its sequence
@@ -169,6 +193,7 @@ def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_r
     @pl.when(seq >= 0)
     def _():
         q_start, q_len, kv_len = meta_ref[0, seq], meta_ref[1, seq], meta_ref[2, seq]
+        sliding_window = meta_ref[3, seq] if windowed else None
         ctx = kv_len - q_len
         r = jnp.arange(R, dtype=jnp.int32)
         tok = first + r // G  # token index within the sequence
@@ -217,7 +242,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     kv_block: int = DEFAULT.kv_block,
     q_block: int = DEFAULT.q_block,
     interpret: bool = False,
@@ -231,6 +256,8 @@ def ragged_paged_attention(
     num_sms: int = DEFAULT.num_sms,
 ) -> jax.Array:
     """Kernel version of `ragged_paged_attention_reference` (same arguments and result).
+
+    sliding_window: None, or the window as an int or a traced i32 scalar (data, see above).
 
     kv_block: keys per decode step (rounded up to a power of two >= 16).
     q_block: query tokens per prefill program, before rounding the (token, head) rows to a
@@ -249,20 +276,23 @@ def ragged_paged_attention(
     G = Hq // Hkv
     assert Hq == G * Hkv, (Hq, Hkv)
     assert k_pages.shape == v_pages.shape and k_pages.shape[-1] == D, (k_pages.shape, D)
-    assert interpret or D == _pow2(D), f"Triton tiles need a power-of-two head_dim, got {D}"
 
     i32 = jnp.int32
     real = jnp.arange(S) < num_seqs[0]
     cu = cu_q_lens.astype(i32)
     q_lens = jnp.where(real, cu[1:] - cu[:-1], 0)
-    meta = jnp.stack([cu[:-1], q_lens, jnp.where(real, kv_lens.astype(i32), 0)])  # [3, S]
+    rows = [cu[:-1], q_lens, jnp.where(real, kv_lens.astype(i32), 0)]
+    windowed = sliding_window is not None
+    if windowed:
+        rows.append(jnp.broadcast_to(jnp.asarray(sliding_window, i32), (S,)))
+    meta = jnp.stack(rows)  # [3, S], or [4, S] with the window
 
     q2 = q.reshape(T * Hq, D)
     k2 = k_pages.reshape(N * P * Hkv, D)
     v2 = v_pages.reshape(N * P * Hkv, D)
     pages = page_indices.astype(i32).reshape(S * W)
     common = {"page_size": P, "num_kv_heads": Hkv, "width": W, "sm_scale": float(sm_scale),
-              "soft_cap": soft_cap, "sliding_window": sliding_window, "Hq": Hq, "G": G}
+              "soft_cap": soft_cap, "windowed": windowed, "Hq": Hq, "G": G}
     out = jnp.zeros((T * Hq, D), q.dtype)
     out_shape = jax.ShapeDtypeStruct(out.shape, out.dtype)
 

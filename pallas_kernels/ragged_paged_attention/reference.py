@@ -12,7 +12,10 @@ Signature (shared with kernel.py):
   cu_q_lens    i32[S+1]        prefix sums of the per-sequence new-token counts
   num_seqs     i32[1]          sequences that are real; the rest of the S slots are padding
 The new tokens of sequence s sit at positions kv_lens[s]-q_len[s] .. kv_lens[s]-1 and attend
-causally (plus an optional sliding window and logits soft cap).
+causally (plus an optional sliding window and logits soft cap). The key at position j is
+visible to the query at position i when i - window < j <= i (HF's sliding mask); the window may
+be a traced i32 scalar (a per-layer input of the model's scan), the soft cap is static:
+scores become cap * tanh(scores * sm_scale / cap). Any head_dim works (no tiles here).
 
 Why this shape of computation (T tokens, S sequences, K = longest history):
   * No per-token gather of KV history. Decode rows (q_len == 1) form a work list of
@@ -78,7 +81,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     kv_block: int = 64,
     q_block: int = 32,
     decode_chunk: int | None = 32,

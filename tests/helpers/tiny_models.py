@@ -8,6 +8,8 @@ import torch
 import transformers
 
 TINY_KINDS = ("llama_gqa", "llama_tied", "qwen2", "mistral", "llama3_rope")
+# the families beyond Llama (model/arch.py): each exercises what its family adds
+ARCH_KINDS = ("qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def make_hf_config(kind: str):
@@ -47,6 +49,45 @@ def make_hf_config(kind: str):
         return transformers.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False)
     if kind == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    return _arch_config(kind, common)
+
+
+def _arch_config(kind: str, common: dict):
+    """Tiny configs of the families beyond Llama. Windows (8 tokens) and soft caps are small
+    enough to act on the test prompts; head_dim is not hidden / heads where the family allows."""
+    untied = {**common, "tie_word_embeddings": False}
+    if kind == "qwen3":  # q/k RMSNorm per head; head_dim 32 with hidden 64 and 4 heads
+        return transformers.Qwen3Config(**untied, head_dim=32, rope_theta=1000000.0)
+    if kind == "gemma2":  # layers: sliding, global, sliding
+        return transformers.Gemma2Config(
+            **{**common, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
+            sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+    if kind == "gemma3":  # 7 layers with the 5:1 pattern: S S S S S G S; local and global rope
+        return transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 7}, head_dim=32, query_pre_attn_scalar=24,
+            sliding_window=8, sliding_window_pattern=6, final_logit_softcapping=3.0,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    if kind == "phi3":  # fused qkv / gate_up; head_dim 96 (not a power of two); window 24
+        return transformers.Phi3Config(
+            **{**untied, "hidden_size": 192, "num_attention_heads": 2,
+               "num_key_value_heads": 1}, original_max_position_embeddings=1024,
+            sliding_window=24, rope_theta=10000.0)
+    if kind == "mixtral":  # 4 experts, top 2, always renormalised
+        return transformers.MixtralConfig(
+            **{**untied, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
+            rope_theta=1000000.0, sliding_window=None)
+    if kind == "qwen2_moe":  # top 2 of 4 without renormalisation, gated shared expert
+        return transformers.Qwen2MoeConfig(
+            **untied, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=96, norm_topk_prob=False, rope_theta=1000000.0)
+    if kind == "qwen3_moe":  # top 2 of 8, renormalised; q/k norms
+        return transformers.Qwen3MoeConfig(
+            **untied, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, rope_theta=1000000.0)
     raise ValueError(kind)
 
 
@@ -58,7 +99,7 @@ def make_tiny_model(kind: str, path: str, seed: int = 0):
     # Random init is small; scale weights up a bit so logits are not all near zero.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:  # linear weights; an MoE's experts are [E, out, in] in torch
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)

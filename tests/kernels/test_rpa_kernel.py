@@ -165,3 +165,36 @@ def test_prefill_block_table_covers_every_token_once(T, data, bq):
     want = [(s, t) for s, ql in enumerate(q_lens) if ql > 1 for t in range(ql)]
     assert sorted(covered) == want
     assert (table[0] >= 0).sum() == sum(-(-ql // bq) for ql in q_lens if ql > 1)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "use_kernel", "split"))
+def _traced_window(window, *args, sm_scale, soft_cap, use_kernel, split=None):
+    """The window as a traced i32 scalar (how a model's scan passes it per layer)."""
+    if use_kernel:
+        return ragged_paged_attention(*args, sm_scale=sm_scale, soft_cap=soft_cap,
+                                      sliding_window=window, interpret=INTERPRET,
+                                      decode_kv_splits=split)
+    return ragged_paged_attention_reference(*args, sm_scale=sm_scale, soft_cap=soft_cap,
+                                            sliding_window=window)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_head_dim_96_and_traced_window(split):
+    """Phi-3's head_dim 96 (padded to 128 inside the kernel, loads and stores masked) and the
+    window as data: one compiled function, a sliding and a global (NO_WINDOW) layer, each equal
+    to the naive oracle and to the reference; decode rows with and without KV splits."""
+    from jaxbatch.model.arch import NO_WINDOW
+
+    q_lens, ctx = [1, 45, 1, 3], [130, 20, 0, 70]
+    args, host = make_batch(12, q_lens, ctx, num_q_heads=4, num_kv_heads=2, head_dim=96,
+                            page_size=16, num_tokens=64, num_slots=6)
+    kw = {"sm_scale": 96**-0.5, "soft_cap": 2.0}
+    for window, oracle_window in ((24, 24), (NO_WINDOW, None)):
+        w = jnp.int32(window)
+        got = np.asarray(_traced_window(w, *args, use_kernel=True, split=split, **kw))
+        ref = np.asarray(_traced_window(w, *args, use_kernel=False, **kw))
+        want = naive_attention(host, sliding_window=oracle_window, **kw)
+        real = int(host["cu_q_lens"][len(q_lens)])
+        assert (got[real:] == 0).all(), "padding rows must be zeros"
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(ref, want, atol=1e-5, rtol=1e-5)

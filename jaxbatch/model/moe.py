@@ -1,0 +1,64 @@
+"""The routed-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) as grouped matmuls.
+
+Routing as HF does it: router logits in the compute dtype, softmax in float32, top-k, the k
+weights renormalised to sum to 1 when `norm_topk_prob` (always for Mixtral). Each token's k
+(token, expert) assignments are sorted by expert so that every expert's rows are contiguous, and
+the three expert matmuls are `jax.lax.ragged_dot` over those groups (static shapes: T*k rows
+whatever the routing). The outputs, weighted, are summed back per token. Qwen2-MoE adds a dense
+shared expert scaled by sigmoid(x @ shared_gate).
+
+On XLA:CPU ragged_dot lowers to a dense dot against every expert with the rows of other experts
+masked (E times the FLOPs of the routed work); on GPU XLA runs it as a grouped GEMM.
+
+Letter legend: T tokens, H hidden, E experts, k experts per token, I expert width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxbatch.model.arch import ModelArch
+
+
+def route(h: jax.Array, router: jax.Array, arch: ModelArch) -> tuple[jax.Array, jax.Array]:
+    """h [T, H], router [H, E] -> (float32 weights [T, k], expert ids i32[T, k])."""
+    logits = jnp.dot(h, router, preferred_element_type=jnp.float32).astype(h.dtype)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, arch.num_experts_per_tok)
+    if arch.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, experts
+
+
+def _grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, in] rows sorted by group, w [E, in, out] -> [M, out], f32 accumulation."""
+    return jax.lax.ragged_dot(x, w, group_sizes,
+                              preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def experts_mlp(h: jax.Array, lp: dict, arch: ModelArch,
+                act: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """h [T, H] -> [T, H]: the weighted sum of each token's top-k experts' gated MLPs.
+
+    lp: router [H, E], experts_gate / experts_up [E, H, I], experts_down [E, I, H]."""
+    T, k, E = h.shape[0], arch.num_experts_per_tok, arch.num_experts
+    weights, experts = route(h, lp["router"], arch)
+    flat = experts.reshape(T * k)
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    token = order // k  # the token of each sorted assignment
+    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    x = h[token]  # [T*k, H]
+    y = act(_grouped(x, lp["experts_gate"], group_sizes)) * _grouped(x, lp["experts_up"],
+                                                                     group_sizes)
+    y = _grouped(y, lp["experts_down"], group_sizes)  # [T*k, H]
+    y = y.astype(jnp.float32) * weights.reshape(T * k)[order][:, None]
+    out = jnp.zeros((T, h.shape[1]), jnp.float32).at[token].add(y)
+    return out.astype(h.dtype)
+
+
+def shared_expert_gate(h: jax.Array, w: jax.Array) -> jax.Array:
+    """sigmoid(h @ w): h [T, H], w [H, 1] -> [T, 1] in h's dtype (Qwen2-MoE)."""
+    return jax.nn.sigmoid(jnp.dot(h, w, preferred_element_type=jnp.float32).astype(h.dtype))
