@@ -81,7 +81,7 @@ def test_sampling_parameters_mapped():
 
 
 @pytest.mark.parametrize("key,value", [
-    ("best_of", 2), ("suffix", "x"), ("n", 2), ("tools", [{"type": "function"}]),
+    ("best_of", 2), ("suffix", "x"), ("n", 0), ("n", 129), ("tools", [{"type": "function"}]),
     ("response_format", {"type": "xml"}),
     ("no_such_parameter", 1), ("best_of", True),
 ])
@@ -140,7 +140,7 @@ def test_chat_messages_and_logprobs():
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
                                                                     "text": "b"}]},
-        {"role": "assistant", "content": "c", "name": "bot"}, {"role": "user", "content": "d"}],
+        {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}],
         "max_completion_tokens": 4, "max_tokens": 99, "logprobs": True, "top_logprobs": 2,
         "stream": True, "stream_options": {"include_usage": True}})
     text = "<system>be brief\n<user>a\nb\n<assistant>c\n<user>d\n<assistant>"
@@ -153,6 +153,8 @@ def test_chat_messages_and_logprobs():
     bad = [{"messages": []}, {"messages": "hi"}, {"messages": [{"role": "tool", "content": "x"}]},
            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
            {"messages": [{"role": "user"}]},
+           # this template ignores `name`: refused, not dropped (tests/test_openai_names.py)
+           {"messages": [{"role": "user", "content": "a", "name": "ann"}]},
            {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
            {"messages": [{"role": "user", "content": "a"}], "logprobs": 2}]
     for body in bad:

@@ -34,6 +34,7 @@ from jaxbatch.batch.records import (
     success,
 )
 from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.core.parallel_sampling import choice_request_ids
 from jaxbatch.core.request import NewRequest
 from jaxbatch.engine.client import EngineClient
 from jaxbatch.openai_protocol import ApiError, bad_request, new_id
@@ -114,9 +115,12 @@ class BatchJob:
         try:
             parsed = item.parsed = parse_body(url, body, eng.tokenizer, eng.max_model_len,
                                               self.served_models)
-            rids = [f"{item.response_id}-{j}" for j in range(len(parsed.prompts))]
             sp = parsed.sampling_params
-            eng.add_requests([NewRequest(rid, p, sp) for rid, p in zip(rids, parsed.prompts)])
+            # prompt i's choices (n > 1) run as engine requests choice_request_ids(...-i, n)
+            rids = [cid for i in range(len(parsed.prompts))
+                    for cid in choice_request_ids(f"{item.response_id}-{i}", sp.n)]
+            eng.add_requests([NewRequest(f"{item.response_id}-{i}", p, sp)
+                              for i, p in enumerate(parsed.prompts)])
             item.request_ids = rids  # added, all of them (a refused prompt adds none)
             for rid in rids:
                 self._by_rid[rid] = item
@@ -158,7 +162,8 @@ class BatchJob:
         if item is None:
             return
         item.outputs[out.request_id] = out
-        self.stats.prompt_tokens += len(out.prompt_token_ids)
+        if out.outputs[0].index == 0:  # the prompt once, not per choice
+            self.stats.prompt_tokens += len(out.prompt_token_ids)
         if out.error is not None:  # the engine failed it: the server's 500, the line fails
             self._abort(item)
             self._finish(item, self._internal_error(item, f"the engine failed {out.request_id}: "

@@ -13,11 +13,11 @@ from typing import Any
 Prompt = str | list[int] | dict[str, Any]
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     """Text -> ids with the tokenizer's own special tokens (BOS for Llama-family models)."""
     if tokenizer is None:
         raise ValueError("text prompts need a tokenizer; pass prompt_token_ids")
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -32,14 +32,18 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> tuple[str | None, list[int]
 
 
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                tools: list[dict] | None = None, continue_final_message: bool = False,
+                add_special_tokens: bool = False) -> tuple[str, list[int]]:
     """Messages (and OpenAI tool definitions, for a template that renders them) through the
     model's chat template -> (prompt text, token ids). The template carries its own special
     tokens, so the text is tokenized without adding more (what apply_chat_template(tokenize=True)
-    does)."""
+    does). continue_final_message leaves the last message open for the model to continue;
+    add_special_tokens adds the tokenizer's own (BOS ...) on top (both as vLLM's /tokenize)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
-    extra = {"tools": tools} if tools else {}
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    if continue_final_message:
+        extra["continue_final_message"] = True
     text = tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **extra)
-    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text, list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server over an AsyncEngine: the app, its small routes, start and stop.
 
-POST /v1/completions, POST /v1/chat/completions (JSON or SSE; `generate.py`), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions (JSON or SSE; `generate.py`), POST /v1/tokenize
+and /v1/detokenize (`tokenize.py`), GET /v1/models,
 GET /health, GET /metrics. Parsing and bodies come from `jaxbatch.openai_protocol`; errors are
 OpenAI's shape everywhere (`middleware.py`). A client that goes away cancels its handler
 (handler_cancellation=True), whose `finally` aborts its engine requests, so their KV pages are
@@ -27,6 +28,7 @@ from jaxbatch.server.generate import chat_completions, completions
 from jaxbatch.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxbatch.server.middleware import middleware
 from jaxbatch.server.state import STATE, ServerLimits, ServerState
+from jaxbatch.server.tokenize import detokenize, tokenize
 
 log = logging.getLogger("jaxbatch.server")
 
@@ -69,6 +71,8 @@ def create_app(state: ServerState) -> web.Application:
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/tokenize", tokenize)
+    app.router.add_post("/v1/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -5,7 +5,9 @@ The engine is touched by that thread only. Callers hand it commands (`AddRequest
 steps while there is work and sleeps on the queue when there is none. After each step the outputs
 go back to the event loop in one `call_soon_threadsafe` and are sorted into per-request asyncio
 queues (one RequestStream per HTTP request, which may hold several engine requests: one per
-prompt).
+prompt and choice; with n > 1 the engine runs prompt i's choices as requests
+`choice_request_ids(f"{id}-{i}", n)`, and the stream's index of choice j is i * n + j, OpenAI's
+choice index).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.core.parallel_sampling import choice_request_ids
 from jaxbatch.core.prompts import Prompt
 from jaxbatch.core.request import NewRequest
 from jaxbatch.core.sampling_params import SamplingParams
@@ -170,25 +173,27 @@ class AsyncEngine:
 
     async def add(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams
                   ) -> RequestStream:
-        """Submit one engine request per prompt (ids request_id-0, -1, ...), all or none.
+        """Submit one engine request per prompt (ids request_id-0, -1, ...; params.n choices
+        each), all or none.
         Raises ValueError (bad prompt, from the engine: none was added), QueueFullError or
         EngineDeadError; on success the requests are in the engine."""
         if not self.healthy or self.stopped:
             raise EngineDeadError("the engine has failed" if self.error is not None else
                                   "the engine is not running")
         limit = self.max_waiting_requests
-        if limit is not None and self._submitted + self.num_waiting + len(prompts) > limit:
+        n = len(prompts) * params.n
+        if limit is not None and self._submitted + self.num_waiting + n > limit:
             raise QueueFullError(f"the server has {self._submitted + self.num_waiting} "
                                  f"requests waiting (limit {limit}); retry later")
         ids = tuple(f"{request_id}-{i}" for i in range(len(prompts)))
         if not self.work_pending:  # an idle engine: its stall clock starts now
             self.last_progress = time.monotonic()
-        stream = RequestStream(self, list(ids))
-        for rid in ids:
+        stream = RequestStream(self, _choice_ids(ids, params))
+        for rid in stream.ids:
             self._streams[rid] = stream
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
-        self._submitted += len(ids)
+        self._submitted += n
         self._cmds.put(AddRequests(ids, tuple(prompts), params, accepted))
         try:
             await accepted
@@ -271,8 +276,8 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 -- a bad prompt fails the call, not us
                     error = e
                 else:
-                    self._live.update(ids)
-                self._call(self._resolve, accepted, len(ids), error)
+                    self._live.update(_choice_ids(ids, params))
+                self._call(self._resolve, accepted, len(ids) * params.n, error)
             case AbortRequests(ids):
                 for rid in ids:
                     eng.abort_request(rid)
@@ -344,5 +349,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, AddRequests):
-                self._call(self._resolve, cmd.accepted, len(cmd.ids),
+                self._call(self._resolve, cmd.accepted, len(cmd.ids) * cmd.params.n,
                            EngineDeadError("the engine stopped before this request started"))
+
+
+def _choice_ids(ids: Sequence[str], params: SamplingParams) -> list[str]:
+    """The engine request ids of every prompt's choices, in OpenAI's choice-index order."""
+    return [cid for rid in ids for cid in choice_request_ids(rid, params.n)]

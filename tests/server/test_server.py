@@ -233,7 +233,7 @@ def assert_error_shape(body: dict) -> dict:
 
 @pytest.mark.parametrize("extra", [
     {"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"logit_bias": {"5": 300}},
-    {"best_of": 2}, {"suffix": "end"}, {"n": 2}, {"top_p": 0},
+    {"best_of": 2}, {"suffix": "end"}, {"n": 0}, {"top_p": 0},
     {"temperature": -1}, {"logprobs": 50},
 ])
 def test_unsupported_or_bad_parameters_are_400(client, extra):
@@ -246,7 +246,7 @@ def test_unsupported_or_bad_parameters_are_400(client, extra):
 def test_chat_only_parameters_are_400(client):
     msgs = [{"role": "user", "content": "x"}]
     for extra in ({"tools": [{"type": "function", "function": {"name": "f g"}}]},
-                  {"response_format": {"type": "xml"}}, {"n": 3}):
+                  {"response_format": {"type": "xml"}}, {"n": 129}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=NAME, messages=msgs, extra_body=extra)
         assert e.value.body["param"] == next(iter(extra))

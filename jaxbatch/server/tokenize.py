@@ -1,0 +1,42 @@
+"""POST /v1/tokenize and /v1/detokenize (vLLM's routes and shapes; jaxbatch/openai_tokenize.py).
+Tokenisation and chat templates run in the parse pool, off the event loop, as for generation."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+from aiohttp import web
+
+from jaxbatch import openai_protocol as protocol
+from jaxbatch import openai_tokenize
+from jaxbatch.server.middleware import read_json_body
+from jaxbatch.server.state import STATE, ServerState
+
+
+def _tokenize(st: ServerState, raw: bytes) -> dict[str, Any]:
+    body = protocol.load_json_body(raw, st.limits.request)
+    return openai_tokenize.tokenize(body, st.tokenizer, st.max_model_len, st.served_names,
+                                    st.limits.request)
+
+
+def _detokenize(st: ServerState, raw: bytes) -> dict[str, Any]:
+    body = protocol.load_json_body(raw, st.limits.request)
+    return openai_tokenize.detokenize(body, st.tokenizer, st.served_names, st.limits.request)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    return await _run(request, _tokenize)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    return await _run(request, _detokenize)
+
+
+async def _run(request: web.Request, fn: Any) -> web.Response:
+    st = request.app[STATE]
+    raw = await read_json_body(request, st)
+    loop = asyncio.get_running_loop()
+    return web.json_response(await loop.run_in_executor(st.parse_pool,
+                                                        functools.partial(fn, st, raw)))
