@@ -162,7 +162,6 @@ def _sampling_params(body: dict, max_tokens: int | None, top_logprobs: int | Non
     number = (int, float)
     kwargs: dict[str, Any] = {  # types here; ranges and finiteness in SamplingParams
         "n": _get(body, "n", int, 1),  # choices, each its own sequence (parallel_sampling.py)
-        "n": _get(body, "n", int, 1),  # choices, each its own sequence (parallel_sampling.py)
         "temperature": _get(body, "temperature", number, 1.0),
         "top_p": _get(body, "top_p", number, 1.0),
         "top_k": _get(body, "top_k", int, 0),
@@ -321,9 +320,6 @@ def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
     if len(items) * sp.n > limits.max_prompts_per_request:  # each choice is an engine request
         raise bad_request(f"{len(items)} prompts x n={sp.n} is {len(items) * sp.n} choices; at "
                           f"most {limits.max_prompts_per_request} are allowed per request", "n")
-    if len(items) * sp.n > limits.max_prompts_per_request:  # each choice is an engine request
-        raise bad_request(f"{len(items)} prompts x n={sp.n} is {len(items) * sp.n} choices; at "
-                          f"most {limits.max_prompts_per_request} are allowed per request", "n")
     if not all(isinstance(item, str) or isinstance(item, list) for item in items):
         raise bad_request("'prompt' must be a string, a list of strings, a list of token ids "
                           "or a list of token-id lists", "prompt")
@@ -382,24 +378,6 @@ def _message(msg: Any, i: int) -> dict[str, str]:
                               "messages")
         out["name"] = name
     return out
-
-
-def check_names_used(msgs: list[dict], text: str, render: Callable[[list[dict]], str]) -> None:
-    """A message's `name` is passed to the chat template (as transformers and vLLM pass the
-    message dict); a template that renders the chat the same without the names would drop them
-    silently, so that is a 400 (tool messages' names are the tool-call code's)."""
-    named = [i for i, m in enumerate(msgs) if "name" in m and m.get("role") != "tool"]
-    if not named:
-        return
-    try:
-        same = render([m if m.get("role") == "tool" else
-                       {k: v for k, v in m.items() if k != "name"} for m in msgs]) == text
-    except Exception:  # noqa: BLE001 - it renders differently without them: they are used
-        same = False
-    if same:
-        raise bad_request(f"messages[{named[0]}].name: this model's chat template does not use "
-                          f"a message's 'name' (it would be dropped); remove it", "messages",
-                          "unsupported_parameter")
 
 
 def check_names_used(msgs: list[dict], text: str, render: Callable[[list[dict]], str]) -> None:
