@@ -17,7 +17,7 @@ import pytest
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 
 _TRITON = "__gpu$xla.gpu.triton"
-MODELS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # Hq, Hkv, D
+MODELS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128), "phi3": (32, 32, 96)}  # Hq, Hkv, D
 NUM_PAGES, PAGE_SIZE, WIDTH = 1024, 16, 128  # 2,048-token histories
 
 
@@ -42,7 +42,7 @@ def _grids(module_text):
     return [tuple(dims[i:i + 3]) for i in range(0, len(dims), 3)]
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", ["llama8b", "smollm2"])
 @pytest.mark.parametrize("T,S", [(16, 8), (16, 64), (256, 8), (256, 64)])
 def test_lowers_for_cuda_and_serialises(T, S, model):
     exp = _export(T, S, model)
@@ -80,3 +80,19 @@ def test_decode_only_bucket_has_no_prefill_call():
     assert _grids(text) == [(1, 3, 16)]
     text = _export(1, 1, "smollm2", decode_kv_splits=1).mlir_module()
     assert _grids(text) == [(1, 3, 1)]
+
+
+def test_head_dim_96_and_traced_window_lower():
+    """Phi-3's head_dim 96 (tiles padded to 128 inside the kernel) and a window passed as a
+    traced scalar (a scanned per-layer input) lower for CUDA."""
+    Hq, Hkv, D = MODELS["phi3"]
+
+    def f(window, *args):
+        return ragged_paged_attention(*args, sm_scale=D**-0.5, sliding_window=window)
+
+    exp = jax.export.export(
+        jax.jit(f), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON)],
+    )(jax.ShapeDtypeStruct((), jnp.int32), *_avals(256, 64, Hq, Hkv, D, jnp.bfloat16))
+    assert exp.mlir_module().count(_TRITON) == 2
+    assert exp.out_avals[0].shape == (256, Hq, D)
