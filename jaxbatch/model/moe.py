@@ -51,8 +51,9 @@ def experts_mlp(h: jax.Array, lp: dict, arch: ModelArch,
     token = order // k  # the token of each sorted assignment
     group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     x = h[token]  # [T*k, H]
-    y = act(_grouped(x, lp["experts_gate"], group_sizes)) * _grouped(x, lp["experts_up"],
-                                                                     group_sizes)
+    g = _grouped(x, lp["experts_gate"], group_sizes)
+    # the activation in f32, rounded once (as torch's bf16 kernels; see llama.mlp)
+    y = act(g.astype(jnp.float32)).astype(g.dtype) * _grouped(x, lp["experts_up"], group_sizes)
     y = _grouped(y, lp["experts_down"], group_sizes)  # [T*k, H]
     y = y.astype(jnp.float32) * weights.reshape(T * k)[order][:, None]
     out = jnp.zeros((T, h.shape[1]), jnp.float32).at[token].add(y)
