@@ -37,7 +37,13 @@ from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.core.parallel_sampling import choice_request_ids
 from jaxbatch.core.request import NewRequest
 from jaxbatch.engine.client import EngineClient
-from jaxbatch.openai_protocol import ApiError, bad_request, new_id
+from jaxbatch.openai_protocol import (
+    DEFAULT_LIMITS,
+    ApiError,
+    RequestLimits,
+    bad_request,
+    new_id,
+)
 
 log = logging.getLogger("jaxbatch.batch")
 
@@ -57,7 +63,7 @@ class JobStats:
 class BatchJob:
     def __init__(self, engine: EngineClient, writer: ResultWriter, *,
                  served_models: Sequence[str], ordered: bool = False, max_in_flight: int = 256,
-                 progress: bool = True) -> None:
+                 progress: bool = True, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.engine = engine
@@ -66,6 +72,7 @@ class BatchJob:
         self.ordered = ordered
         self.max_in_flight = max_in_flight
         self.progress = progress
+        self.limits = limits  # the server's RequestLimits (jaxbatch batch takes its flags)
         self.stats = JobStats()
         self._by_rid: dict[str, Item] = {}  # engine request id -> its line
         self._buffer: dict[int, tuple[Item, dict]] = {}  # --ordered: seq -> finished record
@@ -114,7 +121,7 @@ class BatchJob:
         item.response_id = new_id("chat" if url.endswith("/chat/completions") else "completion")
         try:
             parsed = item.parsed = parse_body(url, body, eng.tokenizer, eng.max_model_len,
-                                              self.served_models)
+                                              self.served_models, self.limits)
             sp = parsed.sampling_params
             # prompt i's choices (n > 1) run as engine requests choice_request_ids(...-i, n)
             rids = [cid for i in range(len(parsed.prompts))

@@ -19,8 +19,10 @@ from typing import Any
 from jaxbatch.batch.files import Key, custom_id_of, load_line, too_deep
 from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.openai_protocol import (
+    DEFAULT_LIMITS,
     ApiError,
     ParsedRequest,
+    RequestLimits,
     bad_request,
     new_id,
     parse_chat_request,
@@ -99,11 +101,13 @@ def parse_envelope(obj: Any) -> tuple[str, Any]:
 
 
 def parse_body(url: str, body: Any, tokenizer: Any, max_model_len: int,
-               served_models: Sequence[str] | None) -> ParsedRequest:
-    """The request body, exactly as the server parses it; ApiError on a bad body."""
+               served_models: Sequence[str] | None,
+               limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    """The request body, exactly as the server parses it (under the same limits); ApiError on a
+    bad body."""
     if not isinstance(body, dict):
         raise bad_request("'body' must be a JSON object with the request")
-    parsed = PARSERS[url](body, tokenizer, max_model_len, served_models)
+    parsed = PARSERS[url](body, tokenizer, max_model_len, served_models, limits)
     if parsed.stream:
         raise bad_request("streaming is not available in batch jobs; remove 'stream'",
                           "stream", "unsupported_parameter")

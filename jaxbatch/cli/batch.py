@@ -22,6 +22,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
+from jaxbatch.cli.request_limits import add_request_limit_args, request_limits_from_args
 from jaxbatch.config import EngineConfig
 from jaxbatch.engine.client import EngineClient
 
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsync-seconds", type=float, default=1.0,
                    help="... or every T seconds, whichever comes first (and at exit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # the server's request limits: a line is refused exactly as `jaxbatch serve` refuses a body
+    add_request_limit_args(p.add_argument_group("request limits (as jaxbatch serve)"))
     add_engine_args(p)
     return p
 
@@ -163,5 +166,6 @@ def _run(args: argparse.Namespace, config: EngineConfig, engine: EngineClient | 
     names = args.served_model_name or [engine.config.model.model]
     max_in_flight = args.max_in_flight or 4 * engine.config.scheduler.max_num_seqs
     job = BatchJob(engine, writer, served_models=names, ordered=args.ordered,
-                   max_in_flight=max_in_flight, progress=not args.no_progress)
+                   max_in_flight=max_in_flight, progress=not args.no_progress,
+                   limits=request_limits_from_args(args))
     return job.run(lines, done, todo)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import signal
 import sys
@@ -19,8 +18,8 @@ from typing import TYPE_CHECKING
 from jaxbatch.cli import distributed
 from jaxbatch.cli.distributed import add_distributed_args
 from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
+from jaxbatch.cli.request_limits import add_request_limit_args, request_limits_from_args
 from jaxbatch.engine.client import EngineClient
-from jaxbatch.openai_protocol import RequestLimits
 
 if TYPE_CHECKING:
     from jaxbatch.server.state import ServerLimits
@@ -28,13 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("jaxbatch.server")
 
 EXIT_ENGINE_DEAD = 1
-# RequestLimits fields -> their flag (the others: --max-stop-strings for max_stop_strings ...)
-_LIMIT_FLAGS = {"max_body_bytes": "--max-request-body-bytes"}
-
-
-def _limit_flag(field: str) -> str:
-    return _LIMIT_FLAGS.get(field, "--" + field.replace("_", "-"))
-
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxbatch.server.state import ServerLimits  # light: aiohttp, no jax
@@ -68,11 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step-timeout", type=float, default=d.step_timeout,
                    help="/health is 503 when no engine step completed for this long while "
                         "requests are pending (default %(default)s)")
-    for f in dataclasses.fields(RequestLimits):
-        default = getattr(d.request, f.name)
-        g.add_argument(_limit_flag(f.name), dest="limit_" + f.name, type=type(default),
-                       default=default, metavar="N",
-                       help=f"RequestLimits.{f.name} (default %(default)s)")
+    add_request_limit_args(g, d.request)
     add_engine_args(p)
     add_distributed_args(p)
     return p
@@ -81,11 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     from jaxbatch.server.state import ServerLimits
 
-    request = RequestLimits(**{f.name: getattr(args, "limit_" + f.name)
-                               for f in dataclasses.fields(RequestLimits)})
-    for f in dataclasses.fields(RequestLimits):
-        if getattr(request, f.name) < 1:
-            raise SystemExit(f"{_limit_flag(f.name)} must be >= 1")
+    request = request_limits_from_args(args)
     for flag in ("max_connections", "header_timeout", "body_timeout", "step_timeout"):
         if getattr(args, flag) <= 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be > 0")

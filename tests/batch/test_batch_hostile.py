@@ -199,3 +199,17 @@ def test_fallback_record_is_always_writable():
     item = records.Item(0, 3, "\ud800", "\ud800")
     rec = records.fallback(item, "x")
     assert record_key(json.loads(encode_record(rec))) == "\ud800"
+
+
+def test_request_limit_flags_are_the_servers(llm, tmp_path, capsys):
+    """`jaxbatch batch --max-stop-strings N` refuses a line as `jaxbatch serve` with the same flag
+    refuses the body (one RequestLimits, one parser); by default the line runs."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [comp("three_stops", "hello", 2, stop=["a", "b", "c"])])
+    assert run_main(llm, inp, tmp_path / "default.jsonl") == 0
+    assert read_jsonl(tmp_path / "default.jsonl")[0]["error"] is None
+    assert run_main(llm, inp, tmp_path / "limited.jsonl", "--max-stop-strings", "2") == 1
+    rec = read_jsonl(tmp_path / "limited.jsonl")[0]
+    assert rec["response"]["status_code"] == 400 and "stop" in json.dumps(rec["response"]["body"])
+    with pytest.raises(SystemExit, match="--max-stop-strings must be >= 1"):
+        run_main(llm, inp, tmp_path / "bad.jsonl", "--max-stop-strings", "0")
+    assert_idle(llm)
