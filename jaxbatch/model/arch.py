@@ -78,8 +78,9 @@ class ModelArch:
     attention_bias: bool
     # rope scaling as a sorted tuple of (key, value) so the dataclass stays hashable
     rope_scaling: tuple[tuple[str, Any], ...] = ()
-    sliding_window: int | None = None
-    # which layers use `sliding_window` (length num_layers); () = all of them
+    sliding_window: int | None = None  # None: no layer's window can cut a sequence
+    # which layers are sliding-attention layers, when sliding and global layers mix (length
+    # num_layers; they take `sliding_window` and the local rope); () = all layers alike
     sliding_layers: tuple[bool, ...] = ()
     # the rope of sliding layers when it differs from the global one (Gemma 3's local base)
     local_rope_theta: float | None = None
@@ -125,8 +126,7 @@ class ModelArch:
     @property
     def mixed_windows(self) -> bool:
         """Some layers slide and some are global: the window is per-layer data in the scan."""
-        return self.sliding_window is not None and bool(self.sliding_layers) \
-            and not all(self.sliding_layers)
+        return self.sliding_window is not None and bool(self.sliding_layers)
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -139,7 +139,7 @@ class ModelArch:
     @property
     def two_ropes(self) -> bool:
         """Sliding layers rotate with their own rope (Gemma 3): a table per kind in the scan."""
-        return self.local_rope_theta is not None and self.mixed_windows
+        return self.local_rope_theta is not None and bool(self.sliding_layers)
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelArch:
@@ -148,7 +148,10 @@ class ModelArch:
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         num_layers = cfg.num_hidden_layers
-        window, sliding_layers = _sliding(cfg, model_type, num_layers)
+        window, sliding_layers, all_slide = _sliding(cfg, model_type, num_layers)
+        if local is not None and not sliding_layers:  # one kind of layer: one rope
+            theta, rope = local if all_slide else (theta, rope)
+            local = None
         bias = bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2" or (
             model_type == "qwen2_moe" and bool(getattr(cfg, "qkv_bias", True)))
         gemma = model_type in GEMMA_TYPES
@@ -280,18 +283,20 @@ def _rope_settings(cfg: Any):
     return theta, scaling, None
 
 
-def _sliding(cfg: Any, model_type: str, num_layers: int) -> tuple[int | None, tuple[bool, ...]]:
-    """(window, which layers slide): `layer_types` when the config has them, else every layer
-    (Mistral, Phi-3, Mixtral). A window no sequence can exceed is no window."""
+def _sliding(cfg: Any, model_type: str,
+             num_layers: int) -> tuple[int | None, tuple[bool, ...], bool]:
+    """(window, which layers are sliding ones when kinds mix (else ()), whether all are).
+    Layer kinds come from `layer_types` when the config has them, else every layer slides when
+    there is a window (Mistral, Phi-3, Mixtral). A window no sequence can exceed is None."""
     window = getattr(cfg, "sliding_window", None)
     if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and \
             not getattr(cfg, "use_sliding_window", False):
         window = None
     if not window or window <= 0 or window >= cfg.max_position_embeddings:
-        return None, ()
+        window = None
     types = getattr(cfg, "layer_types", None)
     if types is None:
-        return int(window), ()
+        return (None if window is None else int(window)), (), window is not None
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise UnsupportedArchitectureError(f"layer types {unknown} are not supported")
@@ -299,8 +304,9 @@ def _sliding(cfg: Any, model_type: str, num_layers: int) -> tuple[int | None, tu
     if len(slides) != num_layers:
         raise ValueError(f"layer_types has {len(slides)} entries for {num_layers} layers")
     if not any(slides):
-        return None, ()
-    return int(window), (() if all(slides) else slides)
+        window = None
+    kinds = slides if any(slides) and not all(slides) else ()
+    return (None if window is None else int(window)), kinds, all(slides)
 
 
 def _moe_settings(cfg: Any, model_type: str, num_layers: int) -> dict[str, Any]:

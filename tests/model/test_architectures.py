@@ -66,6 +66,16 @@ def test_arch_options_read_from_the_configs():
     assert g3.sliding_layers == (True,) * 5 + (False, True) and g3.two_ropes and g3.qk_norm
     assert (g3.rope_theta, g3.local_rope_theta) == (1e6, 10000.0)
     assert g3.rope_type == "linear" and g3.attn_soft_cap is None  # HF's Gemma 3 applies none
+    # every layer sliding: the local rope is the only one; a window wider than any sequence is
+    # none, but sliding layers keep their own rope
+    cfg = make_hf_config("gemma3")
+    cfg.num_hidden_layers, cfg.layer_types = 3, ["sliding_attention"] * 3
+    one = ModelArch.from_hf_config(cfg)
+    assert (one.sliding_window, one.rope_theta, one.two_ropes) == (8, 10000.0, False)
+    cfg = make_hf_config("gemma3")
+    cfg.sliding_window = 4096
+    wide = ModelArch.from_hf_config(cfg)
+    assert wide.sliding_window is None and not wide.mixed_windows and wide.two_ropes
     phi = ModelArch.from_hf_config(make_hf_config("phi3"))
     assert phi.head_dim == 96 and phi.sliding_window == 24 and not phi.mixed_windows
     q2 = ModelArch.from_hf_config(make_hf_config("qwen2_moe"))
