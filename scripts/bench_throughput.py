@@ -21,6 +21,7 @@ loops, matmuls, gathers/scatters, converts, the sampler, other) and host time be
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -96,6 +97,8 @@ def worker(args: argparse.Namespace) -> None:
             "out_tok_s": round(n_out / dt, 1), "total_tok_s": round((n_out + n_prompt) / dt, 1),
             "compiles_since_warmup": eng.compiles_since_warmup,
             "first_ids": [list(o.outputs[0].token_ids[:8]) for o in outs[:2]],
+            "out_ids_sha1": hashlib.sha1(json.dumps(  # greedy output across --tensor-parallel-size
+                [o.outputs[0].token_ids for o in outs]).encode()).hexdigest(),
             "bucket_rates": bucket_rates(eng),
             **eng.trace.summary()}), flush=True)
     if args.profile:
@@ -165,6 +168,7 @@ def summarise(name: str, r: dict) -> dict:
         "measured_gflops": r["ready"].get("measured_gflops"),
         "profile": r.get("profile"),
         "bucket_rates": res[-1].get("bucket_rates"),
+        "out_ids_sha1": res[-1].get("out_ids_sha1"),
     }
 
 
@@ -190,25 +194,33 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for logs and JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--tensor-parallel-size", default="1",
+                   help="comma list, e.g. 1,3: one run each (on CPU: as many forced host devices)")
     args = p.parse_args()
     if args.worker:
         return worker(args)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     rows = []
-    for dtype in args.dtypes.split(","):
+    tps = [int(t) for t in args.tensor_parallel_size.split(",")]
+    devices = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                             f"device_count={max(tps)}").strip()} if max(tps) > 1 else {}
+    for dtype, tp in [(d, t) for d in args.dtypes.split(",") for t in tps]:
         for planner in (args.planners.split(",") if args.planners else [None]):
             kw = json.loads(args.engine_kwargs)
             if planner:
                 kw["planner"] = planner
+            if tp > 1:
+                kw["tensor_parallel_size"] = tp
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--dtype", dtype,
                    "--workload", args.workload, "--passes", str(args.passes), "--config",
                    args.config, "--engine-kwargs", json.dumps(kw),
                    "--profile-steps", str(args.profile_steps)] + \
                 (["--profile"] if args.profile else [])
-            name = f"jaxbatch {dtype}" + (f" {planner}" if planner else "")
+            name = f"jaxbatch {dtype}" + (f" {planner}" if planner else "") + \
+                (f" tp={tp}" if len(tps) > 1 else "")
             log = os.path.join(args.out, name.replace(" ", "-") + ".log") if args.out else None
-            rows.append(summarise(name, run_child(cmd, {}, log)))
+            rows.append(summarise(name, run_child(cmd, devices, log)))
     if args.peer:
         for dtype in args.peer_dtypes.split(","):
             model = args.peer_model
@@ -240,6 +252,13 @@ def main() -> None:
                 f"{k} {v:.1%}" for k, v in r["profile"]["share"].items()))
     ours = [r for r in rows if r["engine"].startswith("jaxbatch")]
     peers = [r for r in rows if r["engine"].startswith("vllm")]
+    if len(tps) > 1:  # tensor parallel runs: same greedy tokens as the first, and the speed
+        for dtype in args.dtypes.split(","):
+            runs = [r for r in ours if r["engine"].startswith(f"jaxbatch {dtype} ")]
+            for other in runs[1:]:
+                print(f"{other['engine']}: greedy output identical to {runs[0]['engine']}: "
+                      f"{other['out_ids_sha1'] == runs[0]['out_ids_sha1']}; steady wall "
+                      f"{other['steady_wall_s'] / runs[0]['steady_wall_s']:.2f}x")
     if args.planners and len(args.planners.split(",")) > 1:
         for dtype in args.dtypes.split(","):
             base = [r for r in ours if r["engine"].startswith(f"jaxbatch {dtype} ")]
