@@ -160,9 +160,9 @@ def _run(args: argparse.Namespace, config: EngineConfig, engine: EngineClient | 
     from jaxbatch.batch.job import BatchJob
 
     if engine is None:
-        from jaxbatch.engine.engine import Engine
+        from jaxbatch.engine.replicas import build_engine
 
-        engine = Engine.from_config(config)
+        engine = build_engine(config)  # data_parallel_size > 1: a ReplicaRouter
     names = args.served_model_name or [engine.config.model.model]
     max_in_flight = args.max_in_flight or 4 * engine.config.scheduler.max_num_seqs
     job = BatchJob(engine, writer, served_models=names, ordered=args.ordered,
