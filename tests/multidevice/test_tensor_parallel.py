@@ -34,15 +34,18 @@ def greedy(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def single_device(tiny_models):
-    """kind -> the single-device engine's greedy tokens (and HF's, which they must equal)."""
+    """kind -> the greedy tokens a single-device engine gives: HF's, which the single-device
+    engine equals (checked here on llama_gqa, the model of the tp 2 / 4 and DP cases; on every
+    architecture in tests/engine/test_engine_exact.py)."""
     cache: dict[str, list[list[int]]] = {}
 
     def get(kind: str) -> list[list[int]]:
         if kind not in cache:
             path, hf = tiny_models(kind)
             ps = prompts()
-            cache[kind] = greedy(LLM(path, **ENGINE), ps)
-            assert cache[kind] == [hf_greedy(hf, p, MAX_TOKENS) for p in ps]
+            cache[kind] = [hf_greedy(hf, p, MAX_TOKENS) for p in ps]
+            if kind == "llama_gqa":
+                assert greedy(LLM(path, **ENGINE), ps) == cache[kind]
         return cache[kind]
 
     return get
