@@ -15,6 +15,7 @@ every XLA:CPU op also slows the steps several-fold); it needs one extra compile 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -37,7 +38,9 @@ def profile_engine(engine: Any, prompts: list, params: list, steps: int = 30,
 
     def recording_execute(host, bucket):
         nonlocal device_s
-        recorded.append((jax.tree.map(np.copy, host), bucket))
+        # replayed through the step and the plain sampler (logits adjustments left out)
+        plain = dataclasses.replace(host, sampling=dataclasses.replace(host.sampling, adjust=None))
+        recorded.append((jax.tree.map(np.copy, plain), bucket))
         t = time.perf_counter()
         out = execute(host, bucket)
         device_s += time.perf_counter() - t
@@ -79,13 +82,14 @@ def profile_engine(engine: Any, prompts: list, params: list, steps: int = 30,
         inputs = jax.device_put(host)
         for which, exe in enumerate(variants[bucket]):
             t = time.perf_counter()
-            scratch, logits = exe(runner.params, scratch, inputs)
+            scratch, logits, _ = exe(runner.params, scratch, inputs)
             jax.block_until_ready(logits)
             dt = time.perf_counter() - t
             if which == 0:
                 full_s += dt
                 t = time.perf_counter()
-                jax.block_until_ready(runner.samplers[bucket.num_seqs](logits, inputs.sampling))
+                jax.block_until_ready(runner.samplers[bucket.num_seqs, False](
+                    logits, inputs.sampling, logits))
                 sampler_s += time.perf_counter() - t
             else:
                 rest_s += dt

@@ -3,9 +3,9 @@
 `step_fn(params, kv_cache, inputs)` is a plain function: model forward over the flattened tokens
 and the logits of the S rows that sample. It is lowered and compiled ahead of time for every
 bucket at warm-up and kept in a dict keyed by the bucket, so an unplanned shape is a loud
-KeyError rather than a silent recompile. The sampler is compiled separately per S, in two input
-shapes: plain, and with LogitsAdjustments (logit_bias, penalties, long ban lists; see sampler.py)
-for the steps that have such a row.
+KeyError rather than a silent recompile. The sampler is compiled separately per S, and with it
+a small executable that adjusts the logits (logit_bias, penalties, long ban lists; see
+sampler.py), run before the sampler only in steps that have such a row.
 
 The runner owns the KV cache, so it also decides its dtype and its size in pages. The cache
 holds K/V in `kv_cache_dtype` (auto: the compute dtype, i.e. the weights' dtype); on XLA:CPU a
@@ -29,7 +29,7 @@ from jaxbatch.config import CacheConfig
 from jaxbatch.core.sampling_params import MAX_LOGPROBS
 from jaxbatch.engine import sharding
 from jaxbatch.engine.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs_fn
-from jaxbatch.engine.sampler import SamplerOutput, sample
+from jaxbatch.engine.sampler import SamplerOutput, adjust_logits, sample
 from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
 from jaxbatch.model import llama
 from jaxbatch.model.arch import ModelArch
@@ -115,6 +115,7 @@ class Runner:
             # separating it from the step halves the per-bucket compile time (sorting and RNG
             # compile slowly).
             self._sample_jitted = jax.jit(sample)
+            self._adjust_jitted = jax.jit(adjust_logits)
         else:
             pl = self.placement
             cache_s = {"k": pl.cache, "v": pl.cache}
@@ -124,11 +125,14 @@ class Runner:
                                    out_shardings=(cache_s, pl.replicated, pl.replicated))
             self._sample_jitted = jax.jit(sample, in_shardings=pl.replicated,
                                           out_shardings=pl.replicated)
+            self._adjust_jitted = jax.jit(adjust_logits, in_shardings=pl.replicated,
+                                          out_shardings=pl.replicated)
         # multi-host: on process 0, a multihost.Leader (set by the engine) that announces every
         # device operation to the other processes before it runs
         self.leader: Any = None
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
-        # (S, adjusted): the sampler for S rows, plain or with LogitsAdjustments
+        # (S, False): the sampler for S rows (logits, sampling inputs, raw logits); (S, True):
+        # adjust_logits for S rows, run before it in steps with LogitsAdjustments (sampler.py)
         self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._page_copy: jax.stages.Compiled | None = None  # compiled with the buckets
         self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
@@ -200,10 +204,10 @@ class Runner:
             S, V = b.num_seqs, self.arch.vocab_size
             if (S, False) not in self.samplers and (S, False) not in samplers:
                 logits = jax.ShapeDtypeStruct((S, V), jnp.float32)
-                samplers[S, False] = self._sample_jitted.lower(logits, example.sampling).compile()
-                adjusted = dataclasses.replace(
-                    example.sampling, adjust=empty_adjustments(S, V, self.history_len))
-                samplers[S, True] = self._sample_jitted.lower(logits, adjusted).compile()
+                samplers[S, False] = self._sample_jitted.lower(
+                    logits, example.sampling, logits).compile()
+                samplers[S, True] = self._adjust_jitted.lower(
+                    logits, empty_adjustments(S, V, self.history_len)).compile()
         return steps, samplers
 
     def keep_only(self, buckets: set[Bucket]) -> None:
@@ -228,8 +232,9 @@ class Runner:
         step_inputs = inputs if inputs.sampling.adjust is None else dataclasses.replace(
             inputs, sampling=dataclasses.replace(inputs.sampling, adjust=None))
         self.kv_cache, logits, self._hidden = exe(self.params, self.kv_cache, step_inputs)
-        sampler = self.samplers[bucket.num_seqs, host.sampling.adjust is not None]
-        return jax.device_get(sampler(logits, inputs.sampling))
+        S, adjust = bucket.num_seqs, inputs.sampling.adjust
+        adjusted = logits if adjust is None else self.samplers[S, True](logits, adjust)
+        return jax.device_get(self.samplers[S, False](adjusted, step_inputs.sampling, logits))
 
     def _compile_prompt_logprobs(self) -> jax.stages.Compiled:
         """params, hidden [P, H], targets i32[P] -> PromptLogprobsOutput, P = PROMPT_LOGPROBS_ROWS

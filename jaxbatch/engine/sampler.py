@@ -11,10 +11,11 @@ logit_bias; repetition, frequency and presence penalties; greedy argmax; tempera
 top-k then top-p on what top-k kept (renormalised), as HF's TopKLogitsWarper then
 TopPLogitsWarper; a draw. Ties at the k-th value are all kept (HF's and vLLM's `< k-th` mask).
 
-Two input shapes per sequence count S (both compiled at warm-up, see runner.py): the plain one,
-shipped every step, and one with `LogitsAdjustments` (dense [S, V] bias and [S, L] token
-history), used only for steps where some row has logit_bias, a penalty or more ids to ban than
-the plain `banned` width. A batch that uses none of them never ships or computes them.
+`LogitsAdjustments` (a dense [S, V] bias and an [S, L] token history) come only with steps where
+some row has logit_bias, a penalty or more ids to ban than the plain `banned` width: the runner
+then runs `adjust_logits` (its own small executable per S) before the one sampler, which takes
+the raw logits too for logprobs. A batch that uses none of them never ships or computes them,
+and the sampler (slow to compile: sorting, RNG) is compiled once per S, not twice.
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     lse_k = jnp.where(top_k > 0, jax.nn.logsumexp(
         jnp.where(cand >= kth[:, None], cand, _NEG_INF), axis=-1), lse_all)
     cand_mass = jnp.exp(jax.nn.logsumexp(cand, axis=-1) - lse_k)
-    ties_beyond = (top_k > 0) & (cand[:, -1] >= kth)  # the k-th value may go on past _CAND
+    # the k-th value may go on past _CAND. (cand.min, not cand[:, -1]: slicing top_k's output
+    # made XLA:CPU lower top_k as a full sort of the vocabulary, hoisted out of the cond: 10x)
+    ties_beyond = (top_k > 0) & (cand.min(-1) >= kth)
     beyond = (top_k > _CAND) | ties_beyond | ((top_p < 1.0) & (cand_mass < top_p))
     return jax.lax.cond(
         jnp.any(beyond),
@@ -137,7 +140,9 @@ def _penalties(logits: jax.Array, a: LogitsAdjustments) -> jax.Array:
         a.presence[:, None] * (counts > 0).astype(jnp.float32)
 
 
-def _adjust(logits: jax.Array, a: LogitsAdjustments) -> jax.Array:
+def adjust_logits(logits: jax.Array, a: LogitsAdjustments) -> jax.Array:
+    """logits f32[S, V] -> with logit_bias (and bans beyond the plain width) added, then the
+    penalties (behind lax.cond: a step with logit_bias only skips them)."""
     logits = logits + a.bias
     any_penalty = jnp.any((a.repetition != 1.0) | (a.frequency != 0.0) | (a.presence != 0.0))
     return jax.lax.cond(any_penalty, lambda x: _penalties(x, a), lambda x: x, logits)
@@ -156,15 +161,18 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array | np.ndarray) -> j
     return jax.lax.cond(jnp.any(bitmask != -1), mask, lambda x: x, logits)
 
 
-def sample(logits: jax.Array, s: SamplingInputs) -> SamplerOutput:
-    """logits f32[S, V] -> chosen ids and logprobs."""
+def sample(logits: jax.Array, s: SamplingInputs, raw: jax.Array | None = None) -> SamplerOutput:
+    """logits f32[S, V] -> chosen ids and logprobs; `raw` f32[S, V]: the model's logits, for the
+    logprobs (default: `logits`). With s.adjust, as the runner composes it: adjust_logits, then
+    the plain sampler on the adjusted logits."""
+    if s.adjust is not None:
+        return sample(adjust_logits(logits, s.adjust), dataclasses.replace(s, adjust=None),
+                      logits if raw is None else raw)
     S, V = logits.shape
-    raw = logits
+    raw = logits if raw is None else raw
     rows = jnp.arange(S)[:, None]
     banned_idx = jnp.where(s.banned >= 0, s.banned, V)  # V is out of range: dropped
     logits = logits.at[rows, banned_idx].set(_NEG_INF, mode="drop")
-    if s.adjust is not None:  # static: the pytree's shape chooses the compiled variant
-        logits = _adjust(logits, s.adjust)
     if s.token_bitmask is not None:  # structured output: before greedy and the draw
         logits = apply_token_bitmask(logits, s.token_bitmask)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)

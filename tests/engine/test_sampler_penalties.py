@@ -15,7 +15,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from jaxbatch.core.request import Request
 from jaxbatch.core.sampling_params import MAX_BANNED_IDS, SamplingParams
 from jaxbatch.core.scheduler import ScheduledSeq
-from jaxbatch.engine.sampler import _adjust, sample
+from jaxbatch.engine.sampler import adjust_logits, sample
 from jaxbatch.engine.step_inputs import build_step_inputs
 from jaxbatch.planner import Bucket
 
@@ -65,7 +65,7 @@ def test_penalties_and_logit_bias_match_hf_and_openai_formula():
     inputs = build(rows)
     assert inputs.sampling.adjust is not None
     logits = rs.randn(8, V).astype(np.float32) * 4
-    got = np.asarray(jax.jit(_adjust)(jnp.asarray(logits), inputs.sampling.adjust))
+    got = np.asarray(jax.jit(adjust_logits)(jnp.asarray(logits), inputs.sampling.adjust))
     for i, s in enumerate(rows):
         np.testing.assert_allclose(got[i], oracle(logits[i], s), rtol=1e-5, atol=1e-4,
                                    err_msg=str(i))
