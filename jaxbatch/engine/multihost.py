@@ -230,7 +230,7 @@ def check_config(config: EngineConfig) -> None:
         raise ValueError(f"multi-host serving shards the model over all {jax.device_count()} "
                          f"devices of the {jax.process_count()} processes: "
                          f"tensor_parallel_size must be {jax.device_count()}")
-    if getattr(config.runner, "live_replan", False):
+    if config.planner.live_replan:
         raise ValueError("live re-planning compiles new buckets on the leader alone; it is "
                          "off for multi-host serving")
 

@@ -95,3 +95,14 @@ def test_compile_guard_still_sees_the_stepping_thread(tiny, tmp_path):
     release.set()
     t.join()
     assert after == before + 1
+
+
+def test_multi_host_refuses_live_replan():
+    """Followers run the leader's buckets: a set swapped in on the leader alone would break them."""
+    from jaxbatch.config import config_from_sources
+    from jaxbatch.engine import multihost
+
+    config = config_from_sources(None, model="x", dtype="float32", live_replan=True)
+    with pytest.raises(ValueError, match="live re-planning"):
+        multihost.check_config(config)
+    multihost.check_config(config_from_sources(None, model="x", dtype="float32"))
