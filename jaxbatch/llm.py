@@ -97,4 +97,7 @@ def _merge(request_id: str, choices: list[RequestOutput]) -> RequestOutput:
         [c.outputs[0] for c in choices], True,
         RequestMetrics(first.metrics.arrival_time, min(times, default=None),
                        max(ends, default=None)),
-        error=next((c.error for c in choices if c.error is not None), None))
+        error=next((c.error for c in choices if c.error is not None), None),
+        # the prompt is the same for every choice: its logprobs are any choice's that has them
+        prompt_logprobs=next((c.prompt_logprobs for c in choices
+                              if c.prompt_logprobs is not None), None))

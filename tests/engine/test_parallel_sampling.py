@@ -61,6 +61,21 @@ def test_greedy_choices_are_identical_and_exact(tiny, llm16, prompt_len):
     check_idle(llm16)
 
 
+def test_prompt_logprobs_with_n_choices(llm16):
+    """The merged n-choice output carries the prompt's logprobs, equal to those of n=1."""
+    prompt = {"prompt_token_ids": rand_ids(20, seed=5)}
+    one, two = (llm16.generate([prompt], SamplingParams(
+        n=n, temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2), use_tqdm=False)[0]
+        for n in (1, 2))
+    assert len(two.outputs) == 2 and one.prompt_logprobs is not None
+    assert two.prompt_logprobs is not None and len(two.prompt_logprobs) == 20
+    assert two.prompt_logprobs[0] is None
+    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+    check_idle(llm16)
+
+
 def test_the_prompt_is_computed_once(tiny, llm16):
     """n=4 computes the prompt's first P-1 tokens once and each choice's last prompt token and
     outputs: (P-1) + 4 * M tokens, against 4 * (P + M - 1) for four separate requests."""
