@@ -87,12 +87,13 @@ def rope_tables(arch: ModelArch, positions: jax.Array,
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, N, D]."""
+    """x [T, N, D]. In x's dtype, as HF does: the f32 tables rounded to x's dtype, each product
+    and the sum rounded (in bf16 bitwise HF's q/k; computing in f32 and rounding once differed
+    in a quarter of the values)."""
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    xf = x.astype(jnp.float32)
-    out = xf * cos[:, None, :] + rot.astype(jnp.float32) * sin[:, None, :]
-    return out.astype(x.dtype)
+    c, s = cos.astype(x.dtype), sin.astype(x.dtype)
+    return x * c[:, None, :] + rot * s[:, None, :]
 
 
 def store_bf16_as_bits(params: Params) -> Params:
@@ -143,7 +144,10 @@ def mlp(h: jax.Array, lp: Params, arch: ModelArch) -> jax.Array:
     act = ACTIVATIONS[arch.hidden_act]
 
     def dense() -> jax.Array:
-        return _mm(act(_mm(h, lp["w_gate"])) * _mm(h, lp["w_up"]), lp["w_down"])
+        # the activation in f32, rounded once, as torch's bf16 kernels do (bf16 silu differed
+        # from HF's in 40% of the values)
+        g = _mm(h, lp["w_gate"])
+        return _mm(act(g.astype(jnp.float32)).astype(g.dtype) * _mm(h, lp["w_up"]), lp["w_down"])
 
     if not arch.num_experts:
         return dense()
@@ -254,6 +258,9 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
         w = values(params["embed"]).astype(hidden.dtype)
         logits = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
+    # rounded to the compute dtype, as HF's bf16 head returns them (and vLLM's): greedy then
+    # breaks bf16 ties by the lowest token id as torch's argmax does; a no-op in f32
+    logits = logits.astype(hidden.dtype).astype(jnp.float32)
     if arch.final_soft_cap is not None:
         cap = float(arch.final_soft_cap)
         logits = cap * jnp.tanh(logits / cap)

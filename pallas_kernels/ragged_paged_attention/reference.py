@@ -27,12 +27,16 @@ Why this shape of computation (T tokens, S sequences, K = longest history):
     blocks of `q_block` rows and only the causally visible KV blocks, so the work is
     ~ sum_s q_len_s * kv_len_s, rounded up to blocks, and each KV block is gathered once per query
     block rather than once per token.
-  * Softmax is online (flash-style) in float32. With `nan_safe` (the default) masked keys are also
+  * Softmax is online (flash-style) in float32; in bf16 the probabilities are taken against each
+    row's true max where it is known (see the prefill and decode loops), as torch's CPU flash
+    attention does, so they round to bf16 the same way. With `nan_safe` (the default) masked keys are also
     zeroed on the value side, so NaN garbage in unused pages can never reach a real row; the
     engine, whose cache only holds finite values, turns it off to save a pass over each block.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -146,20 +150,22 @@ def ragged_paged_attention_reference(
         s = jnp.einsum("cnm,cem->cen", k.reshape(chunk, bk, Hkv * D), q_bd[row],
                        preferred_element_type=f32).reshape(chunk, Hkv, G, bk)
         s = jnp.where(mask[:, None, None, :], _scale(s, sm_scale, soft_cap), _NEG)
-        m_i = s.max(-1)  # [C, Hkv, G]
-        p = jnp.exp(s - m_i[..., None])
+        tgt = jnp.where(ok, row, S)  # out-of-range target: dropped
+        # Probabilities against the row's running max over every item so far, this chunk's
+        # included (not each block's own max): a row whose blocks all fall in one iteration gets
+        # exp(s - its true max), rounded to bf16 for the PV product exactly as torch's CPU flash
+        # attention rounds them (its KV split is 512 keys): bf16 decode rounds where HF's does.
+        m_new = m.at[tgt].max(s.max(-1), mode="drop")  # [S, Hkv, G]
+        p = jnp.exp(s - m_new[row][..., None])
         if nan_safe:  # masked keys may sit in NaN-filled pages: keep 0 * NaN out of the sum
             v = jnp.where(mask[:, :, None, None], v, 0)
         l_i = p.sum(-1)
         o_all = jnp.einsum("cen,cnm->cem", p.reshape(chunk, Hkv * G, bk).astype(v.dtype),
                            v.reshape(chunk, bk, Hkv * D), preferred_element_type=f32)
         acc_i = (o_all.reshape(chunk, Hkv, G, Hkv, D) * head_eye).sum(3)  # keep h == h'
-        tgt = jnp.where(ok, row, S)  # out-of-range target: dropped
-        m_new = m.at[tgt].max(m_i, mode="drop")
         scale_old = jnp.exp(m - m_new)
-        w = jnp.exp(m_i - m_new[row])
-        l = (l * scale_old).at[tgt].add(l_i * w, mode="drop")
-        acc = (acc * scale_old[..., None]).at[tgt].add(acc_i * w[..., None], mode="drop")
+        l = (l * scale_old).at[tgt].add(l_i, mode="drop")
+        acc = (acc * scale_old[..., None]).at[tgt].add(acc_i, mode="drop")
         return m_new, l, acc
 
     init = (
@@ -171,6 +177,11 @@ def ragged_paged_attention_reference(
     out_dec = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(S, Hq, D).astype(out_dtype)
 
     # ---- prefill rows: per real prefill sequence, per query block, causal KV blocks --------
+    # In bf16 each row's max comes first (one more pass over K): exp(s - max) is then rounded to
+    # bf16 for the PV product exactly as torch's CPU flash attention rounds it (one KV split up
+    # to 512 keys), rather than against a running max; that rounding made a tenth of HF's bf16
+    # attention outputs differ. f32 keeps the one-pass online form.
+    exact_max = jnp.dtype(q.dtype) == jnp.bfloat16
     is_pre = q_lens > 1
     n_pre = is_pre.sum()
     pre_ids = jnp.nonzero(is_pre, size=S, fill_value=0)[0]
@@ -183,6 +194,17 @@ def ragged_paged_attention_reference(
         start, ql, kl = cu_q_lens[s_id], q_lens[s_id], kv_lens[s_id]
         ctx = kl - ql
         seq_pages = jax.lax.dynamic_slice(pages, (s_id, 0), (1, w_pad))  # [1, w_pad]
+
+        def max_body(qblk, qpos, j, m):
+            """The running row max over KV block j (scores as kv_body computes them)."""
+            k, _ = _gather_block(seq_pages, k_pages, v_pages, j, ppb)
+            kpos = j * bk + jnp.arange(bk)
+            mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kl)
+            if sliding_window is not None:
+                mask &= kpos[None, :] > (qpos[:, None] - sliding_window)
+            s = jnp.einsum("qhgd,nhd->hgqn", qblk, k[0], preferred_element_type=f32)
+            s = jnp.where(mask[None, None], _scale(s, sm_scale, soft_cap), _NEG)
+            return jnp.maximum(m, s.max(-1))
 
         def qblock_body(b, out):
             row0 = start + b * qb
@@ -213,12 +235,12 @@ def ragged_paged_attention_reference(
                 )
                 return m, l, acc
 
-            init = (
-                jnp.full((Hkv, G, qb), _NEG, f32),
-                jnp.zeros((Hkv, G, qb), f32),
-                jnp.zeros((Hkv, G, qb, D), f32),
-            )
-            m, l, acc = jax.lax.fori_loop(lo, (hi + bk - 1) // bk, kv_body, init)
+            n_kv = (hi + bk - 1) // bk
+            m0 = jnp.full((Hkv, G, qb), _NEG, f32)
+            if exact_max:  # a first pass for each row's max: the online update then never rescales
+                m0 = jax.lax.fori_loop(lo, n_kv, functools.partial(max_body, qblk, qpos), m0)
+            init = (m0, jnp.zeros((Hkv, G, qb), f32), jnp.zeros((Hkv, G, qb, D), f32))
+            m, l, acc = jax.lax.fori_loop(lo, n_kv, kv_body, init)
             res = acc / jnp.maximum(l, 1e-30)[..., None]  # [Hkv, G, qb, D]
             res = res.transpose(2, 0, 1, 3).reshape(qb, Hq, D).astype(out_dtype)
             old = jax.lax.dynamic_slice(out, (row0, 0, 0), (qb, Hq, D))
