@@ -127,8 +127,8 @@ def print_table(out: dict[str, Any]) -> None:
 
 def print_predictions(p: dict[str, Any]) -> None:
     """Predicted vs measured step times of the trace (planner/step_time.py)."""
-    print("\nstep times, predicted vs measured (model: time = per-bucket intercept + context "
-          "tokens + attention pairs)")
+    print("\nstep times, predicted vs measured (planner/step_time.py: bucket a + b*T + c*S, "
+          "real rows, context tokens, prefill pairs)")
     ins = p["in_sample"]
     print(f"  {ins['model']}")
     head = f"  {'bucket':>10}{'steps':>7}{'predicted':>12}{'measured':>11}{'error':>9}"

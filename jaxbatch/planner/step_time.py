@@ -1,26 +1,28 @@
 """A step-time model fitted on executed steps (host only: numpy, never jax).
 
 The planner's bucket costs c(T, S) price what the *bucket* fixes: the matmuls over T padded
-tokens, the logits and sampler over S rows, the dispatch. What a step costs beyond its bucket is
-attention over the KV cache, which depends on the rows' context lengths, not on the padding: a
-64-row decode step at 200 tokens of context each costs twice one at 50 (measured on SmolLM2,
-XLA:CPU). A model of c(T, S) alone (what warm-up calibration measures, on all-padding steps with
-no context) therefore predicted bench64 at 5.5 s when it ran 40 s. This one is
+tokens, the logits and sampler over S rows, the dispatch. A step also costs what its real rows
+do whatever the padding: attention over their KV cache (a 64-row decode step at 200 tokens of
+context each costs about twice one at 50 on SmolLM2, XLA:CPU) and per-row work. A model of
+c(T, S) alone (what warm-up calibration measures, on all-padding steps with no context)
+predicted bench64 at 5.5 s when it ran 40 s. This one is
 
-    seconds(step) = fixed(bucket) + per_kv_token * kv_tokens + per_prefill_pair * prefill_pairs
+    seconds(step) = a + b*T + c*S                     the bucket (T tokens x S rows, padded)
+                  + per_row * seqs                    real rows (decode attention's work list)
+                  + per_kv_token * kv_tokens          context tokens the rows read
+                  + per_prefill_pair * prefill_pairs  prefill attention's (query, key) pairs
 
-  fixed(bucket)   one intercept per bucket seen in the records; for a bucket never seen, an
-                  affine NNLS fit a + b*T + c*S of those intercepts (AffineCost.fit)
-  kv_tokens       sum over rows of the KV length (decode attention streams that many keys/values)
-  prefill_pairs   (query, key) pairs of the prefill chunks (prefill attention's quadratic work)
+fitted jointly by non-negative least squares on StepRecords with measured times (the engine's
+trace, `StepTrace`), robustly: refitted without the steps whose residual is beyond 4x the median
+absolute residual (a step that waited on a busy machine is not the step's cost). For predicting
+a recorded trace each bucket seen also keeps its median residual (`fixed`), which absorbs what
+the affine form misses for that executable.
 
-fitted by non-negative least squares on StepRecords with measured times (the engine's trace,
-`StepTrace`), robustly: the fit is repeated without the steps whose residual is beyond 4x the
-median absolute residual (a step that waited on a busy machine is not the step's cost).
-
-For choosing buckets only `fixed` matters (the attention terms are the same whichever bucket a
-step pads to: padding rows have no context), so `bucket_cost()` hands the planner a TableCost of
-the intercepts; the attention terms make the *predicted time* of a trace or a workload right.
+For choosing buckets only the bucket terms matter (the others are the same whichever bucket a
+step pads to: padding rows have no context), so `bucket_cost()` hands the planner the affine
+a + b*T + c*S, monotone as the DP needs and fitted on real steps of several buckets at once
+(per-bucket intercepts extrapolated poorly: an intercept soaks up the attention of the steps
+that happened to run in its bucket).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from jaxbatch.planner.buckets import Bucket
-from jaxbatch.planner.cost import AffineCost, TableCost
+from jaxbatch.planner.cost import AffineCost
 from jaxbatch.planner.trace import StepRecord
 
 _OUTLIER = 4.0  # residuals beyond this many median absolute residuals are dropped, then refit
@@ -41,49 +43,49 @@ _OUTLIER = 4.0  # residuals beyond this many median absolute residuals are dropp
 
 @dataclasses.dataclass(frozen=True)
 class StepTimeModel:
-    fixed_s: dict[Bucket, float]  # intercept of each bucket seen in the fit
-    body: AffineCost  # intercepts of unseen buckets: a + b*T + c*S fitted to fixed_s
+    body: AffineCost  # a + b*T + c*S of the bucket
+    per_row_s: float
     per_kv_token_s: float
     per_prefill_pair_s: float
+    residual_s: dict[Bucket, float]  # median residual of each bucket seen in the fit
     num_steps: int  # steps the fit used (after dropping outliers)
     num_dropped: int
 
     def fixed(self, bucket: tuple[int, int]) -> float:
+        """The bucket's part of a step's seconds (with its residual when it was seen)."""
         b = Bucket(int(bucket[0]), int(bucket[1]))
-        v = self.fixed_s.get(b)
-        return float(self.body(b.num_tokens, b.num_seqs)) if v is None else v
+        return float(self.body(b.num_tokens, b.num_seqs)) + self.residual_s.get(b, 0.0)
+
+    def work(self, rec: StepRecord) -> float:
+        """The part of a step's seconds that its real rows fix, whatever its bucket."""
+        return (self.per_row_s * rec.seqs + self.per_kv_token_s * rec.kv_tokens
+                + self.per_prefill_pair_s * rec.prefill_pairs)
 
     def predict(self, rec: StepRecord) -> float:
         """Seconds of one recorded (or simulated) step; its bucket must be set."""
         assert rec.bucket is not None, "a step's time needs its bucket"
-        return (self.fixed(rec.bucket) + self.per_kv_token_s * rec.kv_tokens
-                + self.per_prefill_pair_s * rec.prefill_pairs)
+        return self.fixed(rec.bucket) + self.work(rec)
 
-    def bucket_cost(self) -> TableCost:
+    def bucket_cost(self) -> AffineCost:
         """The part of a step's cost that the bucket choice changes (see the module doc)."""
-        table = {(b.num_tokens, b.num_seqs): v for b, v in self.fixed_s.items()}
-        return TableCost(table, self.body, name="fitted on executed steps")
+        return dataclasses.replace(self.body, name="fitted on executed steps")
 
     def describe(self) -> str:
+        b = self.body
         return (f"fitted on {self.num_steps} executed steps ({self.num_dropped} outliers "
-                f"dropped): per bucket {len(self.fixed_s)} intercepts, "
-                f"{self.per_kv_token_s * 1e6:.3f} us per context token, "
-                f"{self.per_prefill_pair_s * 1e9:.3f} ns per (query, key) pair; unseen buckets: "
-                f"{self.body.describe()}")
+                f"dropped): {b.overhead_s * 1e3:.2f} ms/step + {b.per_token_s * 1e6:.1f} us per "
+                f"bucket token + {b.per_seq_s * 1e6:.1f} us per bucket row; "
+                f"{self.per_row_s * 1e6:.1f} us per real row, {self.per_kv_token_s * 1e6:.3f} us "
+                f"per context token, {self.per_prefill_pair_s * 1e9:.2f} ns per prefill "
+                f"(query, key) pair")
 
     @classmethod
     def fit(cls, records: Sequence[StepRecord]) -> StepTimeModel:
         rows = [r for r in records if r.measured_s is not None and r.bucket is not None]
         if not rows:
             raise ValueError("no executed steps with measured times to fit")
-        buckets = sorted({r.bucket for r in rows if r.bucket is not None})
-        col = {b: i for i, b in enumerate(buckets)}
-        X = np.zeros((len(rows), len(buckets) + 2))
-        for i, r in enumerate(rows):
-            assert r.bucket is not None
-            X[i, col[r.bucket]] = 1.0
-        X[:, -2] = [r.kv_tokens for r in rows]
-        X[:, -1] = [r.prefill_pairs for r in rows]
+        X = np.array([[1.0, r.bucket.num_tokens, r.bucket.num_seqs, r.seqs, r.kv_tokens,
+                       r.prefill_pairs] for r in rows if r.bucket is not None], np.float64)
         y = np.array([r.measured_s for r in rows], np.float64)
         # columns scaled to unit norm: nnls is then well conditioned (prefill_pairs reaches 1e5+)
         scale = np.linalg.norm(X, axis=0)
@@ -99,10 +101,15 @@ class StepTimeModel:
             if (new_keep == keep).all():
                 break
             keep = new_keep
-        fixed = {b: float(coef[col[b]]) for b in buckets}
-        body = AffineCost.fit(list(fixed), list(fixed.values()), name="affine over buckets")
-        return cls(fixed, body, float(coef[-2]), float(coef[-1]), int(keep.sum()),
-                   int((~keep).sum()))
+        signed = y - X @ coef
+        by_bucket: dict[Bucket, list[float]] = {}
+        for r, e, k in zip(rows, signed, keep):
+            if k and r.bucket is not None:
+                by_bucket.setdefault(r.bucket, []).append(float(e))
+        residual = {b: float(np.median(v)) for b, v in by_bucket.items()}
+        body = AffineCost(float(coef[0]), float(coef[1]), float(coef[2]), name="fitted")
+        return cls(body, float(coef[3]), float(coef[4]), float(coef[5]), residual,
+                   int(keep.sum()), int((~keep).sum()))
 
 
 def prediction_report(model: StepTimeModel, records: Sequence[StepRecord]) -> dict:

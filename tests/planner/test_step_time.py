@@ -11,10 +11,10 @@ from jaxbatch.planner.select import expected_cost, histogram
 from jaxbatch.planner.step_time import StepTimeModel, prediction_report
 from jaxbatch.planner.trace import StepRecord
 
-# a machine where a step costs 2 ms + 10 us per padded token + 3 us per context token
-# + 5 ns per prefill (query, key) pair
+# a machine where a step costs 2 ms + 10 us per padded token + 20 us per padded row, + 50 us per
+# real row + 3 us per context token + 5 ns per prefill (query, key) pair
 TRUE_FIXED = lambda T, S: 2e-3 + 1e-5 * T + 2e-5 * S  # noqa: E731
-PER_KV, PER_PAIR = 3e-6, 5e-9
+PER_ROW, PER_KV, PER_PAIR = 5e-5, 3e-6, 5e-9
 
 
 def synthetic_steps(n: int, buckets: list[Bucket], seed: int = 0, noise: float = 0.02,
@@ -26,7 +26,7 @@ def synthetic_steps(n: int, buckets: list[Bucket], seed: int = 0, noise: float =
         seqs = int(rng.integers(1, b.num_seqs + 1))
         kv = int(rng.integers(seqs, 300 * seqs))
         pairs = int(rng.integers(0, 200_000)) if i % 3 == 0 else 0
-        t = TRUE_FIXED(b.num_tokens, b.num_seqs) + PER_KV * kv + PER_PAIR * pairs
+        t = TRUE_FIXED(b.num_tokens, b.num_seqs) + PER_ROW * seqs + PER_KV * kv + PER_PAIR * pairs
         t *= 1 + noise * rng.standard_normal()
         if i < outliers:
             t *= 8  # a step that waited on a busy machine
@@ -43,11 +43,10 @@ def test_fit_recovers_the_coefficients_and_drops_outliers():
     m = StepTimeModel.fit(rows)
     assert m.per_kv_token_s == pytest.approx(PER_KV, rel=0.05)
     assert m.per_prefill_pair_s == pytest.approx(PER_PAIR, rel=0.1)
-    for b in BUCKETS:
-        assert m.fixed(b) == pytest.approx(TRUE_FIXED(*b), rel=0.1)
+    assert m.per_row_s == pytest.approx(PER_ROW, rel=0.3)
+    for b in BUCKETS + [Bucket(128, 64)]:  # the last one never executed
+        assert float(m.bucket_cost()(*b)) == pytest.approx(TRUE_FIXED(*b), rel=0.15)
     assert m.num_dropped >= 6
-    # a bucket never executed: the affine fit over the intercepts
-    assert m.fixed((128, 64)) == pytest.approx(TRUE_FIXED(128, 64), rel=0.15)
 
 
 def test_held_out_prediction_within_a_few_percent():
@@ -78,9 +77,12 @@ def test_replanner_proposes_buckets_for_the_traffic_it_sees():
     assert prop is not None and prop.gain >= 0.1
     assert Bucket(512, 64) in prop.buckets and len(prop.buckets) <= 4
     assert any(b.num_tokens <= 5 for b in prop.buckets)
-    cost = StepTimeModel.fit(executed).body
-    assert prop.new_cost_s == pytest.approx(expected_cost(prop.buckets, hist, cost))
-    assert prop.current_cost_s == pytest.approx(expected_cost(current, hist, cost))
+    model = StepTimeModel.fit(executed)
+    cost = model.bucket_cost()
+    # whole steps: the rows' own work (the same on either set) counts in both totals
+    work = 900 * np.mean([model.work(r) for r in executed])
+    assert prop.new_cost_s == pytest.approx(expected_cost(prop.buckets, hist, cost) + work)
+    assert prop.current_cost_s == pytest.approx(expected_cost(current, hist, cost) + work)
     # the proposed set is already in place: nothing to gain
     assert rp.propose(hist, prop.buckets, executed) is None
 
