@@ -18,6 +18,13 @@ output is [T, out] work. Times of that stack, medians of 7 (noisy: shared 2-vCPU
     M=1:   f32 47 ms, bf16 22, int8->f32 20, int8->bf16 21
     M=64:  f32 71 ms, bf16 26, int8->f32 63, int8->bf16 24
     M=512: f32 342 ms, bf16 78, int8->f32 337, int8->bf16 78
+In the whole SmolLM2 step it is another matter (interleaved decode steps, medians of 10, no
+attention, 2026-12-01): f32 -> f32+int8 44 -> 32 ms at 1 row, 307 -> 295 ms at 64; bf16 ->
+bf16+int8 66 -> 85 ms at 1 row, 164 -> 223 ms at 64 (quartiles overlap at 64). In the real
+step the bf16 dots read each layer's uint16 slice in place, so the int8 path's converted copy
+(2 bytes written and read back per weight) costs more than the byte it saves: with bf16
+compute, int8 is a memory-capacity feature on XLA:CPU until the convert happens inside the dot
+(a kernel of our own); with f32 compute it is also faster.
 A Q8_0 GGUF's own blocks (one scale per 32 inputs) are not kept: a per-block scale sits inside
 the dot's reduction and cannot be applied to the output, so the file is dequantised and
 re-quantised per output channel (the per-channel error is at most half a step of the column's
