@@ -20,11 +20,12 @@ output is [T, out] work. Times of that stack, medians of 7 (noisy: shared 2-vCPU
     M=512: f32 342 ms, bf16 78, int8->f32 337, int8->bf16 78
 In the whole SmolLM2 step it is another matter (interleaved decode steps, medians of 10, no
 attention, 2026-12-01): f32 -> f32+int8 44 -> 32 ms at 1 row, 307 -> 295 ms at 64; bf16 ->
-bf16+int8 66 -> 85 ms at 1 row, 164 -> 223 ms at 64 (quartiles overlap at 64). In the real
-step the bf16 dots read each layer's uint16 slice in place, so the int8 path's converted copy
-(2 bytes written and read back per weight) costs more than the byte it saves: with bf16
-compute, int8 is a memory-capacity feature on XLA:CPU until the convert happens inside the dot
-(a kernel of our own); with f32 compute it is also faster.
+bf16+int8 66 -> 85 ms at 1 row, 164 -> 223 ms at 64, but the lower quartiles are equal (63
+vs 63 ms, 160 vs 166 ms): no gain measured with bf16 compute. Both bf16 paths copy each layer's
+weights per step in the step's HLO (slice + bitcast, slice + convert), so the int8 path saves
+only the read of the stacked array, and the 2 bytes written and re-read per weight stay: with
+bf16 compute int8 is a memory-capacity feature on XLA:CPU until the convert happens inside the
+dot (a kernel of our own); with f32 compute it is also faster.
 A Q8_0 GGUF's own blocks (one scale per 32 inputs) are not kept: a per-block scale sits inside
 the dot's reduction and cannot be applied to the output, so the file is dequantised and
 re-quantised per output channel (the per-channel error is at most half a step of the column's
