@@ -132,11 +132,12 @@ def live_replan_setup(config: Any, cache_root: str) -> tuple[Any, BackgroundRepl
     if not pc.live_replan:
         return config, None
     sched = config.scheduler
+    # everything that changes a step's cost or shape: the whole model config (weights, dtype,
+    # quantization, ...), the cache's page size, the scheduler's limits, the devices, the budget
     key = hashlib.sha256(json.dumps({
-        "model": config.model.model, "dtype": config.model.dtype,
-        "max_model_len": config.model.max_model_len, "page_size": config.cache.page_size,
+        "model": dataclasses.asdict(config.model), "page_size": config.cache.page_size,
         "scheduler": dataclasses.asdict(sched), "max_shapes": pc.max_compiled_shapes,
-        "planner": pc.planner,
+        "planner": pc.planner, "tp": config.runner.tensor_parallel_size,
     }, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = saved_set_path(cache_root, key)
     saved = load_set(path)
