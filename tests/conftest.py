@@ -39,3 +39,20 @@ def tiny_chat_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_chat"))
     make_tiny_chat_model(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """kind -> (path, HF torch model): a tiny random-weight model of that kind
+    (tests/helpers/tiny_models.py), built once per session and shared read-only."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    models = {}
+
+    def get(kind: str):
+        if kind not in models:
+            path = str(tmp_path_factory.mktemp(kind))
+            models[kind] = (path, make_tiny_model(kind, path))
+        return models[kind]
+
+    return get

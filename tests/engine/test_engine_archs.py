@@ -16,20 +16,11 @@ import pytest
 from jaxbatch import LLM
 from tests.engine.test_engine_exact import ENGINE, check_exact, prompts_of
 from tests.helpers.smollm2 import torch_one_thread
-from tests.helpers.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    models = {}
-
-    def get(kind: str):
-        if kind not in models:
-            path = str(tmp_path_factory.mktemp(kind))
-            models[kind] = (path, make_tiny_model(kind, path))
-        return models[kind]
-
-    return get
+def tiny(tiny_models):
+    return tiny_models  # kind -> (path, HF model), shared by the session (tests/conftest.py)
 
 
 PROMPTS = [5, 70, 17, 33, 1, 90, 12]

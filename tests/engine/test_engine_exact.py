@@ -8,20 +8,11 @@ import pytest
 
 from jaxbatch import LLM, SamplingParams
 from tests.helpers.hf_reference import hf_greedy
-from tests.helpers.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    models = {}
-
-    def get(kind: str):
-        if kind not in models:
-            path = str(tmp_path_factory.mktemp(kind))
-            models[kind] = (path, make_tiny_model(kind, path))
-        return models[kind]
-
-    return get
+def tiny(tiny_models):
+    return tiny_models  # kind -> (path, HF model), shared by the session (tests/conftest.py)
 
 
 def prompts_of(lengths, seed=0, vocab=256):

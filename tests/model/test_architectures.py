@@ -26,22 +26,14 @@ from jaxbatch.model.loader import load_model
 from jaxbatch.model.weights import WeightLoadError
 from tests.helpers.prefill import prefill_logits
 from tests.helpers.smollm2 import torch_one_thread
-from tests.helpers.tiny_models import ARCH_KINDS, make_hf_config, make_tiny_model
+from tests.helpers.tiny_models import ARCH_KINDS, make_hf_config
 
 IDS = np.random.RandomState(0).randint(3, 256, size=29)  # longer than the 8-token windows
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    models = {}
-
-    def get(kind: str):
-        if kind not in models:
-            path = str(tmp_path_factory.mktemp(kind))
-            models[kind] = (path, make_tiny_model(kind, path))
-        return models[kind]
-
-    return get
+def tiny(tiny_models):
+    return tiny_models  # kind -> (path, HF model), shared by the session (tests/conftest.py)
 
 
 @pytest.mark.parametrize("kind", ARCH_KINDS)

@@ -20,19 +20,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "multidevice" in str(item.fspath):
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory):
-    """kind -> (path, HF torch model), built once per session."""
-    from tests.helpers.tiny_models import make_tiny_model
-
-    models = {}
-
-    def get(kind: str):
-        if kind not in models:
-            path = str(tmp_path_factory.mktemp(kind))
-            models[kind] = (path, make_tiny_model(kind, path))
-        return models[kind]
-
-    return get
