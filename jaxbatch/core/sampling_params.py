@@ -17,7 +17,6 @@ from typing import Any
 
 from jaxbatch.core.structured_outputs import StructuredOutputsParams, structured_outputs_from
 
-
 MAX_LOGPROBS = 20  # top-n logprobs are computed for a static n on device; requests ask for <= n
 MAX_N = 128  # choices per prompt (OpenAI's limit); each runs as its own sequence
 # While min_tokens is not reached, stop_token_ids and the model's EOS ids are banned. Up to
