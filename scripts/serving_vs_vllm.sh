@@ -1,0 +1,43 @@
+#!/bin/bash
+# Online serving, jaxbatch then `vllm serve` (bf16), one after the other on this machine:
+# scripts/bench_serving.py at Poisson rates $RATES (default 2 4 8) on bench64 and on the
+# shared-prefix chat workload (made by scripts/make_shared_prefix_workload.py when missing).
+#   PEERS=/path/to/peers bash scripts/serving_vs_vllm.sh        (PEERS: ../shared/peers/README.md)
+# Env: RATES, OUT (results folder), SKIP_OURS=1, SKIP_VLLM=1. jaxbatch runs the SmolLM2 preset
+# (live re-planning on; its learned bucket sets are cleared first so runs start alike).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/serving-$(date +%H%M)}
+mkdir -p "$OUT"
+W1=../shared/workloads/bench64.jsonl
+W2=$OUT/shared-prefix.jsonl
+[ -f "$W2" ] || .venv/bin/python scripts/make_shared_prefix_workload.py -o "$W2" > /dev/null
+RATES=${RATES:-"2 4 8"}
+wait_up() { for _ in $(seq 1 400); do curl -sf "$1/v1/models" > /dev/null && return 0; sleep 1; done; return 1; }
+run_set() { # name url
+  for w in "bench64:$W1" "shared:$W2"; do
+    for r in $RATES; do
+      .venv/bin/python scripts/bench_serving.py --base-url "$2" --workload "${w#*:}" \
+        --request-rate "$r" --json-out "$OUT/$1.jsonl" > "$OUT/$1-${w%%:*}-$r.txt" 2>&1
+      grep -E "tokens/s|TTFT|ITL|hit rate|re-plans|failed" "$OUT/$1-${w%%:*}-$r.txt" | sed "s/^/$1 ${w%%:*} $r: /"
+    done
+  done
+}
+if [ "${SKIP_OURS:-0}" = 0 ]; then
+  rm -rf "${JAXBATCH_CACHE:-$HOME/.cache/jaxbatch}/planner"
+  .venv/bin/jaxbatch serve --config configs/smollm2-cpu.yaml --port 8010 > "$OUT/jaxbatch-server.log" 2>&1 &
+  P=$!
+  wait_up http://127.0.0.1:8010 && run_set jaxbatch http://127.0.0.1:8010
+  kill -INT $P; wait $P
+  grep -i "re-plan" "$OUT/jaxbatch-server.log"
+fi
+if [ "${SKIP_VLLM:-0}" = 0 ]; then
+  # shellcheck disable=SC1091
+  source "$PEERS/env.sh"
+  "$PEERS/venv/bin/python" ../shared/peers/vllm_cli.py serve "$PEERS/smollm2-bf16" --host 127.0.0.1 \
+    --port 8011 --dtype bfloat16 --max-model-len 2048 > "$OUT/vllm-server.log" 2>&1 &
+  P=$!
+  wait_up http://127.0.0.1:8011 && run_set vllm http://127.0.0.1:8011
+  kill -INT $P; wait $P
+fi
+echo "results in $OUT"
