@@ -43,27 +43,16 @@ CHUNK = 500  # logits rows per call: [CHUNK, V] f32 at a time instead of [T, V]
 def engine_params(model: LoadedModel) -> dict:
     """The params as the runner holds them on CPU (bf16 as uint16 bits, a tied bf16 head as its
     own [H, V] copy)."""
-    params = model.params
-    if jax.default_backend() == "cpu":
-        if params["embed"].dtype == jnp.bfloat16 and model.arch.tie_word_embeddings:
-            params = llama.with_head(params)
-        params = llama.store_bf16_as_bits(params)
-    return params
+    return llama.as_run_on_cpu(model.params, model.arch)
 
 
 def token_nll(model: LoadedModel, ids: np.ndarray) -> np.ndarray:
     """-log p(ids[t] | ids[:t]) for t = 1..T-1, float64 [T-1]."""
     arch, params = model.arch, engine_params(model)
     T = len(ids)
-    n_pages = -(-T // PAGE) + 1  # page 0 is the dummy page
+    n_pages, attn = llama.one_sequence_inputs(T, PAGE)
     cache_dtype = kv_storage_dtype(model.params["embed"].dtype)
     cache = llama.init_kv_cache(arch, n_pages, PAGE, cache_dtype)
-    pages = np.arange(1, n_pages)
-    slots = pages[np.arange(T) // PAGE] * PAGE + np.arange(T) % PAGE
-    attn = llama.AttentionInputs(
-        jnp.asarray(slots, jnp.int32), jnp.asarray([T], jnp.int32),
-        jnp.asarray(pages[None], jnp.int32), jnp.asarray([0, T], jnp.int32),
-        jnp.asarray([1], jnp.int32))
     rpa = functools.partial(ragged_paged_attention_reference, nan_safe=False)
     fwd = jax.jit(functools.partial(llama.forward, arch=arch, attention_fn=rpa))
     hidden, _ = fwd(params, cache, jnp.asarray(ids, jnp.int32), jnp.arange(T, dtype=jnp.int32),

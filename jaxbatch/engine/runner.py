@@ -84,12 +84,7 @@ class Runner:
             params, arch, self.placement = sharding.prepare(params, arch, mesh)
             attention_fn = sharding.shard_attention(attention_fn, mesh)
         self.arch = arch
-        if jax.default_backend() == "cpu":
-            # bf16 weights held as uint16 bits, and a tied head as its own [H, V] copy: the two
-            # forms XLA:CPU runs in bf16 (see llama.store_bf16_as_bits and llama.with_head)
-            if params["embed"].dtype == jnp.bfloat16 and arch.tie_word_embeddings:
-                params = llama.with_head(params)
-            params = llama.store_bf16_as_bits(params)
+        params = llama.as_run_on_cpu(params, arch)  # bf16 as uint16 bits, tied head copied
         if self.placement is not None:
             params = sharding.place(params, self.placement.params)
         self.params = params

@@ -275,3 +275,28 @@ def with_head(params: Params) -> Params:
     if "lm_head" in params:
         return params
     return {**params, "lm_head": jnp.array(params["embed"].T)}
+
+
+def as_run_on_cpu(params: Params, arch: ModelArch) -> Params:
+    """The params in the two forms XLA:CPU runs in bf16: bf16 weights held as uint16 bits
+    (`store_bf16_as_bits`) and a tied bf16 head as its own [H, V] copy (`with_head`). Unchanged
+    on other backends. The runner and the scripts that run the forward directly use this."""
+    if jax.default_backend() != "cpu":
+        return params
+    if params["embed"].dtype == jnp.bfloat16 and arch.tie_word_embeddings:
+        params = with_head(params)
+    return store_bf16_as_bits(params)
+
+
+def one_sequence_inputs(num_tokens: int, page_size: int) -> tuple[int, AttentionInputs]:
+    """One sequence of `num_tokens` prefilled at once on pages 1..n (page 0 is the dummy page):
+    the cache pages it needs and its attention inputs. For scripts and tests that run the
+    forward directly on a single sequence."""
+    T, P = num_tokens, page_size
+    num_pages = -(-T // P) + 1
+    pages = np.arange(1, num_pages)
+    slots = pages[np.arange(T) // P] * P + np.arange(T) % P
+    return num_pages, AttentionInputs(
+        jnp.asarray(slots, jnp.int32), jnp.asarray([T], jnp.int32),
+        jnp.asarray(pages[None], jnp.int32), jnp.asarray([0, T], jnp.int32),
+        jnp.asarray([1], jnp.int32))

@@ -17,14 +17,9 @@ PAGE = 4
 def prefill_logits(arch, params, ids, cache_dtype) -> np.ndarray:
     """f32 logits [T, V] of `ids` (one sequence, pages of PAGE tokens, the jnp reference
     attention); `cache_dtype` as the runner would store K/V (uint16: bf16 bits)."""
-    T, P = len(ids), PAGE
-    cache = llama.init_kv_cache(arch, T // P + 2, P, cache_dtype)
-    pages = np.arange(1, T // P + 2)
-    slots = pages[np.arange(T) // P] * P + np.arange(T) % P
-    attn = llama.AttentionInputs(
-        jnp.asarray(slots, jnp.int32), jnp.asarray([T], jnp.int32),
-        jnp.asarray(pages[None], jnp.int32), jnp.asarray([0, T], jnp.int32),
-        jnp.asarray([1], jnp.int32))
+    T = len(ids)
+    num_pages, attn = llama.one_sequence_inputs(T, PAGE)
+    cache = llama.init_kv_cache(arch, num_pages, PAGE, cache_dtype)
     rpa = functools.partial(ragged_paged_attention_reference, nan_safe=False)
     h, _ = llama.forward(params, cache, jnp.asarray(ids), jnp.arange(T), attn, arch=arch,
                          attention_fn=rpa)
