@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "native", "pallas", "reference")
 DTYPES = ("float32", "bfloat16")
 QUANTIZATIONS = ("int8",)  # weight-only (model/quantize.py); None: weights in the compute dtype
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}

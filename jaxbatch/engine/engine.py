@@ -101,7 +101,7 @@ class Engine:
             config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
         assert config.model.max_model_len is not None
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
-                        attention_fn(config.runner.attention_backend),
+                        attention_fn(config.runner.attention_backend, root),
                         engine_mesh(config.runner.tensor_parallel_size, devices))
         runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several
         scheduler = Scheduler(config.scheduler, PageAllocator(

@@ -200,7 +200,7 @@ def run_follower(config: EngineConfig) -> int:
     config = resolve(config, model.arch.max_position_embeddings)
     assert config.model.max_model_len is not None
     runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
-                    attention_fn(config.runner.attention_backend),
+                    attention_fn(config.runner.attention_backend, root),
                     engine_mesh(config.runner.tensor_parallel_size, jax.devices()))
     gbps = collective_gbps(config.planner.collective_gbps, runner.placement,
                            model.arch.hidden_size)  # a collective: as on the leader

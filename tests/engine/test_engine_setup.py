@@ -83,7 +83,7 @@ def test_kv_pages_sized_in_the_cache_dtype(tmp_path, dtype):
     budget_gb = 0.001
     runner = Runner(model.arch, model.params, CacheConfig(page_size=16,
                                                           kv_cache_memory_gb=budget_gb),
-                    128, attention_fn("reference"))
+                    128, attention_fn("reference", str(tmp_path)))
     cache_bytes = runner.kv_cache["k"].nbytes + runner.kv_cache["v"].nbytes
     assert runner.kv_cache["k"].dtype == kv_storage_dtype(model.params["embed"].dtype)
     assert cache_bytes <= budget_gb * 2**30 < cache_bytes + 2 * runner.kv_cache["k"][0, 0].nbytes \
@@ -91,3 +91,23 @@ def test_kv_pages_sized_in_the_cache_dtype(tmp_path, dtype):
     f32_pages = num_kv_pages(model.arch, CacheConfig(page_size=16, kv_cache_memory_gb=budget_gb),
                              jnp.float32)
     assert runner.num_pages == f32_pages * 4 // jnp.dtype(runner.cache_dtype).itemsize
+
+
+def test_auto_attention_is_the_native_kernel_on_cpu(tmp_path, monkeypatch):
+    """On a CPU machine with a C++ compiler (every CI machine), auto runs the native kernel;
+    without one it falls back to the jnp reference instead of failing, and an explicit native
+    is a clear error."""
+    from jaxbatch.engine import attention
+    from pallas_kernels.ragged_paged_attention import cpu_kernel
+
+    assert attention.resolve_backend("auto", str(tmp_path)) == "native"
+    assert attention.resolve_backend("reference", str(tmp_path)) == "reference"
+    monkeypatch.setattr(cpu_kernel, "_registered", None)  # as in a fresh process
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    cpu_kernel.available.cache_clear()
+    try:
+        assert attention.resolve_backend("auto", str(tmp_path / "other")) == "reference"
+        with pytest.raises(RuntimeError, match="did not build"):
+            attention.resolve_backend("native", str(tmp_path / "other"))
+    finally:
+        cpu_kernel.available.cache_clear()

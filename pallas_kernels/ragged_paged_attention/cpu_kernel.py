@@ -1,0 +1,151 @@
+"""The CPU ragged paged attention kernel (cpu_kernel.cc): built with this machine's C++ compiler
+on first use, registered as an XLA FFI custom call, called with reference.py's signature.
+
+The build is cached by everything that changes the binary: the source, the compiler's version,
+the CPU's instruction set flags (it is built with -march=native, so a library built on one CPU
+model is never loaded on another) and jaxlib's version (the FFI headers). `build()` raises
+`KernelUnavailable` when there is no compiler or the build fails; the caller falls back to the
+jnp reference and says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernel.cc")
+TARGET = "jaxbatch_ragged_paged_attention"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC"]
+KV_SPLIT = 512  # keys per softmax split: torch's CPU flash attention's (see cpu_kernel.cc)
+Q_BLOCK = 16  # query rows per work item of a prefill chunk
+
+_lock = threading.Lock()
+_registered: str | None = None
+
+
+class KernelUnavailable(RuntimeError):
+    """No C++ compiler, or the kernel did not build on this machine."""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or \
+        shutil.which("clang++")
+    if not cxx:
+        raise KernelUnavailable("no C++ compiler found (set CXX)")
+    return cxx
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def library_path(cache_dir: str) -> tuple[str, list[str]]:
+    """Where the library for this machine lives, and the command that builds it."""
+    import jaxlib
+
+    cxx = _compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
+    include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(b"\0".join([
+        src, version.encode(), _cpu_flags().encode(), jaxlib.__version__.encode(),
+        " ".join(FLAGS).encode()])).hexdigest()[:16]
+    path = os.path.join(cache_dir, "kernels", f"ragged_paged_attention-{key}.so")
+    return path, [cxx, *FLAGS, "-I", include, SOURCE, "-o"]
+
+
+def build(cache_dir: str) -> str:
+    """The library's path, built now if this machine has no copy yet."""
+    path, cmd = library_path(cache_dir)
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        res = subprocess.run([*cmd, tmp], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise KernelUnavailable(f"building {SOURCE} failed:\n{res.stderr[-4000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent builder's copy is the same
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def register(cache_dir: str) -> None:
+    """Build (if needed) and register the custom call for the CPU platform (once a process)."""
+    global _registered
+    with _lock:
+        if _registered is not None:
+            return
+        path = build(cache_dir)
+        lib = ctypes.cdll.LoadLibrary(path)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxbatchRaggedPagedAttention),
+                                    platform="cpu")
+        _registered = path
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | jax.Array | None = None,
+    kv_split: int = KV_SPLIT,
+    q_block: int = Q_BLOCK,
+) -> jax.Array:
+    """reference.py's signature and result (up to f32 summation order); `register` first.
+    bf16 values (a bf16 q, or a uint16/bf16 cache) round the probabilities to bf16 before the
+    PV product, as torch's CPU flash attention does."""
+    if _registered is None:
+        raise KernelUnavailable("register(cache_dir) first")
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    round_p = k_pages.dtype in (jnp.uint16, jnp.bfloat16)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            vmap_method="sequential")
+    return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
+                cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), window.reshape(1),
+                sm_scale=np.float32(sm_scale),
+                soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
+                kv_split=np.int64(kv_split), round_p=bool(round_p), q_block=np.int64(q_block))
+
+
+@functools.cache
+def available(cache_dir: str) -> str | None:
+    """None when the kernel is registered for this process, else why it is not."""
+    try:
+        register(cache_dir)
+    except (KernelUnavailable, OSError, AttributeError) as e:
+        return str(e)
+    return None
