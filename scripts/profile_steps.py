@@ -29,7 +29,7 @@ def profile_engine(engine: Any, prompts: list, params: list, steps: int = 30,
 
     from jaxbatch.core.request import NewRequest
     from jaxbatch.engine import compile_guard
-    from jaxbatch.engine.runner import step_fn
+    from jaxbatch.engine.runner import plain_greedy, step_fn
 
     runner = engine.runner
     recorded: list[tuple[Any, Any]] = []
@@ -82,11 +82,13 @@ def profile_engine(engine: Any, prompts: list, params: list, steps: int = 30,
         inputs = jax.device_put(host)
         for which, exe in enumerate(variants[bucket]):
             t = time.perf_counter()
-            scratch, logits, _ = exe(runner.params, scratch, inputs)
+            scratch, logits, *_ = exe(runner.params, scratch, inputs)
             jax.block_until_ready(logits)
             dt = time.perf_counter() - t
             if which == 0:
                 full_s += dt
+                if plain_greedy(host.sampling):  # the runner skips the sampler
+                    continue
                 t = time.perf_counter()
                 jax.block_until_ready(runner.samplers[bucket.num_seqs, False](
                     logits, inputs.sampling, logits))

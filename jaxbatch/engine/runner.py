@@ -67,12 +67,23 @@ def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any) -> int:
 
 def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn):
     """Model forward for one bucket -> (updated cache, logits f32[S, V] of the sampling rows,
-    hidden [T, H]: left on the device, read only for prompt logprobs)."""
+    hidden [T, H]: left on the device, read only for prompt logprobs, greedy ids i32[S]: the
+    argmax of the logits, the whole answer of a step whose rows are all plain greedy)."""
     hidden, kv_cache = llama.forward(
         params, kv_cache, inputs.token_ids, inputs.positions, inputs.attn,
         arch=arch, attention_fn=attention_fn,
     )
-    return kv_cache, llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch), hidden
+    logits = llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch)
+    return kv_cache, logits, hidden, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def plain_greedy(s: Any) -> bool:
+    """Host sampling inputs (numpy) whose every row is greedy with nothing to ban, mask, adjust
+    or report: the step's own argmax is then the sampler's answer (the sampler would compute
+    the same jnp.argmax of the same logits), so the sampler call is skipped."""
+    return bool((s.temperature <= 0.0).all() and (s.banned < 0).all()
+                and not s.want_logprobs.any() and s.adjust is None
+                and (s.token_bitmask is None or (s.token_bitmask == -1).all()))
 
 
 class Runner:
@@ -117,7 +128,8 @@ class Runner:
             self.kv_cache = jax.jit(init_cache, out_shardings=cache_s)()  # never whole on one
             self._jitted = jax.jit(step, donate_argnums=(1,),
                                    in_shardings=(pl.params, cache_s, pl.replicated),
-                                   out_shardings=(cache_s, pl.replicated, pl.replicated))
+                                   out_shardings=(cache_s, pl.replicated, pl.replicated,
+                                                  pl.replicated))
             self._sample_jitted = jax.jit(sample, in_shardings=pl.replicated,
                                           out_shardings=pl.replicated)
             self._adjust_jitted = jax.jit(adjust_logits, in_shardings=pl.replicated,
@@ -226,8 +238,13 @@ class Runner:
         # the step was compiled without the sampler's adjustments (it never reads them)
         step_inputs = inputs if inputs.sampling.adjust is None else dataclasses.replace(
             inputs, sampling=dataclasses.replace(inputs.sampling, adjust=None))
-        self.kv_cache, logits, self._hidden = exe(self.params, self.kv_cache, step_inputs)
+        self.kv_cache, logits, self._hidden, greedy = exe(self.params, self.kv_cache,
+                                                          step_inputs)
         S, adjust = bucket.num_seqs, inputs.sampling.adjust
+        if plain_greedy(host.sampling):  # the sampler's output without running it
+            return SamplerOutput(np.asarray(jax.device_get(greedy)), np.zeros(S, np.float32),
+                                 np.zeros((S, MAX_LOGPROBS), np.int32),
+                                 np.zeros((S, MAX_LOGPROBS), np.float32))
         adjusted = logits if adjust is None else self.samplers[S, True](logits, adjust)
         return jax.device_get(self.samplers[S, False](adjusted, step_inputs.sampling, logits))
 

@@ -35,8 +35,14 @@ def check(got, hf, prompt: list[int], n: int) -> None:
     for p in range(1, len(prompt)):
         row, d, tok = lp[p - 1], got[p], prompt[p]  # position p - 1 predicts token p
         want = {int(t): r + 1 for r, t in enumerate(np.argsort(-row)[:n])}
-        want[tok] = 1 + int((row > row[tok]).sum())
-        assert {t: v.rank for t, v in d.items()} == want, p
+        assert set(d) == set(want) | {tok}, p
+        for t, v in d.items():
+            # the rank counts the tokens above; one within float32 noise of it may go either
+            # way (the tiny model's 256 logits hold near-ties)
+            lo, hi = (1 + int((row > row[t] + eps).sum()) for eps in (1e-5, -1e-5))
+            assert lo <= v.rank <= hi, (p, t, v.rank, lo, hi)
+            if t in want and t != tok:
+                assert v.rank == want[t] or lo < hi, (p, t)
         for t, v in d.items():
             assert abs(v.logprob - row[t]) < 1e-4, (p, t)
 

@@ -97,3 +97,37 @@ def test_inverse_cdf_draw_distribution():
     # every bin within 5 standard deviations of its binomial expectation
     sd = np.sqrt(n * p * (1 - p)) + 1e-9
     assert np.all(np.abs(counts - n * p) <= 5 * sd + 1), np.max(np.abs(counts - n * p) / sd)
+
+
+def test_plain_greedy_skips_the_sampler_only_when_it_would_return_the_argmax():
+    """The runner skips the sampler for a step whose rows are all greedy with nothing banned,
+    masked, adjusted or reported; any one such row sends the step through the sampler. On such
+    a step the sampler's ids equal the argmax the step returns."""
+    from jaxbatch.engine.runner import plain_greedy
+    from jaxbatch.engine.step_inputs import dummy_step_inputs, empty_adjustments
+    from jaxbatch.planner import Bucket
+
+    V = 300
+    base = dummy_step_inputs(Bucket(8, 4), 4, V).sampling
+    assert plain_greedy(base)
+    logits = np.random.RandomState(1).randn(4, V).astype(np.float32)
+    logits[2, [5, 9]] = logits[2].max() + 1  # a tie: the lowest id, as torch's argmax
+    got = np.asarray(jax.jit(sample)(jnp.asarray(logits), base).token_ids)
+    np.testing.assert_array_equal(got, np.argmax(logits, -1))
+    assert got[2] == 5
+
+    def changed(**kw):
+        s = SamplingInputs(**{f: np.copy(getattr(base, f)) if getattr(base, f) is not None
+                              else None for f in base.__dataclass_fields__})
+        for name, (row, value) in kw.items():
+            if name == "adjust":
+                s.adjust = value
+            else:
+                getattr(s, name)[row] = value
+        return s
+
+    assert not plain_greedy(changed(temperature=(1, 0.7)))
+    assert not plain_greedy(changed(banned=(0, 7)))
+    assert not plain_greedy(changed(want_logprobs=(3, True)))
+    assert not plain_greedy(changed(token_bitmask=(2, 0)))
+    assert not plain_greedy(changed(adjust=(None, empty_adjustments(4, V, 16))))
