@@ -242,9 +242,10 @@ class Runner:
                                                           step_inputs)
         S, adjust = bucket.num_seqs, inputs.sampling.adjust
         if plain_greedy(host.sampling):  # the sampler's output without running it
-            return SamplerOutput(np.asarray(jax.device_get(greedy)), np.zeros(S, np.float32),
-                                 np.zeros((S, MAX_LOGPROBS), np.int32),
-                                 np.zeros((S, MAX_LOGPROBS), np.float32))
+            host_out: Any = (np.asarray(jax.device_get(greedy)), np.zeros(S, np.float32),
+                             np.zeros((S, MAX_LOGPROBS), np.int32),
+                             np.zeros((S, MAX_LOGPROBS), np.float32))
+            return SamplerOutput(*host_out)  # numpy, as device_get returns the sampler's
         adjusted = logits if adjust is None else self.samplers[S, True](logits, adjust)
         return jax.device_get(self.samplers[S, False](adjusted, step_inputs.sampling, logits))
 
