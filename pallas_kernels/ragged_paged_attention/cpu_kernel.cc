@@ -103,197 +103,196 @@ struct Problem {
 };
 
 struct Item {
-  int32_t seq, head, row0, rows;  // query rows [row0, row0 + rows) of the sequence
+  int32_t seq, row0, rows;  // query rows [row0, row0 + rows) of the sequence, every head
 };
 
 // Per-thread scratch, reused across calls.
 struct Scratch {
-  std::vector<float> q, kt, vf, s, acc, m, l;
+  std::vector<float> q, k, v, kt, s, acc, m, l;
 };
 
-inline float scale_score(float s, const Problem& p) {
-  s *= p.sm_scale;
-  if (p.soft_cap > 0) s = p.soft_cap * std::tanh(s / p.soft_cap);
-  return s;
-}
-
-constexpr int kDecodeRows = 8;  // at most this many score rows: dots straight off the pages
+constexpr int kDecodeRows = 8;  // at most this many score rows per KV head: plain dots
 constexpr int kRowBlock = 4;    // score rows that share each loaded K/V vector in the tiles
 
-// One item: `rows` query positions x G heads of KV head `head`, over the visible keys.
+// One item: `rows` query positions of a sequence, every head, over the visible keys. Per split
+// of the keys, the pages are swept once in order (all KV heads of a token are contiguous) into
+// f32 scratch, then each KV head's G * rows score rows are computed from it.
 // kD: the head dim when it is one of the compiled sizes (loops of known length keep the
 // accumulators in registers), else 0 (p.D at run time).
 template <int kD>
 void run_item(const Problem& p, const Item& it, Scratch& sc) {
   constexpr int kMaxD = kD > 0 ? kD : 1024;
-  const int64_t G = p.Hq / p.Hkv, P = p.P;
+  const int64_t Hkv = p.Hkv, G = p.Hq / p.Hkv, P = p.P;
   const int64_t D = kD > 0 ? kD : p.D;
+  const int64_t HD = Hkv * D;  // elements of one token's K (or V), all heads
   const int32_t start = p.cu[it.seq];
   const int32_t q_len = p.cu[it.seq + 1] - start;
   const int32_t kv_len = p.kv_lens[it.seq];
   const int32_t ctx = kv_len - q_len;
-  const int64_t R = static_cast<int64_t>(it.rows) * G;  // score rows: (query row, group head)
+  const int64_t R = static_cast<int64_t>(it.rows) * G;  // score rows per KV head
   const int64_t split = p.kv_split;
   const bool decode = R <= kDecodeRows;
-  sc.q.resize(R * D);
-  sc.acc.assign(R * D, 0.0f);
-  sc.m.assign(R, kNeg);
-  sc.l.assign(R, 0.0f);
+  // state per (KV head h, score row r), index h * R + r; score row r = (query row, group head)
+  sc.q.resize(Hkv * R * D);
+  sc.acc.assign(Hkv * R * D, 0.0f);
+  sc.m.assign(Hkv * R, kNeg);
+  sc.l.assign(Hkv * R, 0.0f);
   if (!decode) sc.kt.resize(D * split);
-  sc.vf.resize(split * D);
+  sc.k.resize(split * HD);
+  sc.v.resize(split * HD);
   sc.s.resize(R * split);
   for (int32_t i = 0; i < it.rows; ++i)
-    for (int64_t g = 0; g < G; ++g)
-      load_row(p.q, p.q16, ((start + it.row0 + i) * p.Hq + it.head * G + g) * D, D,
-               &sc.q[(i * G + g) * D]);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        load_row(p.q, p.q16, ((start + it.row0 + i) * p.Hq + h * G + g) * D, D,
+                 &sc.q[(h * R + i * G + g) * D]);
   const int32_t first_pos = ctx + it.row0, last_pos = ctx + it.row0 + it.rows - 1;
   int32_t lo = 0;
   if (p.window > 0) lo = std::max(0, first_pos - p.window + 1);
   const int32_t hi = std::min(kv_len, last_pos + 1);  // keys [lo, hi) may be visible
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(it.seq) * p.W;
-  const int64_t tok_stride = p.Hkv * D;  // elements between tokens of a page
-  const float* q = sc.q.data();
   float* kt = sc.kt.data();
-  float* vf = sc.vf.data();
+  float* s = sc.s.data();  // [R, n] for the head at hand
+  const float cap = p.soft_cap, scale = p.sm_scale;
+  const int32_t window = p.window;
   for (int64_t j0 = (lo / split) * split; j0 < hi; j0 += split) {
     const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + split, hi);
     const int64_t n = b - a;
-    float* s = sc.s.data();  // [R, n]
-    // V rows as f32 [n, D]; K either dotted in place (few rows) or transposed to kt [D, n]
-    for (int64_t j = 0; j < n; ++j) {
+    // the split's K and V, every head, as f32 [n, Hkv, D]: whole pages read in order
+    for (int64_t j = 0; j < n;) {
       const int64_t pos = a + j;
-      const int64_t off = (static_cast<int64_t>(seq_pages[pos / P]) * P + pos % P) *
-                          tok_stride + it.head * D;
-      float kf[kMaxD];
-      load_row(p.k, p.kv16, off, D, kf);
-      if (decode) {
-        for (int64_t r = 0; r < R; ++r) s[r * n + j] = dot(q + r * D, kf, D);
-      } else {
-        for (int64_t d = 0; d < D; ++d) kt[d * n + j] = kf[d];
-      }
-      load_row(p.v, p.kv16, off, D, vf + j * D);
+      const int64_t run = std::min<int64_t>(n - j, P - pos % P);  // tokens left in this page
+      const int64_t off = (static_cast<int64_t>(seq_pages[pos / P]) * P + pos % P) * HD;
+      load_row(p.k, p.kv16, off, static_cast<int>(run * HD), &sc.k[j * HD]);
+      load_row(p.v, p.kv16, off, static_cast<int>(run * HD), &sc.v[j * HD]);
+      j += run;
     }
-    if (!decode) {
-      // s[r, j] = q_r . k_j: tiles of kRowBlock rows x kKeyTile keys held in registers
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* q = &sc.q[h * R * D];
+      const float* kh = &sc.k[h * D];  // token j's K for head h at kh + j * HD
+      const float* vh = &sc.v[h * D];
+      if (decode) {
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t r = 0; r < R; ++r) s[r * n + j] = dot(q + r * D, kh + j * HD, D);
+      } else {
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t d = 0; d < D; ++d) kt[d * n + j] = kh[j * HD + d];
+        // s[r, j] = q_r . k_j: tiles of kRowBlock rows x kKeyTile keys held in registers
+        int64_t r = 0;
+        for (; r + kRowBlock <= R; r += kRowBlock) {
+          int64_t j = 0;
+          for (; j + kKeyTile <= n; j += kKeyTile) {
+            float t[kRowBlock][kKeyTile] = {};
+            for (int64_t d = 0; d < D; ++d) {
+              const float* kd = kt + d * n + j;
+              for (int rr = 0; rr < kRowBlock; ++rr) {
+                const float qd = q[(r + rr) * D + d];
+#pragma omp simd
+                for (int jj = 0; jj < kKeyTile; ++jj) t[rr][jj] += qd * kd[jj];
+              }
+            }
+            for (int rr = 0; rr < kRowBlock; ++rr)
+              std::memcpy(s + (r + rr) * n + j, t[rr], sizeof(t[rr]));
+          }
+          for (; j < n; ++j)
+            for (int rr = 0; rr < kRowBlock; ++rr)
+              s[(r + rr) * n + j] = dot(q + (r + rr) * D, kh + j * HD, D);
+        }
+        for (; r < R; ++r)
+          for (int64_t j = 0; j < n; ++j) s[r * n + j] = dot(q + r * D, kh + j * HD, D);
+      }
+      // online softmax per row: scale (and soft cap), mask, running max and sum, probabilities
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t qpos = ctx + it.row0 + static_cast<int32_t>(r / G);
+        float* sr = s + r * n;
+        if (cap > 0) {
+          for (int64_t j = 0; j < n; ++j) sr[j] = cap * std::tanh(sr[j] * scale / cap);
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) sr[j] *= scale;
+        }
+        // visible keys: a + j <= qpos and (no window or a + j > qpos - window)
+        const int64_t vis_hi = std::clamp<int64_t>(qpos - a + 1, 0, n);
+        const int64_t vis_lo =
+            window > 0 ? std::clamp<int64_t>(int64_t{qpos} - window + 1 - a, 0, n) : 0;
+        for (int64_t j = 0; j < vis_lo; ++j) sr[j] = kNeg;
+        for (int64_t j = vis_hi; j < n; ++j) sr[j] = kNeg;
+        float mx = kNeg;
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sr[j]);
+        const int64_t hr = h * R + r;
+        const float m_new = std::max(sc.m[hr], mx);
+        if (m_new == kNeg) {  // nothing visible yet for this row: no weight from this split
+          std::memset(sr, 0, sizeof(float) * n);
+          continue;
+        }
+        const float alpha = std::exp(sc.m[hr] - m_new);
+        float sum = 0.0f;
+        // masked scores are kNeg: exp(kNeg - m_new) is exactly 0
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+          const float e = std::exp(sr[j] - m_new);
+          sum += e;
+          sr[j] = e;
+        }
+        if (p.round_p) {
+          uint32_t* bits = reinterpret_cast<uint32_t*>(sr);
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) {  // round to nearest even bf16 (finite values)
+            const uint32_t u = bits[j];
+            bits[j] = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+          }
+        }
+        sc.l[hr] = sc.l[hr] * alpha + sum;
+        sc.m[hr] = m_new;
+        float* acc = &sc.acc[hr * D];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+      }
+      // acc[r] += p[r] @ v: kRowBlock rows share each V row
+      float* acc = &sc.acc[h * R * D];
       int64_t r = 0;
       for (; r + kRowBlock <= R; r += kRowBlock) {
-        int64_t j = 0;
-        for (; j + kKeyTile <= n; j += kKeyTile) {
-          float t[kRowBlock][kKeyTile] = {};
-          for (int64_t d = 0; d < D; ++d) {
-            const float* kd = kt + d * n + j;
-            for (int rr = 0; rr < kRowBlock; ++rr) {
-              const float qd = q[(r + rr) * D + d];
-#pragma omp simd
-              for (int jj = 0; jj < kKeyTile; ++jj) t[rr][jj] += qd * kd[jj];
-            }
-          }
-          for (int rr = 0; rr < kRowBlock; ++rr)
-            std::memcpy(s + (r + rr) * n + j, t[rr], sizeof(t[rr]));
-        }
-        for (; j < n; ++j)
-          for (int rr = 0; rr < kRowBlock; ++rr) {
-            float t = 0.0f;
-            for (int64_t d = 0; d < D; ++d) t += q[(r + rr) * D + d] * kt[d * n + j];
-            s[(r + rr) * n + j] = t;
-          }
-      }
-      for (; r < R; ++r)
+        float t[kRowBlock][kMaxD];
+        for (int rr = 0; rr < kRowBlock; ++rr) std::memcpy(t[rr], acc + (r + rr) * D, 4 * D);
         for (int64_t j = 0; j < n; ++j) {
-          float t = 0.0f;
-          for (int64_t d = 0; d < D; ++d) t += q[r * D + d] * kt[d * n + j];
-          s[r * n + j] = t;
+          const float* vj = vh + j * HD;
+          for (int rr = 0; rr < kRowBlock; ++rr) {
+            const float pj = s[(r + rr) * n + j];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) t[rr][d] += pj * vj[d];
+          }
         }
-    }
-    // online softmax per row: scale (and soft cap), mask, running max and sum, probabilities
-    const float cap = p.soft_cap, scale = p.sm_scale;
-    const int32_t window = p.window;
-    for (int64_t r = 0; r < R; ++r) {
-      const int32_t qpos = ctx + it.row0 + static_cast<int32_t>(r / G);
-      float* sr = s + r * n;
-      if (cap > 0) {
-        for (int64_t j = 0; j < n; ++j) sr[j] = cap * std::tanh(sr[j] * scale / cap);
-      } else {
+        for (int rr = 0; rr < kRowBlock; ++rr) std::memcpy(acc + (r + rr) * D, t[rr], 4 * D);
+      }
+      for (; r < R; ++r) {
+        float t[kMaxD];
+        std::memcpy(t, acc + r * D, 4 * D);
+        for (int64_t j = 0; j < n; ++j) {
+          const float pj = s[r * n + j];
+          const float* vj = vh + j * HD;
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) sr[j] *= scale;
-      }
-      // visible keys: a + j <= qpos and (no window or a + j > qpos - window)
-      const int64_t vis_hi = std::clamp<int64_t>(qpos - a + 1, 0, n);
-      const int64_t vis_lo =
-          window > 0 ? std::clamp<int64_t>(qpos - window + 1 - a, 0, n) : 0;
-      for (int64_t j = 0; j < vis_lo; ++j) sr[j] = kNeg;
-      for (int64_t j = vis_hi; j < n; ++j) sr[j] = kNeg;
-      float mx = kNeg;
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sr[j]);
-      const float m_new = std::max(sc.m[r], mx);
-      if (m_new == kNeg) {  // nothing visible yet for this row: no weight from this split
-        std::memset(sr, 0, sizeof(float) * n);
-        continue;
-      }
-      const float alpha = std::exp(sc.m[r] - m_new);
-      float sum = 0.0f;
-      // masked scores are kNeg: exp(kNeg - m_new) is exactly 0
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        const float e = std::exp(sr[j] - m_new);
-        sum += e;
-        sr[j] = e;
-      }
-      if (p.round_p) {
-        uint32_t* bits = reinterpret_cast<uint32_t*>(sr);
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) {  // round to nearest even bf16 (finite values)
-          const uint32_t u = bits[j];
-          bits[j] = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+          for (int64_t d = 0; d < D; ++d) t[d] += pj * vj[d];
         }
+        std::memcpy(acc + r * D, t, 4 * D);
       }
-      sc.l[r] = sc.l[r] * alpha + sum;
-      sc.m[r] = m_new;
-      float* acc = &sc.acc[r * D];
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-    }
-    // acc[r] += p[r] @ v: kRowBlock rows share each V row
-    int64_t r = 0;
-    for (; r + kRowBlock <= R; r += kRowBlock) {
-      float t[kRowBlock][kMaxD];
-      for (int rr = 0; rr < kRowBlock; ++rr) std::memcpy(t[rr], &sc.acc[(r + rr) * D], 4 * D);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vj = vf + j * D;
-        for (int rr = 0; rr < kRowBlock; ++rr) {
-          const float pj = s[(r + rr) * n + j];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) t[rr][d] += pj * vj[d];
-        }
-      }
-      for (int rr = 0; rr < kRowBlock; ++rr) std::memcpy(&sc.acc[(r + rr) * D], t[rr], 4 * D);
-    }
-    for (; r < R; ++r) {
-      float t[kMaxD];
-      std::memcpy(t, &sc.acc[r * D], 4 * D);
-      for (int64_t j = 0; j < n; ++j) {
-        const float pj = s[r * n + j];
-        const float* vj = vf + j * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) t[d] += pj * vj[d];
-      }
-      std::memcpy(&sc.acc[r * D], t, 4 * D);
     }
   }
   for (int32_t i = 0; i < it.rows; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      const float inv = 1.0f / std::max(sc.l[r], 1e-30f);
-      const int64_t off = ((start + it.row0 + i) * p.Hq + it.head * G + g) * D;
-      if (p.q16) {
-        uint16_t* o = static_cast<uint16_t*>(p.out) + off;
-        for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(sc.acc[r * D + d] * inv);
-      } else {
-        float* o = static_cast<float*>(p.out) + off;
-        for (int64_t d = 0; d < D; ++d) o[d] = sc.acc[r * D + d] * inv;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hr = h * R + i * G + g;
+        const float inv = 1.0f / std::max(sc.l[hr], 1e-30f);
+        const int64_t off = ((start + it.row0 + i) * p.Hq + h * G + g) * D;
+        const float* acc = &sc.acc[hr * D];
+        if (p.q16) {
+          uint16_t* o = static_cast<uint16_t*>(p.out) + off;
+          for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] * inv);
+        } else {
+          float* o = static_cast<float*>(p.out) + off;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+        }
       }
-    }
 }
 
 void run_any(const Problem& p, const Item& it, Scratch& sc) {
@@ -377,8 +376,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
     for (int32_t r0 = 0; r0 < ql; r0 += static_cast<int32_t>(q_block)) {
       const int32_t rows = std::min<int32_t>(static_cast<int32_t>(q_block), ql - r0);
       const int64_t keys = std::min(kl, kl - ql + r0 + rows);
-      for (int32_t h = 0; h < p.Hkv; ++h)
-        costed.push_back({keys * (rows + 4), Item{s, h, r0, rows}});
+      costed.push_back({keys * (rows + 4), Item{s, r0, rows}});
     }
   }
   std::stable_sort(costed.begin(), costed.end(),
