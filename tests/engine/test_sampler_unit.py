@@ -131,3 +131,16 @@ def test_plain_greedy_skips_the_sampler_only_when_it_would_return_the_argmax():
     assert not plain_greedy(changed(want_logprobs=(3, True)))
     assert not plain_greedy(changed(token_bitmask=(2, 0)))
     assert not plain_greedy(changed(adjust=(None, empty_adjustments(4, V, 16))))
+
+
+def test_greedy_argmax_is_numpy_argmax():
+    """First index of the maximum (ties -> lowest id, as torch), rows all -inf -> 0."""
+    from jaxbatch.engine.sampler import greedy_argmax
+
+    x = np.random.RandomState(2).randn(6, 1000).astype(np.float32)
+    x[1, [3, 700]] = 9.0
+    x[2] = -np.inf
+    x[3, 999] = 50.0
+    x = x.round(1)  # many ties below the top as well
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_argmax)(jnp.asarray(x))),
+                                  np.argmax(x, -1))
