@@ -95,7 +95,8 @@ class Runner:
             params, arch, self.placement = sharding.prepare(params, arch, mesh)
             attention_fn = sharding.shard_attention(attention_fn, mesh)
         self.arch = arch
-        params = llama.as_run_on_cpu(params, arch)  # bf16 as uint16 bits, tied head copied
+        # bf16 on CPU: layers as uint16 bits, linear weights [out, in] (not under tensor parallelism)
+        params = llama.as_run_on_cpu(params, arch, out_in=self.placement is None)
         if self.placement is not None:
             params = sharding.place(params, self.placement.params)
         self.params = params

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxbatch.model import moe
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.quantize import Int8Weight, int8_matmul
+from jaxbatch.model.quantize import LINEAR_WEIGHTS, Int8Weight, int8_matmul
 
 Params = dict
 AttentionFn = Callable[..., jax.Array]
@@ -48,6 +48,22 @@ class AttentionInputs:
     page_indices: jax.Array | np.ndarray  # i32[S, W] pages of each sequence
     cu_q_lens: jax.Array | np.ndarray  # i32[S+1]     prefix sums of new tokens per sequence
     num_seqs: jax.Array | np.ndarray  # i32[1]        real sequences (the rest are padding)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class OutInWeight:
+    """A linear weight stored as [..., out, in], its transpose: `_mm` dots over its last axis.
+    The layout XLA:CPU's bf16 dots (YNNPACK on AMX) run fastest: on 30 layers of SmolLM2's
+    matmuls, [in, out] -> [out, in] took 29.2 -> 22.8 ms at 3 rows, 37.0 -> 33.7 at 64 and
+    105.9 -> 102.0 at 512 (with [in, out] a quarter of the step went to repacking the weights,
+    `ynn::interleave2_x16`); the head as [V, H] 2.6 -> 1.9 ms at 3 rows, 4.8 -> 3.9 at 64."""
+
+    wt: jax.Array  # [..., out, in]
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # the weight's own [..., in, out]
+        return (*self.wt.shape[:-2], self.wt.shape[-1], self.wt.shape[-2])
 
 
 def init_kv_cache(arch: ModelArch, num_pages: int, page_size: int, dtype) -> dict[str, jax.Array]:
@@ -123,6 +139,9 @@ def _mm(x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
     weight (`quantization: int8`) is converted inside the step (model/quantize.py)."""
     if isinstance(w, Int8Weight):
         return int8_matmul(x, w)
+    if isinstance(w, OutInWeight):
+        return jax.lax.dot_general(x, w.wt, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32).astype(x.dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -251,8 +270,12 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
     `with_head`), else the embedding used transposed. Gemma's final soft cap applies last."""
     h = rms_norm(hidden, values(params["final_norm"]).astype(hidden.dtype), arch.rms_norm_eps,
                  plus_one=arch.gemma_norms)
-    if "lm_head" in params:
-        w = values(params["lm_head"]).astype(hidden.dtype)
+    head = params.get("lm_head")
+    if isinstance(head, OutInWeight):
+        logits = jax.lax.dot_general(h, values(head.wt).astype(hidden.dtype),
+                                     (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    elif head is not None:
+        w = values(head).astype(hidden.dtype)
         logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
     else:
         w = values(params["embed"]).astype(hidden.dtype)
@@ -268,29 +291,35 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
 
 
 def with_head(params: Params) -> Params:
-    """A tied model's params with the head materialised as `lm_head` [H, V]. XLA:CPU runs the
-    logits dot against the transposed bf16 embedding in f32, converting the whole embedding
-    every step (28M values for SmolLM2: ~30 ms); against an [H, V] copy it stays bf16. Costs one
-    more copy of the embedding in memory."""
+    """A tied model's params with the head materialised as `lm_head` [H, V] (tensor parallelism
+    splits it by vocab; engine/sharding.py)."""
     if "lm_head" in params:
         return params
     return {**params, "lm_head": jnp.array(params["embed"].T)}
 
 
-def as_run_on_cpu(params: Params, arch: ModelArch) -> Params:
-    """The params in the forms XLA:CPU runs fastest in bf16: the scanned layer weights and the
-    gathered embedding held as uint16 bits (`store_bf16_as_bits`), and the head as a bf16
-    [H, V] array (a tied one copied, `with_head`). The head stays bf16: it is neither sliced
-    nor gathered, and as bits it was bitcast back into a fresh 56 MB copy every step (12.8 ms
-    of a 3-row SmolLM2 step). Unchanged on other backends. The runner and the scripts that run
-    the forward directly use this."""
-    if jax.default_backend() != "cpu":
+def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True) -> Params:
+    """The params in the forms XLA:CPU runs fastest. bf16: the scanned layer weights held as
+    uint16 bits (`store_bf16_as_bits`), and with `out_in` the linear weights and an untied
+    head stored [out, in] (`OutInWeight`); a tied head is the embedding itself, dotted over its
+    last axis. The embedding and head stay bf16 (neither is sliced in the scan; as bits the
+    head was bitcast into a fresh 56 MB copy every step, 12.8 ms of a 3-row SmolLM2 step).
+    Unchanged on other backends and in float32. The runner (`out_in` off under tensor
+    parallelism, whose shardings are laid out for [in, out]) and the scripts that run the
+    forward directly use this."""
+    if jax.default_backend() != "cpu" or params["embed"].dtype != jnp.bfloat16:
         return params
-    if params["embed"].dtype == jnp.bfloat16 and arch.tie_word_embeddings:
-        params = with_head(params)
+    layers = dict(params["layers"])
+    if out_in:
+        for name in LINEAR_WEIGHTS:
+            w = layers.get(name)
+            if w is not None and not isinstance(w, Int8Weight):
+                layers[name] = OutInWeight(jnp.swapaxes(w, -1, -2))
+    out = {**params, "layers": store_bf16_as_bits(layers)}
     head = params.get("lm_head")
-    params = store_bf16_as_bits({k: v for k, v in params.items() if k != "lm_head"})
-    return params if head is None else {**params, "lm_head": head}
+    if out_in and head is not None and not isinstance(head, Int8Weight):
+        out["lm_head"] = OutInWeight(jnp.array(head.T))
+    return out
 
 
 def one_sequence_inputs(num_tokens: int, page_size: int) -> tuple[int, AttentionInputs]:

@@ -113,6 +113,7 @@ struct Scratch {
 
 constexpr int kDecodeRows = 8;  // at most this many score rows per KV head: plain dots
 constexpr int kRowBlock = 4;    // score rows that share each loaded K/V vector in the tiles
+constexpr int kPrefetchPages = 2;  // the sweep prefetches this many pages ahead
 
 // One item: `rows` query positions of a sequence, every head, over the visible keys. Per split
 // of the keys, the pages are swept once in order (all KV heads of a token are contiguous) into
@@ -158,11 +159,26 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   for (int64_t j0 = (lo / split) * split; j0 < hi; j0 += split) {
     const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + split, hi);
     const int64_t n = b - a;
-    // the split's K and V, every head, as f32 [n, Hkv, D]: whole pages read in order
+    // the split's K and V, every head, as f32 [n, Hkv, D]: whole pages read in order, the
+    // page after next prefetched meanwhile (pages are scattered: the hardware prefetcher
+    // restarts at each one)
+    const int64_t elem = p.kv16 ? 2 : 4;
     for (int64_t j = 0; j < n;) {
       const int64_t pos = a + j;
       const int64_t run = std::min<int64_t>(n - j, P - pos % P);  // tokens left in this page
       const int64_t off = (static_cast<int64_t>(seq_pages[pos / P]) * P + pos % P) * HD;
+      const int64_t ahead = pos / P + kPrefetchPages;
+      if (ahead * P < b) {
+        const int64_t first = std::max<int64_t>(ahead * P, a);
+        const int64_t last = std::min<int64_t>((ahead + 1) * P, b);
+        const int64_t poff = (static_cast<int64_t>(seq_pages[ahead]) * P + first % P) * HD;
+        const char* kp = static_cast<const char*>(p.k) + poff * elem;
+        const char* vp = static_cast<const char*>(p.v) + poff * elem;
+        for (int64_t byte = 0; byte < (last - first) * HD * elem; byte += 64) {
+          __builtin_prefetch(kp + byte);
+          __builtin_prefetch(vp + byte);
+        }
+      }
       load_row(p.k, p.kv16, off, static_cast<int>(run * HD), &sc.k[j * HD]);
       load_row(p.v, p.kv16, off, static_cast<int>(run * HD), &sc.v[j * HD]);
       j += run;

@@ -20,8 +20,9 @@ from tests.helpers.tiny_models import make_tiny_model
 
 
 def bf16_logits(arch, params, ids) -> np.ndarray:
-    """The engine's CPU bf16 path: uint16-held weights and cache, bf16 compute."""
-    return prefill_logits(arch, llama.store_bf16_as_bits(jax_bf16(params)), ids, jnp.uint16)
+    """The engine's CPU bf16 path (the runner's `as_run_on_cpu` form: uint16-held layers,
+    [out, in] linear weights, the head from the bf16 embedding), a uint16 cache, bf16 compute."""
+    return prefill_logits(arch, llama.as_run_on_cpu(jax_bf16(params), arch), ids, jnp.uint16)
 
 
 def jax_bf16(params):
