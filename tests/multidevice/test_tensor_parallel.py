@@ -78,10 +78,12 @@ def test_tp_greedy_equals_single_device(tiny_models, single_device, kind, tp, ba
     assert {s.data.shape[1] for s in layers["w_down"].addressable_shards} == \
         {engine.arch.intermediate_size // tp}
     # exactly Megatron's collectives: two all-reduces of [T, H] in the layer loop (after o and
-    # after down) and one all-gather of the vocab-split logits [S, V]; nothing gathers the
-    # weights or the cache
+    # after down) and one all-gather of the vocab-split logits [S, V], plus the step's greedy
+    # argmax over the vocab shards (an all-reduce of each row's max and one of its first index,
+    # [S] each); nothing gathers the weights or the cache
     H, V = engine.arch.hidden_size, engine.arch.vocab_size
     ops = Counter(re.findall(
         r"= (\w+)\[([\d,]+)\]\S* (all-reduce|all-gather|all-to-all|collective-permute|"
         r"reduce-scatter)\(", engine.runner.executables[(32, 4)].as_text()))
-    assert ops == {("f32", f"32,{H}", "all-reduce"): 2, ("f32", f"4,{V}", "all-gather"): 1}, ops
+    assert ops == {("f32", f"32,{H}", "all-reduce"): 2, ("f32", f"4,{V}", "all-gather"): 1,
+                   ("f32", "4", "all-reduce"): 1, ("s32", "4", "all-reduce"): 1}, ops
