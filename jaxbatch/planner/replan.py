@@ -79,14 +79,22 @@ class LiveReplanner:
         model = StepTimeModel.fit(executed)
         cost = model.bucket_cost()
         cur = [Bucket(int(t), int(s)) for t, s in current]
-        sel = select_buckets(hist, self.max_shapes, cost, self.max_tokens, self.max_seqs)
+        # Every learned set keeps a full decode bucket (max_seqs, max_seqs): the window is a
+        # sample of past traffic, and a set fitted to a light start (3-9 rows) sent later
+        # 30-row decode steps to the (max_tokens, max_seqs) bucket, 4x their cost, until the
+        # next re-plan (seen serving bench64 at 2 req/s). The rest is chosen for the window.
+        full_decode = Bucket(self.max_seqs, self.max_seqs)
+        keep = [full_decode] if self.max_seqs < self.max_tokens and self.max_shapes > 2 else []
+        sel = select_buckets(hist, self.max_shapes - len(keep), cost, self.max_tokens,
+                             self.max_seqs)
+        buckets = sorted(set(sel.buckets) | set(keep))
         # the gain is counted against whole steps: their real rows' work (attention, per-row
         # costs) is the same on either set, and a set that saves 20% of a cheap part is no 20%
         steps = sum(hist.values())
         work = steps * float(np.mean([model.work(r) for r in executed]))
-        prop = Proposal(sel.buckets, expected_cost(cur, hist, cost) + work,
-                        sel.expected_cost + work, int(steps))
-        if sorted(sel.buckets) == sorted(cur) or prop.gain < self.min_gain:
+        prop = Proposal(buckets, expected_cost(cur, hist, cost) + work,
+                        expected_cost(buckets, hist, cost) + work, int(steps))
+        if buckets == sorted(cur) or prop.gain < self.min_gain:
             return None
         return prop
 

@@ -102,3 +102,17 @@ def test_saved_set_round_trip(tmp_path):
     assert load_set(path) == [Bucket(8, 8), Bucket(512, 64)]
     (tmp_path / "planner" / "buckets-x.json").write_text("{not json")
     assert load_set(path) is None
+
+
+def test_a_learned_set_keeps_a_full_decode_bucket():
+    """A window of light traffic (3-9 rows) must not leave later full decode batches to the
+    (max_tokens, max_seqs) bucket: every proposal holds (max_seqs, max_seqs)."""
+    executed = synthetic_steps(200, BUCKETS)
+    rp = LiveReplanner(512, 64, max_shapes=8, min_gain=0.1, min_steps=50)
+    for _ in range(300):
+        for s in (3, 5, 9):
+            rp.observe(s, s)
+    prop = rp.propose(rp.snapshot(), [Bucket(64, 64), Bucket(512, 64)], executed)
+    assert prop is not None and len(prop.buckets) <= 8
+    assert Bucket(64, 64) in prop.buckets and Bucket(512, 64) in prop.buckets
+    assert any(b.num_seqs <= 9 and b.num_tokens <= 9 for b in prop.buckets)
