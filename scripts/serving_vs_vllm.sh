@@ -3,7 +3,8 @@
 # scripts/bench_serving.py at Poisson rates $RATES (default 2 4 8) on bench64 and on the
 # shared-prefix chat workload (made by scripts/make_shared_prefix_workload.py when missing).
 #   PEERS=/path/to/peers bash scripts/serving_vs_vllm.sh        (PEERS: ../shared/peers/README.md)
-# Env: RATES, OUT (results folder), SKIP_OURS=1, SKIP_VLLM=1. jaxbatch runs the SmolLM2 preset
+# Env: RATES, OUT (results folder), SKIP_OURS=1, SKIP_VLLM=1, JAXBATCH_ARGS (more `jaxbatch serve`
+# options, e.g. --no-live-replan for an A/B of re-planning). jaxbatch runs the SmolLM2 preset
 # (live re-planning on; its learned bucket sets are cleared first so runs start alike).
 set -u
 cd "$(dirname "$0")/.."
@@ -25,7 +26,9 @@ run_set() { # name url
 }
 if [ "${SKIP_OURS:-0}" = 0 ]; then
   rm -rf "${JAXBATCH_CACHE:-$HOME/.cache/jaxbatch}/planner"
-  .venv/bin/jaxbatch serve --config configs/smollm2-cpu.yaml --port 8010 > "$OUT/jaxbatch-server.log" 2>&1 &
+  # shellcheck disable=SC2086
+  .venv/bin/jaxbatch serve --config configs/smollm2-cpu.yaml --port 8010 ${JAXBATCH_ARGS:-} \
+    > "$OUT/jaxbatch-server.log" 2>&1 &
   P=$!
   wait_up http://127.0.0.1:8010 && run_set jaxbatch http://127.0.0.1:8010
   kill -INT $P; wait $P
