@@ -10,6 +10,23 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import HealthCheck
+from hypothesis import strategies as st
+
+# hypothesis settings of the kernel tests: reproducible, no deadline (compiles are slow)
+SETTINGS = {"deadline": None, "derandomize": True, "suppress_health_check": list(HealthCheck)}
+# (Hq, Hkv): GQA ratios 1, 3, 3, 4, 8, 8
+HEADS = [(2, 2), (6, 2), (9, 3), (4, 1), (8, 1), (16, 2)]
+_q_len = st.one_of(st.just(1), st.just(1), st.integers(2, 48), st.integers(49, 300))
+
+
+@st.composite
+def ragged_batches(draw, max_seqs=8, max_kv=2000):
+    """(q_lens, ctx_lens) of up to max_seqs sequences: decode rows, short and long chunks."""
+    n = draw(st.integers(1, max_seqs))
+    q_lens = [draw(_q_len) for _ in range(n)]
+    ctx = [draw(st.integers(0, max_kv - q)) for q in q_lens]
+    return q_lens, ctx
 
 
 def round_up(x: int, m: int) -> int:

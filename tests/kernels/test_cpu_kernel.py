@@ -14,15 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention import cpu_kernel
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from tests.helpers.attention_cases import make_batch, naive_attention
+from tests.helpers.attention_cases import (
+    HEADS,
+    SETTINGS,
+    make_batch,
+    naive_attention,
+    ragged_batches,
+)
 
-_SETTINGS = {"deadline": None, "derandomize": True,
-             "suppress_health_check": list(HealthCheck)}
 # max |diff| <= atol + rtol * |ref|: f32 differs by summation order; bf16 outputs are rounded to
 # bf16 and the probabilities to bf16 at different split boundaries (512 keys here, 64 there)
 TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(jnp.bfloat16): (1.5e-2, 1.5e-2)}
@@ -64,24 +68,12 @@ def _compare(args, host, dtype, native_kw=None, **kw):
     return got
 
 
-_q_len = st.one_of(st.just(1), st.just(1), st.integers(2, 48), st.integers(49, 300))
-_HEADS = [(2, 2), (6, 2), (9, 3), (4, 1), (8, 1), (16, 2)]  # GQA ratios 1, 3, 3, 4, 8, 8
-
-
-@st.composite
-def ragged_batches(draw, max_seqs=8, max_kv=2000):
-    n = draw(st.integers(1, max_seqs))
-    q_lens = [draw(_q_len) for _ in range(n)]
-    ctx = [draw(st.integers(0, max_kv - q)) for q in q_lens]
-    return q_lens, ctx
-
-
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@settings(max_examples=12, **_SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(
     batch=ragged_batches(),
     page_size=st.sampled_from([1, 16, 48]),
-    heads=st.sampled_from(_HEADS),
+    heads=st.sampled_from(HEADS),
     head_dim=st.sampled_from([64, 80, 128, 256]),
     soft_cap=st.sampled_from([None, None, 20.0]),
     sliding_window=st.sampled_from([None, None, 64, 500]),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention.kernel import (
@@ -22,11 +22,15 @@ from pallas_kernels.ragged_paged_attention.kernel import (
     ragged_paged_attention,
 )
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from tests.helpers.attention_cases import make_batch, naive_attention
+from tests.helpers.attention_cases import (
+    HEADS,
+    SETTINGS,
+    make_batch,
+    naive_attention,
+    ragged_batches,
+)
 
 INTERPRET = os.environ.get("RPA_INTERPRET", "1") != "0"
-_SETTINGS = {"deadline": None, "derandomize": True,
-             "suppress_health_check": list(HealthCheck)}
 # Kernel vs reference, max |diff| <= atol + rtol * |ref|. float32: both accumulate in f32 with
 # different block orders. bfloat16: outputs are rounded to bf16 (2^-8 relative) and the
 # probabilities are cast to bf16 before the PV matmul in both, at different block boundaries.
@@ -56,24 +60,12 @@ def _compare(args, host, dtype, kernel_kw=None, **kw):
     return got
 
 
-_q_len = st.one_of(st.just(1), st.just(1), st.integers(2, 48), st.integers(49, 300))
-_HEADS = [(2, 2), (6, 2), (9, 3), (4, 1), (8, 1), (16, 2)]  # GQA ratios 1, 3, 3, 4, 8, 8
-
-
-@st.composite
-def ragged_batches(draw, max_seqs=8, max_kv=2000):
-    n = draw(st.integers(1, max_seqs))
-    q_lens = [draw(_q_len) for _ in range(n)]
-    ctx = [draw(st.integers(0, max_kv - q)) for q in q_lens]
-    return q_lens, ctx
-
-
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@settings(max_examples=6, **_SETTINGS)
+@settings(max_examples=6, **SETTINGS)
 @given(
     batch=ragged_batches(),
     page_size=st.sampled_from([16, 32]),
-    heads=st.sampled_from(_HEADS),
+    heads=st.sampled_from(HEADS),
     head_dim=st.sampled_from([64, 128]),
     soft_cap=st.sampled_from([None, None, 20.0]),
     sliding_window=st.sampled_from([None, None, 64, 500]),
@@ -149,7 +141,7 @@ def _block_table(q_lens, bq, num_blocks):
     return prefill_block_table(q_lens, bq, num_blocks)
 
 
-@settings(max_examples=40, **_SETTINGS)
+@settings(max_examples=40, **SETTINGS)
 @given(T=st.sampled_from([16, 256, 1024]), data=st.data(), bq=st.sampled_from([1, 5, 16, 32]))
 def test_prefill_block_table_covers_every_token_once(T, data, bq):
     """The static grid bound cdiv(T, bq) + min(S, T // 2) always suffices."""

@@ -15,13 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from tests.helpers.attention_cases import make_batch, naive_attention, round_up
-
-_SETTINGS = {"deadline": None, "derandomize": True, "suppress_health_check": list(HealthCheck)}
+from tests.helpers.attention_cases import SETTINGS, make_batch, naive_attention, round_up
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window",
@@ -51,7 +49,7 @@ def ragged_batches(draw, max_seqs=6, max_kv=600):
     return q_lens, ctx
 
 
-@settings(max_examples=12, **_SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(
     batch=ragged_batches(),
     page_size=st.sampled_from([1, 3, 16, 32]),
