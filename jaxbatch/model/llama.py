@@ -266,8 +266,9 @@ def forward(
 
 def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax.Array:
     """hidden [S, H] (rows that sample) -> float32 logits [S, V] (matmul in hidden's dtype).
-    The head is `lm_head` [H, V] when present (a tied model's runner may add one, see
-    `with_head`), else the embedding used transposed. Gemma's final soft cap applies last."""
+    The head is `lm_head` [H, V] when present ([V, H] as an `OutInWeight` on CPU in bf16; tensor
+    parallelism adds one to a tied model, engine/sharding.py), else the embedding dotted over
+    its last axis. Gemma's final soft cap applies last."""
     h = rms_norm(hidden, values(params["final_norm"]).astype(hidden.dtype), arch.rms_norm_eps,
                  plus_one=arch.gemma_norms)
     head = params.get("lm_head")
@@ -288,14 +289,6 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
         cap = float(arch.final_soft_cap)
         logits = cap * jnp.tanh(logits / cap)
     return logits
-
-
-def with_head(params: Params) -> Params:
-    """A tied model's params with the head materialised as `lm_head` [H, V] (tensor parallelism
-    splits it by vocab; engine/sharding.py)."""
-    if "lm_head" in params:
-        return params
-    return {**params, "lm_head": jnp.array(params["embed"].T)}
 
 
 def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True) -> Params:
