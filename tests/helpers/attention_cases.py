@@ -107,3 +107,23 @@ def naive_attention(host, *, sm_scale, soft_cap=None, sliding_window=None):
         w /= w.sum(-1, keepdims=True)
         out[a:b] = np.einsum("hqk,khd->qhd", w, v)
     return out
+
+
+def check_padding_never_reaches_real_rows(attention) -> None:
+    """Real rows of `attention(*args, sm_scale=...)` are bit-identical whatever garbage sits in
+    padding rows, slots and pages, and padding rows are zeros."""
+    q_lens, ctx = [1, 40, 1, 3], [100, 9, 0, 300]
+    args, _ = make_batch(4, q_lens, ctx, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, num_tokens=64, num_slots=6)
+    q, k, v, kv_lens, pages, cu, n = (np.array(a) for a in args)
+    out_nan = np.asarray(attention(*args, sm_scale=0.125))
+    real = int(cu[n[0]])
+    q[real:] = 1e4  # huge but finite padding rows
+    k[np.isnan(k)] = -3e4
+    v[np.isnan(v)] = 3e4
+    kv_lens[len(q_lens):] = 77  # garbage in padding slots: they are past num_seqs
+    cu[len(q_lens) + 1:] = real + 5
+    args2 = tuple(jnp.asarray(a) for a in (q, k, v, kv_lens, pages, cu, n))
+    out_big = np.asarray(attention(*args2, sm_scale=0.125))
+    np.testing.assert_array_equal(out_nan[:real], out_big[:real])
+    assert (out_nan[real:] == 0).all() and (out_big[real:] == 0).all()
