@@ -5,8 +5,8 @@
 //
 // Why a kernel: in jnp, decode attention becomes many small gathers and batched 3-row dots per
 // layer, and XLA:CPU ran it at ~3 GB/s of KV (3.5 ms per SmolLM2 layer at 64 rows of ~220
-// tokens) against ~12 GB/s for a plain stream. Here each (sequence, KV head, query block) item
-// reads its pages in place, once, and the items are spread over XLA's intra-op thread pool.
+// tokens) against ~12 GB/s for a plain stream. Here each (sequence, query block) item reads its
+// pages once, in order, for every KV head, and the items are spread over XLA's intra-op pool.
 //
 // Numerics follow torch's CPU flash attention (what HF's sdpa runs on CPU): keys in splits of
 // `kv_split` (512) from position 0; per split, scores in f32 from exact products, the running
@@ -50,8 +50,6 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-
-inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 // exp(x) in plain arithmetic, so that loops of it vectorise (glibc's vector expf is only
 // declared under -ffast-math, which would also change the process's float environment):
