@@ -126,7 +126,7 @@ def ragged_paged_attention_cpu(
     q_block: int = Q_BLOCK,
 ) -> jax.Array:
     """reference.py's signature and result (up to f32 summation order); `register` first.
-    bf16 values (a bf16 q, or a uint16/bf16 cache) round the probabilities to bf16 before the
+    With a bf16 cache (bf16, or uint16 bits) the probabilities are rounded to bf16 before the
     PV product, as torch's CPU flash attention does."""
     if _registered is None:
         raise KernelUnavailable("register(cache_dir) first")
