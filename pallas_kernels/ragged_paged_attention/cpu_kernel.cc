@@ -199,11 +199,80 @@ struct Item {
 // Per-thread scratch, reused across calls.
 struct Scratch {
   std::vector<float> q, k, v, kt, s, acc, m, l;
+  std::vector<uint16_t> qb;  // bf16 queries (run_decode_bf16)
+#if defined(__AVX512F__)
+  struct alignas(64) Zmm {
+    __m512 v;
+  };
+  std::vector<Zmm> part;  // partial dot products, 16 keys per score row
+#endif
 };
 
 constexpr int kDecodeRows = 8;  // at most this many score rows per KV head: plain dots
 constexpr int kRowBlock = 4;    // score rows that share each loaded K/V vector in the tiles
 constexpr int kPrefetchPages = 2;  // the sweep prefetches this many pages ahead
+
+// The item's output rows: acc / l, rounded to q's dtype.
+void write_out(const Problem& p, const Item& it, const Scratch& sc, int32_t start, int64_t Hkv,
+               int64_t G, int64_t R, int64_t D) {
+  for (int32_t i = 0; i < it.rows; ++i)
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hr = h * R + i * G + g;
+        const float inv = 1.0f / std::max(sc.l[hr], 1e-30f);
+        const int64_t off = ((start + it.row0 + i) * p.Hq + h * G + g) * D;
+        const float* acc = &sc.acc[hr * D];
+        if (p.q16) {
+          uint16_t* o = static_cast<uint16_t*>(p.out) + off;
+          for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] * inv);
+        } else {
+          float* o = static_cast<float*>(p.out) + off;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+        }
+      }
+}
+
+// One score row of a split, in place: scale (and soft cap), mask the keys the query at `qpos`
+// does not see (key a + j), update the running max m and sum l, leave the probabilities
+// exp(s - m) in sr (rounded to bf16 when round_p) and rescale the row's accumulator acc[D].
+inline void softmax_split_row(const Problem& p, float* sr, int64_t n, int64_t a, int32_t qpos,
+                              float& m, float& l, float* acc, int64_t D) {
+  const float cap = p.soft_cap, scale = p.sm_scale;
+  const int32_t window = p.window;
+  if (cap > 0) {
+    for (int64_t j = 0; j < n; ++j) sr[j] = cap * std::tanh(sr[j] * scale / cap);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) sr[j] *= scale;
+  }
+  // visible keys: a + j <= qpos and (no window or a + j > qpos - window)
+  const int64_t vis_hi = std::clamp<int64_t>(qpos - a + 1, 0, n);
+  const int64_t vis_lo =
+      window > 0 ? std::clamp<int64_t>(int64_t{qpos} - window + 1 - a, 0, n) : 0;
+  for (int64_t j = 0; j < vis_lo; ++j) sr[j] = kNeg;
+  for (int64_t j = vis_hi; j < n; ++j) sr[j] = kNeg;
+  const float mx = row_max(sr, n);
+  const float m_new = std::max(m, mx);
+  if (m_new == kNeg) {  // nothing visible yet for this row: no weight from this split
+    std::memset(sr, 0, sizeof(float) * n);
+    return;
+  }
+  const float alpha = std::exp(m - m_new);
+  // masked scores are kNeg: exp(kNeg - m_new) is exactly 0
+  const float sum = exp_and_sum(sr, n, m_new);
+  if (p.round_p) {
+    uint32_t* bits = reinterpret_cast<uint32_t*>(sr);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {  // round to nearest even bf16 (finite values)
+      const uint32_t u = bits[j];
+      bits[j] = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    }
+  }
+  l = l * alpha + sum;
+  m = m_new;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+}
 
 // One item: `rows` query positions of a sequence, every head, over the visible keys. Per split
 // of the keys, the pages are swept once in order (all KV heads of a token are contiguous) into
@@ -244,8 +313,6 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(it.seq) * p.W;
   float* kt = sc.kt.data();
   float* s = sc.s.data();  // [R, n] for the head at hand
-  const float cap = p.soft_cap, scale = p.sm_scale;
-  const int32_t window = p.window;
   for (int64_t j0 = (lo / split) * split; j0 < hi; j0 += split) {
     const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + split, hi);
     const int64_t n = b - a;
@@ -307,46 +374,9 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
         for (; r < R; ++r)
           for (int64_t j = 0; j < n; ++j) s[r * n + j] = dot(q + r * D, kh + j * HD, D);
       }
-      // online softmax per row: scale (and soft cap), mask, running max and sum, probabilities
-      for (int64_t r = 0; r < R; ++r) {
-        const int32_t qpos = ctx + it.row0 + static_cast<int32_t>(r / G);
-        float* sr = s + r * n;
-        if (cap > 0) {
-          for (int64_t j = 0; j < n; ++j) sr[j] = cap * std::tanh(sr[j] * scale / cap);
-        } else {
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) sr[j] *= scale;
-        }
-        // visible keys: a + j <= qpos and (no window or a + j > qpos - window)
-        const int64_t vis_hi = std::clamp<int64_t>(qpos - a + 1, 0, n);
-        const int64_t vis_lo =
-            window > 0 ? std::clamp<int64_t>(int64_t{qpos} - window + 1 - a, 0, n) : 0;
-        for (int64_t j = 0; j < vis_lo; ++j) sr[j] = kNeg;
-        for (int64_t j = vis_hi; j < n; ++j) sr[j] = kNeg;
-        const float mx = row_max(sr, n);
-        const int64_t hr = h * R + r;
-        const float m_new = std::max(sc.m[hr], mx);
-        if (m_new == kNeg) {  // nothing visible yet for this row: no weight from this split
-          std::memset(sr, 0, sizeof(float) * n);
-          continue;
-        }
-        const float alpha = std::exp(sc.m[hr] - m_new);
-        // masked scores are kNeg: exp(kNeg - m_new) is exactly 0
-        const float sum = exp_and_sum(sr, n, m_new);
-        if (p.round_p) {
-          uint32_t* bits = reinterpret_cast<uint32_t*>(sr);
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) {  // round to nearest even bf16 (finite values)
-            const uint32_t u = bits[j];
-            bits[j] = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-          }
-        }
-        sc.l[hr] = sc.l[hr] * alpha + sum;
-        sc.m[hr] = m_new;
-        float* acc = &sc.acc[hr * D];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-      }
+      for (int64_t r = 0; r < R; ++r)
+        softmax_split_row(p, s + r * n, n, a, ctx + it.row0 + static_cast<int32_t>(r / G),
+                          sc.m[h * R + r], sc.l[h * R + r], &sc.acc[(h * R + r) * D], D);
       // acc[r] += p[r] @ v: kRowBlock rows share each V row
       float* acc = &sc.acc[h * R * D];
       int64_t r = 0;
@@ -376,24 +406,207 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
       }
     }
   }
-  for (int32_t i = 0; i < it.rows; ++i)
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t hr = h * R + i * G + g;
-        const float inv = 1.0f / std::max(sc.l[hr], 1e-30f);
-        const int64_t off = ((start + it.row0 + i) * p.Hq + h * G + g) * D;
-        const float* acc = &sc.acc[hr * D];
-        if (p.q16) {
-          uint16_t* o = static_cast<uint16_t*>(p.out) + off;
-          for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] * inv);
-        } else {
-          float* o = static_cast<float*>(p.out) + off;
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
-        }
-      }
+  write_out(p, it, sc, start, Hkv, G, R, D);
 }
 
-void run_any(const Problem& p, const Item& it, Scratch& sc) {
+#if defined(__AVX512BF16__)
+// Sums of 16 vectors in one: lane L of the result is the sum of the 16 lanes of v[kSumSlot[L]]
+// (three shuffle-and-add levels of 8, 4, 2 and 1 pairs; 45 instructions against 16 separate
+// horizontal reductions' ~130). Callers store key L's partial sums at v[kSumSlot[L]]
+// (the slot map is its own inverse).
+constexpr int kSumSlot[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline __m512 sum16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44),
+                         _mm512_shuffle_ps(x[i], x[i + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+// Decode items with a bf16 cache and bf16 queries (what a bf16 model runs): the pages are read
+// in place with AVX512-BF16 dot products (exact bf16 products, f32 sums) instead of being
+// converted into f32 scratch first. The f32 sweep spent ~45% of a decode layer storing the
+// converted copy and waiting on the loads behind it. Same splits and softmax as run_item.
+// Pass 1 walks the split's keys in order: per key, every head's K row dotted with its score
+// rows, 16 keys' partial sums reduced together (sum16); the V rows of the key and the K rows a
+// few pages ahead are prefetched meanwhile. Pass 2: acc += p @ v, two keys at a time (their V
+// rows interleaved into bf16 pairs, the pair of probabilities broadcast).
+template <int kD>
+void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* next) {
+  static_assert(kD % 32 == 0, "head dim in chunks of 32 bf16");
+  constexpr int kC = kD / 32;  // 64-byte chunks per head row
+  const int64_t Hkv = p.Hkv, G = p.Hq / p.Hkv, P = p.P, HD = Hkv * kD;
+  const int32_t start = p.cu[it.seq];
+  const int32_t q_len = p.cu[it.seq + 1] - start;
+  const int32_t kv_len = p.kv_lens[it.seq];
+  const int32_t ctx = kv_len - q_len;
+  const int64_t R = static_cast<int64_t>(it.rows) * G;  // score rows per KV head (<= 8)
+  const int64_t HR = Hkv * R;
+  const int64_t split = p.kv_split;
+  // score row (h, r) = query row r / G, head h * G + r % G; its bf16 query at qb[(h*R + r)*kD]
+  sc.qb.resize(HR * kD);
+  sc.acc.assign(HR * kD, 0.0f);
+  sc.m.assign(HR, kNeg);
+  sc.l.assign(HR, 0.0f);
+  sc.s.resize(HR * split);
+  sc.part.resize(HR * 16);
+  const uint16_t* q16 = static_cast<const uint16_t*>(p.q);
+  for (int32_t i = 0; i < it.rows; ++i)
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(&sc.qb[(h * R + i * G + g) * kD],
+                    q16 + ((start + it.row0 + i) * p.Hq + h * G + g) * kD, 2 * kD);
+  const int32_t first_pos = ctx + it.row0, last_pos = ctx + it.row0 + it.rows - 1;
+  int32_t lo = 0;
+  if (p.window > 0) lo = std::max(0, first_pos - p.window + 1);
+  const int32_t hi = std::min(kv_len, last_pos + 1);
+  const int32_t* seq_pages = p.pages + static_cast<int64_t>(it.seq) * p.W;
+  const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
+  const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
+  auto token = [&](int64_t pos) {  // offset of token pos's row (every head) in the cache
+    return (static_cast<int64_t>(seq_pages[pos / P]) * P + pos % P) * HD;
+  };
+  constexpr int64_t kAhead = 32;  // keys ahead whose K rows pass 1 prefetches
+  const int64_t row_lines = (HD * 2 + 63) / 64;
+  // the next item's first kAhead keys (its pass 1 prefetches the rest), a line at a time
+  int64_t next_lines = 0, next_lo = 0;
+  const int32_t* next_pages = nullptr;
+  if (next != nullptr) {
+    const int32_t nkv = p.kv_lens[next->seq];
+    const int32_t nctx = nkv - (p.cu[next->seq + 1] - p.cu[next->seq]);
+    if (p.window > 0) next_lo = std::max(0, nctx + next->row0 - p.window + 1);
+    const int64_t nhi = std::min(nkv, nctx + next->row0 + next->rows);
+    next_lines = std::max<int64_t>(0, std::min<int64_t>(kAhead, nhi - next_lo)) * row_lines;
+    next_pages = p.pages + static_cast<int64_t>(next->seq) * p.W;
+  }
+  auto next_line_addr = [&](int64_t line) {
+    const int64_t pos = next_lo + line / row_lines;
+    const int64_t off = (static_cast<int64_t>(next_pages[pos / P]) * P + pos % P) * HD;
+    return reinterpret_cast<const char*>(kbase + off) + 64 * (line % row_lines);
+  };
+  float* s = sc.s.data();  // pointers hoisted: the stores below could alias sc's own fields
+  float* accs = sc.acc.data();
+  const uint16_t* qb = sc.qb.data();
+  __m512* part = &sc.part.data()->v;  // Zmm is exactly one __m512
+  // pair interleave: word 2i <- a[i0 + i], word 2i + 1 <- b[i0 + i]
+  alignas(64) uint16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = static_cast<uint16_t>(i);
+    lo_idx[2 * i + 1] = static_cast<uint16_t>(32 + i);
+    hi_idx[2 * i] = static_cast<uint16_t>(16 + i);
+    hi_idx[2 * i + 1] = static_cast<uint16_t>(48 + i);
+  }
+  const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
+  for (int64_t j0 = (lo / split) * split; j0 < hi; j0 += split) {
+    const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + split, hi);
+    const int64_t n = b - a;
+    // pass 1: s[(h*R + r) * n + j] = q . k_j
+    for (int64_t jb = 0; jb < n; jb += 16) {
+      const int64_t nb = std::min<int64_t>(16, n - jb);
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        const int slot = kSumSlot[jj];
+        if (jj >= nb) {
+          for (int64_t hr = 0; hr < HR; ++hr) part[hr * 16 + slot] = _mm512_setzero_ps();
+          continue;
+        }
+        const int64_t pos = a + jb + jj;
+        const int64_t off = token(pos);
+        if (pos + kAhead < hi) {
+          const char* kp = reinterpret_cast<const char*>(kbase + token(pos + kAhead));
+          for (int64_t c = 0; c < row_lines; ++c) _mm_prefetch(kp + 64 * c, _MM_HINT_T1);
+        }
+        const char* vp = reinterpret_cast<const char*>(vbase + off);
+        for (int64_t c = 0; c < row_lines; ++c) _mm_prefetch(vp + 64 * c, _MM_HINT_T1);
+        const uint16_t* kr = kbase + off;
+        for (int64_t h = 0; h < Hkv; ++h) {
+          __m512bh kc[kC];
+          for (int c = 0; c < kC; ++c)
+            kc[c] = (__m512bh)_mm512_loadu_si512(kr + h * kD + 32 * c);
+          for (int64_t r = 0; r < R; ++r) {
+            const uint16_t* qr = qb + (h * R + r) * kD;
+            __m512 t = _mm512_setzero_ps();
+            for (int c = 0; c < kC; ++c)
+              t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(qr + 32 * c), kc[c]);
+            part[(h * R + r) * 16 + slot] = t;
+          }
+        }
+      }
+      for (int64_t hr = 0; hr < HR; ++hr) {
+        const __m512 sums = sum16(part + hr * 16);
+        _mm512_mask_storeu_ps(s + hr * n + jb, static_cast<__mmask16>((1u << nb) - 1), sums);
+      }
+    }
+    for (int64_t hr = 0; hr < HR; ++hr)
+      softmax_split_row(p, s + hr * n, n, a, ctx + it.row0 + static_cast<int32_t>((hr % R) / G),
+                        sc.m[hr], sc.l[hr], &sc.acc[hr * kD], kD);
+    // pass 2: acc += p @ v, keys in pairs, per head and block of up to 4 score rows; the
+    // first keys of the item this thread runs next are prefetched meanwhile (else its pass 1
+    // would start on cold pages), two lines per pair of keys
+    const bool last_split = j0 + split >= hi;
+    int64_t next_line = 0;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int64_t rb = std::min<int64_t>(4, R - r0);
+        __m512 acc[4][2 * kC];
+        for (int64_t r = 0; r < rb; ++r)
+          for (int c = 0; c < 2 * kC; ++c)
+            acc[r][c] = _mm512_loadu_ps(accs + (h * R + r0 + r) * kD + 16 * c);
+        for (int64_t j = 0; j < n; j += 2) {
+          if (next != nullptr && last_split && next_line < next_lines) {
+            for (int t = 0; t < 2 && next_line < next_lines; ++t, ++next_line)
+              _mm_prefetch(next_line_addr(next_line), _MM_HINT_T1);
+          }
+          const bool pair = j + 1 < n;
+          const uint16_t* v0 = vbase + token(a + j) + h * kD;
+          const uint16_t* v1 = pair ? vbase + token(a + j + 1) + h * kD : v0;
+          __m512bh vv[2 * kC];
+          for (int c = 0; c < kC; ++c) {
+            const __m512i x0 = _mm512_loadu_si512(v0 + 32 * c);
+            // a missing second key gets zero rows (not v0's: 0 * inf would be NaN)
+            const __m512i x1 = pair ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
+            vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x0, ilo, x1);
+            vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x0, ihi, x1);
+          }
+          for (int64_t r = 0; r < rb; ++r) {
+            const float* pr = s + (h * R + r0 + r) * n + j;
+            uint32_t bits0, bits1 = 0;
+            std::memcpy(&bits0, pr, 4);
+            if (pair) std::memcpy(&bits1, pr + 1, 4);
+            // probabilities are already bf16-rounded f32: their top halves are the bf16 bits
+            const __m512bh pp =
+                (__m512bh)_mm512_set1_epi32(static_cast<int32_t>((bits0 >> 16) | (bits1 & 0xffff0000u)));
+            for (int c = 0; c < 2 * kC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pp);
+          }
+        }
+        for (int64_t r = 0; r < rb; ++r)
+          for (int c = 0; c < 2 * kC; ++c)
+            _mm512_storeu_ps(accs + (h * R + r0 + r) * kD + 16 * c, acc[r][c]);
+      }
+    }
+  }
+  write_out(p, it, sc, start, Hkv, G, R, kD);
+}
+#endif
+
+// `next`: the item this thread runs after `it` (its first pages are prefetched), or null.
+void run_any(const Problem& p, const Item& it, Scratch& sc, const Item* next) {
+#if defined(__AVX512BF16__)
+  if (p.q16 && p.kv16 && p.round_p && it.rows * (p.Hq / p.Hkv) <= kDecodeRows) {
+    switch (p.D) {
+      case 64: return run_decode_bf16<64>(p, it, sc, next);
+      case 128: return run_decode_bf16<128>(p, it, sc, next);
+      case 256: return run_decode_bf16<256>(p, it, sc, next);
+      default: break;
+    }
+  }
+#endif
   switch (p.D) {
     case 64: return run_item<64>(p, it, sc);
     case 128: return run_item<128>(p, it, sc);
@@ -414,9 +627,13 @@ struct Work {
 void drain(Work& w) {
   thread_local Scratch sc;
   const int64_t n = static_cast<int64_t>(w.items.size());
-  for (int64_t i; (i = w.next.fetch_add(1)) < n;) {
-    run_any(w.problem, w.items[i], sc);
+  // each thread claims its next item before running the current one, so that the current
+  // one can prefetch the next one's first pages
+  for (int64_t i = w.next.fetch_add(1); i < n;) {
+    const int64_t after = w.next.fetch_add(1);
+    run_any(w.problem, w.items[i], sc, after < n ? &w.items[after] : nullptr);
     w.done.fetch_add(1, std::memory_order_release);
+    i = after;
   }
 }
 

@@ -92,13 +92,16 @@ def test_native_matches_reference(dtype, batch, page_size, heads, head_dim, soft
              sliding_window=sliding_window)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("kv_split,q_block", [(512, 16), (64, 1), (100, 7), (4096, 64)])
-def test_split_and_block_sizes_are_tuning_only(kv_split, q_block):
-    """In f32 the softmax split and the query block change only the summation order."""
+def test_split_and_block_sizes_are_tuning_only(kv_split, q_block, dtype):
+    """The softmax split and the query block change only the summation order (and, in bf16,
+    where p is rounded). q_block 1 sends every row of the chunks down the decode path (bf16:
+    the in-place AVX512-BF16 one) with several splits and an odd key count per split."""
     q_lens, ctx = [1, 130, 1, 17, 1, 2], [700, 0, 33, 1200, 0, 61]
     args, host = make_batch(5, q_lens, ctx, num_q_heads=6, num_kv_heads=2, head_dim=64,
-                            page_size=16, num_tokens=160, num_slots=8)
-    _compare(args, host, np.float32, native_kw={"kv_split": kv_split, "q_block": q_block},
+                            page_size=16, num_tokens=160, num_slots=8, dtype=dtype)
+    _compare(args, host, dtype, native_kw={"kv_split": kv_split, "q_block": q_block},
              sm_scale=0.125, sliding_window=300)
 
 
