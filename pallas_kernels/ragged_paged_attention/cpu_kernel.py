@@ -124,10 +124,13 @@ def ragged_paged_attention_cpu(
     sliding_window: int | jax.Array | None = None,
     kv_split: int = KV_SPLIT,
     q_block: int = Q_BLOCK,
+    use_amx: bool = True,
 ) -> jax.Array:
     """reference.py's signature and result (up to f32 summation order); `register` first.
     With a bf16 cache (bf16, or uint16 bits) the probabilities are rounded to bf16 before the
-    PV product, as torch's CPU flash attention does."""
+    PV product, as torch's CPU flash attention does. bf16 queries and cache: decode rows use
+    AVX512-BF16 dots on the pages in place, prefill rows AMX tiles, where the CPU has them
+    (`use_amx=False`: the f32 path for prefill rows, for tests to compare)."""
     if _registered is None:
         raise KernelUnavailable("register(cache_dir) first")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
@@ -138,7 +141,8 @@ def ragged_paged_attention_cpu(
                 cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), window.reshape(1),
                 sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
-                kv_split=np.int64(kv_split), round_p=bool(round_p), q_block=np.int64(q_block))
+                kv_split=np.int64(kv_split), round_p=bool(round_p), q_block=np.int64(q_block),
+                use_amx=bool(use_amx))
 
 
 @functools.cache

@@ -31,7 +31,7 @@ from tests.helpers.attention_cases import (
 # max |diff| <= atol + rtol * |ref|: f32 differs by summation order; bf16 outputs are rounded to
 # bf16 and the probabilities to bf16 at different split boundaries (512 keys here, 64 there)
 TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(jnp.bfloat16): (1.5e-2, 1.5e-2)}
-_STATIC = ("sm_scale", "soft_cap", "sliding_window", "kv_split", "q_block")
+_STATIC = ("sm_scale", "soft_cap", "sliding_window", "kv_split", "q_block", "use_amx")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -103,6 +103,20 @@ def test_split_and_block_sizes_are_tuning_only(kv_split, q_block, dtype):
                             page_size=16, num_tokens=160, num_slots=8, dtype=dtype)
     _compare(args, host, dtype, native_kw={"kv_split": kv_split, "q_block": q_block},
              sm_scale=0.125, sliding_window=300)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_prefill_amx_and_f32_tiles_agree(head_dim):
+    """bf16 prefill rows: the AMX tiles (where the CPU has them) and the f32 path both match
+    the reference, chunks of 1-300 rows (padding rows in the last 16-row tile) and splits."""
+    q_lens, ctx = [130, 17, 1, 45, 300], [0, 600, 40, 3, 200]
+    args, host = make_batch(6, q_lens, ctx, num_q_heads=9, num_kv_heads=3, head_dim=head_dim,
+                            page_size=16, num_tokens=512, num_slots=6, dtype=jnp.bfloat16)
+    kw = {"sm_scale": head_dim**-0.5, "sliding_window": 500}
+    amx = _compare(args, host, jnp.bfloat16, native_kw={"use_amx": True}, **kw)
+    f32 = _compare(args, host, jnp.bfloat16, native_kw={"use_amx": False}, **kw)
+    atol, rtol = TOL[np.dtype(jnp.bfloat16)]
+    np.testing.assert_allclose(amx, f32, atol=atol, rtol=rtol)
 
 
 def test_native_matches_naive_oracle():
