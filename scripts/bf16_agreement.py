@@ -7,6 +7,8 @@ exact bf16 tie) and HF's own top-2 margin.
 
   python scripts/bf16_agreement.py [--workload ../shared/workloads/bench64.jsonl] [--tokens 32]
       [--limit N] [--hf-cache FILE]   (HF's tokens and logits are kept in FILE for reruns)
+      [--peer-tokens FILE]   (a peer's greedy tokens, from scripts/peer_greedy_tokens.py: the
+                              same count for the peer, to show what "agree" can reach)
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--hf-cache", default=None,
                    help="npz file keeping HF's greedy tokens and logits between runs")
+    p.add_argument("--peer-tokens", default=None,
+                   help="JSON from scripts/peer_greedy_tokens.py: report the peer's agreement too")
     args = p.parse_args()
     from jaxbatch import LLM, SamplingParams
 
@@ -59,6 +63,13 @@ def main() -> None:
         print(", ".join(f"{i}@{k} ({g:.3f}, {m:.3f})" for i, k, g, m in parted))
         print(f"median index where they part: {int(np.median([p[1] for p in parted]))}; "
               f"exact bf16 ties under HF: {sum(p[2] == 0 for p in parted)}/{len(parted)}")
+    if args.peer_tokens:
+        peer = json.load(open(args.peer_tokens))
+        theirs = [list(t[: args.tokens]) for t in peer["tokens"][: len(rows)]]
+        with_hf = sum(t == hf_tokens[i] for i, t in enumerate(theirs))
+        with_ours = sum(t == list(ours[i]) for i, t in enumerate(theirs))
+        print(f"{peer['engine']} {peer['dtype']}: {with_hf}/{n} requests agree with HF bf16 "
+              f"({with_hf / n:.1%}), {with_ours}/{n} with jaxbatch bf16")
 
 
 def hf_greedy_bf16(src: str, rows: list[dict], tokens: int,

