@@ -4,7 +4,9 @@
 # shared-prefix chat workload (made by scripts/make_shared_prefix_workload.py when missing).
 #   PEERS=/path/to/peers bash scripts/serving_vs_vllm.sh        (PEERS: ../shared/peers/README.md)
 # Env: RATES, OUT (results folder), SKIP_OURS=1, SKIP_VLLM=1, JAXBATCH_ARGS (more `jaxbatch serve`
-# options, e.g. --no-live-replan for an A/B of re-planning). jaxbatch runs the SmolLM2 preset
+# options, e.g. --no-live-replan for an A/B of re-planning), GAP (seconds of quiet between two
+# runs, default 15: jaxbatch compiles a re-planned set in such lulls, and a run should not start
+# on top of that compile; both servers get the same gaps). jaxbatch runs the SmolLM2 preset
 # (live re-planning on; its learned bucket sets are cleared first so runs start alike).
 set -u
 cd "$(dirname "$0")/.."
@@ -21,6 +23,7 @@ run_set() { # name url
       .venv/bin/python scripts/bench_serving.py --base-url "$2" --workload "${w#*:}" \
         --request-rate "$r" --json-out "$OUT/$1.jsonl" > "$OUT/$1-${w%%:*}-$r.txt" 2>&1
       grep -E "tokens/s|TTFT|ITL|hit rate|re-plans|failed" "$OUT/$1-${w%%:*}-$r.txt" | sed "s/^/$1 ${w%%:*} $r: /"
+      sleep "${GAP:-15}"
     done
   done
 }

@@ -74,6 +74,9 @@ class Engine:
         # structured output: one llguidance matcher per constrained request (core/grammar.py)
         self.grammars = GrammarMatchers(self.tokenizer, runner.arch.vocab_size, self.eos_token_ids)
         self.replan: BackgroundReplan | None = None  # live re-planning (engine/replan.py)
+        # time.monotonic() when the last step left nothing to run, None while there is work:
+        # live re-planning compiles in such lulls (engine/replan.py); read from its thread
+        self.idle_since: float | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LoadedModel | None = None,
@@ -126,6 +129,7 @@ class Engine:
         SamplingParams.n > 1 adds one Request per choice (ids `choice_request_ids`), sharing the
         prompt's KV (core/parallel_sampling.py); all of them are returned."""
         added: list[Request] = []
+        self.idle_since = None
         try:
             for item in new:
                 added.extend(self._add(item))
@@ -220,6 +224,7 @@ class Engine:
             self.replan.tick(self)  # between steps: swap in a learned set, or look for one
         if not batch.seqs:
             self._check_guard()
+            self._note_idle()
             return outputs
         if self.replan is not None:
             self.replan.observe(batch.num_tokens, len(batch.seqs))
@@ -252,7 +257,13 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this request's post-processing alone
                 self._fail(req, e, outputs)
         self._check_guard()
+        self._note_idle()
         return outputs
+
+    def _note_idle(self) -> None:
+        """After a step: when nothing is left to run, the engine is idle from now on."""
+        if not self.has_unfinished_requests() and self.idle_since is None:
+            self.idle_since = time.monotonic()
 
     def _build_inputs(self, sub: SubStep, outputs: list[RequestOutput]) -> StepInputs | None:
         """The sub-step's inputs; a request whose data cannot be written (RowError) is failed

@@ -106,3 +106,33 @@ def test_multi_host_refuses_live_replan():
     with pytest.raises(ValueError, match="live re-planning"):
         multihost.check_config(config)
     multihost.check_config(config_from_sources(None, model="x", dtype="float32"))
+
+
+def test_background_compile_waits_for_a_lull(monkeypatch):
+    """The proposal is made at once, but its shapes compile only after the engine has had nothing
+    to run for LULL_S (a compile mid-traffic took the cores from the steps)."""
+    import threading
+    import time
+    import types
+
+    from jaxbatch.engine import replan as engine_replan
+
+    compiled = threading.Event()
+
+    class Runner:
+        def compile_buckets(self, buckets):
+            compiled.set()
+            return {}, {}
+
+    monkeypatch.setattr(engine_replan, "LULL_S", 0.05)
+    replanner = types.SimpleNamespace(
+        propose=lambda hist, current, executed: Proposal(NEW, 1.0, 0.5, 16))
+    bg = engine_replan.BackgroundReplan(replanner, None)
+    engine = types.SimpleNamespace(runner=Runner(), idle_since=None)
+    t = threading.Thread(target=bg._work, args=(engine, {}, [Bucket(64, 8)], []))
+    t.start()
+    assert not compiled.wait(0.4), "compiled while the engine had work"
+    engine.idle_since = time.monotonic()  # the last request finished
+    assert compiled.wait(5)
+    t.join(5)
+    assert bg._ready is not None and bg._ready[0].buckets == NEW
