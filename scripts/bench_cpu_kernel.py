@@ -112,7 +112,7 @@ def main() -> None:
         t_f = median_ms(jax.jit(functools.partial(cpu_kernel.ragged_paged_attention_cpu,
                                                   sm_scale=0.125, use_amx=False)),
                         q2, k2, v2, *m2, iters=args.iters)
-        print(f"prefill {len(q_lens)} x {q_lens[0]} rows (contexts {list(ctx)}): reference "
+        print(f"prefill {len(q_lens)} x {q_lens[0]} rows (contexts {[int(c) for c in ctx]}): reference "
               f"{t_ref:.3f} ms, kernel {t_k:.3f} ms (f32 tiles instead of AMX: {t_f:.3f} ms)")
 
 
