@@ -219,6 +219,27 @@ constexpr int kDecodeRows = 8;  // at most this many score rows per KV head: pla
 constexpr int kRowBlock = 4;    // score rows that share each loaded K/V vector in the tiles
 constexpr int kPrefetchPages = 2;  // the sweep prefetches this many pages ahead
 
+// Keys [lo, hi) that some query row of the item may see (ctx: the sequence's cached tokens
+// before this step's rows).
+inline void key_range(const Problem& p, const Item& it, int32_t ctx, int32_t kv_len, int32_t& lo,
+                      int32_t& hi) {
+  const int32_t first_pos = ctx + it.row0, last_pos = ctx + it.row0 + it.rows - 1;
+  lo = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
+  hi = std::min(kv_len, last_pos + 1);
+}
+
+// The item's bf16 queries, score row (h, r) at qb[(h * row_stride + r) * D]: r = query row * G +
+// head in the group.
+inline void copy_bf16_queries(const Problem& p, const Item& it, int32_t start, int64_t G,
+                              int64_t row_stride, int64_t D, uint16_t* qb) {
+  const uint16_t* q16 = static_cast<const uint16_t*>(p.q);
+  for (int32_t i = 0; i < it.rows; ++i)
+    for (int64_t h = 0; h < p.Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(qb + (h * row_stride + i * G + g) * D,
+                    q16 + ((start + it.row0 + i) * p.Hq + h * G + g) * D, 2 * D);
+}
+
 // The item's output rows: acc / l, rounded to q's dtype.
 void write_out(const Problem& p, const Item& it, const Scratch& sc, int32_t start, int64_t Hkv,
                int64_t G, int64_t R, int64_t D) {
@@ -388,10 +409,8 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
       for (int64_t g = 0; g < G; ++g)
         load_row(p.q, p.q16, ((start + it.row0 + i) * p.Hq + h * G + g) * D, D,
                  &sc.q[(h * R + i * G + g) * D]);
-  const int32_t first_pos = ctx + it.row0, last_pos = ctx + it.row0 + it.rows - 1;
-  int32_t lo = 0;
-  if (p.window > 0) lo = std::max(0, first_pos - p.window + 1);
-  const int32_t hi = std::min(kv_len, last_pos + 1);  // keys [lo, hi) may be visible
+  int32_t lo, hi;  // keys [lo, hi) may be visible
+  key_range(p, it, ctx, kv_len, lo, hi);
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(it.seq) * p.W;
   float* kt = sc.kt.data();
   float* s = sc.s.data();  // [R, n] for the head at hand
@@ -537,6 +556,20 @@ class TileScope {
 #endif
 
 #if defined(__AVX512BF16__)
+
+// vpermt2w indices interleaving two rows of 32 bf16 into pairs: lo takes elements 0-15 of a and
+// b as (a[i], b[i]), hi elements 16-31.
+inline void pair_indices(__m512i& lo, __m512i& hi) {
+  alignas(64) uint16_t l[32], h[32];
+  for (int i = 0; i < 16; ++i) {
+    l[2 * i] = static_cast<uint16_t>(i);
+    l[2 * i + 1] = static_cast<uint16_t>(32 + i);
+    h[2 * i] = static_cast<uint16_t>(16 + i);
+    h[2 * i + 1] = static_cast<uint16_t>(48 + i);
+  }
+  lo = _mm512_load_si512(l);
+  hi = _mm512_load_si512(h);
+}
 // Sums of 16 vectors in one: lane L of the result is the sum of the 16 lanes of v[kSumSlot[L]]
 // (three shuffle-and-add levels of 8, 4, 2 and 1 pairs; 45 instructions against 16 separate
 // horizontal reductions' ~130). Callers store key L's partial sums at v[kSumSlot[L]]
@@ -584,16 +617,9 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   sc.l.assign(HR, 0.0f);
   sc.s.resize(HR * split);
   sc.part.resize(HR * 16);
-  const uint16_t* q16 = static_cast<const uint16_t*>(p.q);
-  for (int32_t i = 0; i < it.rows; ++i)
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t g = 0; g < G; ++g)
-        std::memcpy(&sc.qb[(h * R + i * G + g) * kD],
-                    q16 + ((start + it.row0 + i) * p.Hq + h * G + g) * kD, 2 * kD);
-  const int32_t first_pos = ctx + it.row0, last_pos = ctx + it.row0 + it.rows - 1;
-  int32_t lo = 0;
-  if (p.window > 0) lo = std::max(0, first_pos - p.window + 1);
-  const int32_t hi = std::min(kv_len, last_pos + 1);
+  copy_bf16_queries(p, it, start, G, R, kD, sc.qb.data());
+  int32_t lo, hi;
+  key_range(p, it, ctx, kv_len, lo, hi);
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(it.seq) * p.W;
   const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
   const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
@@ -607,10 +633,10 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   const int32_t* next_pages = nullptr;
   if (next != nullptr) {
     const int32_t nkv = p.kv_lens[next->seq];
-    const int32_t nctx = nkv - (p.cu[next->seq + 1] - p.cu[next->seq]);
-    if (p.window > 0) next_lo = std::max(0, nctx + next->row0 - p.window + 1);
-    const int64_t nhi = std::min(nkv, nctx + next->row0 + next->rows);
-    next_lines = std::max<int64_t>(0, std::min<int64_t>(kAhead, nhi - next_lo)) * row_lines;
+    int32_t nlo, nhi;
+    key_range(p, *next, nkv - (p.cu[next->seq + 1] - p.cu[next->seq]), nkv, nlo, nhi);
+    next_lo = nlo;
+    next_lines = std::max<int64_t>(0, std::min<int64_t>(kAhead, nhi - nlo)) * row_lines;
     next_pages = p.pages + static_cast<int64_t>(next->seq) * p.W;
   }
   auto next_line_addr = [&](int64_t line) {
@@ -623,14 +649,8 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   const uint16_t* qb = sc.qb.data();
   __m512* part = &sc.part.data()->v;  // Zmm is exactly one __m512
   // pair interleave: word 2i <- a[i0 + i], word 2i + 1 <- b[i0 + i]
-  alignas(64) uint16_t lo_idx[32], hi_idx[32];
-  for (int i = 0; i < 16; ++i) {
-    lo_idx[2 * i] = static_cast<uint16_t>(i);
-    lo_idx[2 * i + 1] = static_cast<uint16_t>(32 + i);
-    hi_idx[2 * i] = static_cast<uint16_t>(16 + i);
-    hi_idx[2 * i + 1] = static_cast<uint16_t>(48 + i);
-  }
-  const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
+  __m512i ilo, ihi;
+  pair_indices(ilo, ihi);
   for (int64_t j0 = (lo / split) * split; j0 < hi; j0 += split) {
     const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + split, hi);
     const int64_t n = b - a;
@@ -755,16 +775,9 @@ void run_prefill_amx(const Problem& p, const Item& it, Scratch& sc) {
   sc.kt2.resize(kD2 * npad_max);
   sc.v2.resize((npad_max / 2) * kD);
   sc.pb.resize(Rs * npad_max);
-  const uint16_t* q16 = static_cast<const uint16_t*>(p.q);
-  for (int32_t i = 0; i < it.rows; ++i)
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t g = 0; g < G; ++g)
-        std::memcpy(&sc.qb[(h * Rs + i * G + g) * kD],
-                    q16 + ((start + it.row0 + i) * p.Hq + h * G + g) * kD, 2 * kD);
-  const int32_t first_pos = ctx + it.row0, last_pos = ctx + it.row0 + it.rows - 1;
-  int32_t lo = 0;
-  if (p.window > 0) lo = std::max(0, first_pos - p.window + 1);
-  const int32_t hi = std::min(kv_len, last_pos + 1);
+  copy_bf16_queries(p, it, start, G, Rs, kD, sc.qb.data());
+  int32_t lo, hi;
+  key_range(p, it, ctx, kv_len, lo, hi);
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(it.seq) * p.W;
   const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
   const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
@@ -776,14 +789,8 @@ void run_prefill_amx(const Problem& p, const Item& it, Scratch& sc) {
   uint32_t* kt2 = sc.kt2.data();
   uint32_t* v2 = sc.v2.data();
   uint16_t* pb = sc.pb.data();
-  alignas(64) uint16_t lo_idx[32], hi_idx[32];
-  for (int i = 0; i < 16; ++i) {
-    lo_idx[2 * i] = static_cast<uint16_t>(i);
-    lo_idx[2 * i + 1] = static_cast<uint16_t>(32 + i);
-    hi_idx[2 * i] = static_cast<uint16_t>(16 + i);
-    hi_idx[2 * i + 1] = static_cast<uint16_t>(48 + i);
-  }
-  const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
+  __m512i ilo, ihi;
+  pair_indices(ilo, ihi);
   for (int64_t j0 = (lo / split) * split; j0 < hi; j0 += split) {
     const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + split, hi);
     const int64_t n = b - a;
