@@ -1,10 +1,10 @@
 """Where an engine step's time goes (used by `bench_throughput.py --profile`).
 
 Real steps of a real workload are recorded (each sub-step's inputs and bucket), then replayed
-through the same compiled step and through a variant compiled with attention replaced by its query
-(the identity: the projections around it stay),
-on a scratch KV cache of the same shape (attention's cost depends on the page tables and lengths
-in the inputs, not on the cached values). Per step:
+through the same compiled step and through a variant compiled with attention replaced by its
+query (the identity: the projections around it stay), on a scratch KV cache of the same shape
+(attention's cost depends on the page tables and lengths in the inputs, not on the cached
+values). Per step:
   attention   full step - step without attention (the ragged paged attention, all layers)
   rest        the step without attention (projections, MLP, norms, KV scatter, logits)
   sampler     the separately compiled sampler

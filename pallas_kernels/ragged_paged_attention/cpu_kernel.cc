@@ -219,6 +219,27 @@ constexpr int kDecodeRows = 8;  // at most this many score rows per KV head: pla
 constexpr int kRowBlock = 4;    // score rows that share each loaded K/V vector in the tiles
 constexpr int kPrefetchPages = 2;  // the sweep prefetches this many pages ahead
 
+// Where a sequence's tokens sit in the cache: token pos's row (every KV head, HD elements) starts
+// at element offset(pos) of the K (or V) pages.
+struct SeqRows {
+  const int32_t* pages;  // the sequence's page table row
+  int64_t P, HD;
+  int64_t offset(int64_t pos) const {
+    return (static_cast<int64_t>(pages[pos / P]) * P + pos % P) * HD;
+  }
+};
+
+inline SeqRows seq_rows(const Problem& p, int32_t seq) {
+  return {p.pages + static_cast<int64_t>(seq) * p.W, p.P, p.Hkv * p.D};
+}
+
+// Fresh online-softmax state for `rows` score rows of D: accumulators, running max and sum.
+inline void reset_row_state(Scratch& sc, int64_t rows, int64_t D) {
+  sc.acc.assign(rows * D, 0.0f);
+  sc.m.assign(rows, kNeg);
+  sc.l.assign(rows, 0.0f);
+}
+
 // Keys [lo, hi) that some query row of the item may see (ctx: the sequence's cached tokens
 // before this step's rows).
 inline void key_range(const Problem& p, const Item& it, int32_t ctx, int32_t kv_len, int32_t& lo,
@@ -397,9 +418,7 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   const bool decode = R <= kDecodeRows;
   // state per (KV head h, score row r), index h * R + r; score row r = (query row, group head)
   sc.q.resize(Hkv * R * D);
-  sc.acc.assign(Hkv * R * D, 0.0f);
-  sc.m.assign(Hkv * R, kNeg);
-  sc.l.assign(Hkv * R, 0.0f);
+  reset_row_state(sc, Hkv * R, D);
   if (!decode) sc.kt.resize(D * split);
   sc.k.resize(split * HD);
   sc.v.resize(split * HD);
@@ -411,7 +430,7 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
                  &sc.q[(h * R + i * G + g) * D]);
   int32_t lo, hi;  // keys [lo, hi) may be visible
   key_range(p, it, ctx, kv_len, lo, hi);
-  const int32_t* seq_pages = p.pages + static_cast<int64_t>(it.seq) * p.W;
+  const SeqRows rows = seq_rows(p, it.seq);
   float* kt = sc.kt.data();
   float* s = sc.s.data();  // [R, n] for the head at hand
   for (int64_t j0 = (lo / split) * split; j0 < hi; j0 += split) {
@@ -424,12 +443,12 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
     for (int64_t j = 0; j < n;) {
       const int64_t pos = a + j;
       const int64_t run = std::min<int64_t>(n - j, P - pos % P);  // tokens left in this page
-      const int64_t off = (static_cast<int64_t>(seq_pages[pos / P]) * P + pos % P) * HD;
+      const int64_t off = rows.offset(pos);
       const int64_t ahead = pos / P + kPrefetchPages;
       if (ahead * P < b) {
         const int64_t first = std::max<int64_t>(ahead * P, a);
         const int64_t last = std::min<int64_t>((ahead + 1) * P, b);
-        const int64_t poff = (static_cast<int64_t>(seq_pages[ahead]) * P + first % P) * HD;
+        const int64_t poff = (static_cast<int64_t>(rows.pages[ahead]) * P + first % P) * HD;
         const char* kp = static_cast<const char*>(p.k) + poff * elem;
         const char* vp = static_cast<const char*>(p.v) + poff * elem;
         for (int64_t byte = 0; byte < (last - first) * HD * elem; byte += 64) {
@@ -602,7 +621,7 @@ template <int kD>
 void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* next) {
   static_assert(kD % 32 == 0, "head dim in chunks of 32 bf16");
   constexpr int kC = kD / 32;  // 64-byte chunks per head row
-  const int64_t Hkv = p.Hkv, G = p.Hq / p.Hkv, P = p.P, HD = Hkv * kD;
+  const int64_t Hkv = p.Hkv, G = p.Hq / p.Hkv, HD = Hkv * kD;
   const int32_t start = p.cu[it.seq];
   const int32_t q_len = p.cu[it.seq + 1] - start;
   const int32_t kv_len = p.kv_lens[it.seq];
@@ -612,37 +631,32 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   const int64_t split = p.kv_split;
   // score row (h, r) = query row r / G, head h * G + r % G; its bf16 query at qb[(h*R + r)*kD]
   sc.qb.resize(HR * kD);
-  sc.acc.assign(HR * kD, 0.0f);
-  sc.m.assign(HR, kNeg);
-  sc.l.assign(HR, 0.0f);
+  reset_row_state(sc, HR, kD);
   sc.s.resize(HR * split);
   sc.part.resize(HR * 16);
   copy_bf16_queries(p, it, start, G, R, kD, sc.qb.data());
   int32_t lo, hi;
   key_range(p, it, ctx, kv_len, lo, hi);
-  const int32_t* seq_pages = p.pages + static_cast<int64_t>(it.seq) * p.W;
   const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
   const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
-  auto token = [&](int64_t pos) {  // offset of token pos's row (every head) in the cache
-    return (static_cast<int64_t>(seq_pages[pos / P]) * P + pos % P) * HD;
-  };
+  const SeqRows rows = seq_rows(p, it.seq);
+  auto token = [&rows](int64_t pos) { return rows.offset(pos); };
   constexpr int64_t kAhead = 32;  // keys ahead whose K rows pass 1 prefetches
   const int64_t row_lines = (HD * 2 + 63) / 64;
   // the next item's first kAhead keys (its pass 1 prefetches the rest), a line at a time
   int64_t next_lines = 0, next_lo = 0;
-  const int32_t* next_pages = nullptr;
+  SeqRows next_rows{};
   if (next != nullptr) {
     const int32_t nkv = p.kv_lens[next->seq];
     int32_t nlo, nhi;
     key_range(p, *next, nkv - (p.cu[next->seq + 1] - p.cu[next->seq]), nkv, nlo, nhi);
     next_lo = nlo;
     next_lines = std::max<int64_t>(0, std::min<int64_t>(kAhead, nhi - nlo)) * row_lines;
-    next_pages = p.pages + static_cast<int64_t>(next->seq) * p.W;
+    next_rows = seq_rows(p, next->seq);
   }
   auto next_line_addr = [&](int64_t line) {
     const int64_t pos = next_lo + line / row_lines;
-    const int64_t off = (static_cast<int64_t>(next_pages[pos / P]) * P + pos % P) * HD;
-    return reinterpret_cast<const char*>(kbase + off) + 64 * (line % row_lines);
+    return reinterpret_cast<const char*>(kbase + next_rows.offset(pos)) + 64 * (line % row_lines);
   };
   float* s = sc.s.data();  // pointers hoisted: the stores below could alias sc's own fields
   float* accs = sc.acc.data();
@@ -756,7 +770,7 @@ template <int kD>
 void run_prefill_amx(const Problem& p, const Item& it, Scratch& sc) {
   static_assert(kD % 32 == 0, "head dim in chunks of 32 bf16");
   constexpr int kD2 = kD / 2;  // u32 pairs per head row
-  const int64_t Hkv = p.Hkv, G = p.Hq / p.Hkv, P = p.P, HD = Hkv * kD;
+  const int64_t Hkv = p.Hkv, G = p.Hq / p.Hkv;
   const int32_t start = p.cu[it.seq];
   const int32_t q_len = p.cu[it.seq + 1] - start;
   const int32_t kv_len = p.kv_lens[it.seq];
@@ -768,9 +782,7 @@ void run_prefill_amx(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t split = p.kv_split;
   const int64_t npad_max = (split + kKeyTile - 1) / kKeyTile * kKeyTile;
   sc.qb.resize(HR * kD);
-  sc.acc.assign(HR * kD, 0.0f);
-  sc.m.assign(HR, kNeg);
-  sc.l.assign(HR, 0.0f);
+  reset_row_state(sc, HR, kD);
   sc.s.resize(Rs * npad_max);
   sc.kt2.resize(kD2 * npad_max);
   sc.v2.resize((npad_max / 2) * kD);
@@ -778,12 +790,10 @@ void run_prefill_amx(const Problem& p, const Item& it, Scratch& sc) {
   copy_bf16_queries(p, it, start, G, Rs, kD, sc.qb.data());
   int32_t lo, hi;
   key_range(p, it, ctx, kv_len, lo, hi);
-  const int32_t* seq_pages = p.pages + static_cast<int64_t>(it.seq) * p.W;
   const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
   const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
-  auto token = [&](int64_t pos) {
-    return (static_cast<int64_t>(seq_pages[pos / P]) * P + pos % P) * HD;
-  };
+  const SeqRows rows = seq_rows(p, it.seq);
+  auto token = [&rows](int64_t pos) { return rows.offset(pos); };
   float* s = sc.s.data();  // [Rs, npad] for the head at hand
   float* accs = sc.acc.data();
   uint32_t* kt2 = sc.kt2.data();
