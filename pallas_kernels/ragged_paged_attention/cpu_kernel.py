@@ -129,7 +129,8 @@ def ragged_paged_attention_cpu(
     """reference.py's signature and result (up to f32 summation order); `register` first.
     With a bf16 cache (bf16, or uint16 bits) the probabilities are rounded to bf16 before the
     PV product, as torch's CPU flash attention does. bf16 queries and cache: decode rows use
-    AVX512-BF16 dots on the pages in place, prefill rows AMX tiles, where the CPU has them
+    AVX512-BF16 dots on the pages in place, prefill rows AMX tiles, where the CPU has them;
+    without AMX, prefill rows run as narrow items through the decode rows' bf16 path
     (`use_amx=False`: the f32 path for prefill rows, for tests to compare)."""
     if _registered is None:
         raise KernelUnavailable("register(cache_dir) first")
