@@ -121,6 +121,10 @@ class PlannerConfig:
     # dp: the workload (JSONL/JSON) or step trace whose step shapes the buckets are chosen for;
     # None: bench64's lengths, shipped in the package
     planner_workload: str | None = None
+    # dp: the workload is also simulated arriving as Poisson traffic at these fractions of the
+    # capacity (simulate.load_rates), so the set covers a server's lighter steps too (a lone
+    # prompt beside a few decodes) and not only an offline burst; () = offline only
+    planner_loads: tuple[float, ...] = ()
     # tensor parallelism: the all-reduce rate (GB/s per device) the analytic cost prices the
     # collectives with; None: measured on the mesh at start (jaxbatch plan: a nominal 10)
     collective_gbps: float | None = None
@@ -134,6 +138,13 @@ class PlannerConfig:
     replan_min_gain: float = 0.10
 
     def __post_init__(self) -> None:
+        loads = self.planner_loads
+        if isinstance(loads, str):  # "0.25,0.5" (CLI)
+            loads = [x for x in loads.split(",") if x.strip()]
+        object.__setattr__(self, "planner_loads", tuple(float(u) for u in loads))
+        if any(not 0.0 < u <= 1.0 for u in self.planner_loads):
+            raise ValueError(f"planner_loads are fractions of capacity in (0, 1], got "
+                             f"{self.planner_loads}")
         if self.max_compiled_shapes < 1:
             raise ValueError("max_compiled_shapes must be >= 1")
         if self.replan_interval_steps < 1 or self.replan_window_steps < 1:

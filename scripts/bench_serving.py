@@ -46,6 +46,7 @@ class Result:
     itl: list[float] = dataclasses.field(default_factory=list)
     latency: float = 0.0
     error: str = ""
+    sent: float = 0.0  # perf_counter when the request was sent
 
 
 async def send(session: aiohttp.ClientSession, url: str, model: str, row: dict,
@@ -54,7 +55,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, row: dict,
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     res = Result(False, len(ids), max_tokens)
-    t0 = time.perf_counter()
+    t0 = res.sent = time.perf_counter()
     last = t0
     chunks = 0
     try:
@@ -157,6 +158,15 @@ async def run(args: argparse.Namespace, rows: list[dict]) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t_start
         after = await prefix_cache_counters(session, base, headers)
+    if args.per_request_out:
+        with open(args.per_request_out, "w") as f:
+            for i, r in enumerate(results):
+                f.write(json.dumps({
+                    "index": i, "sent_s": round(r.sent - t_start, 4), "ok": r.ok,
+                    "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                    "ttft_ms": None if r.ttft is None else round(1e3 * r.ttft, 2),
+                    "itl_max_ms": round(1e3 * max(r.itl), 2) if r.itl else None,
+                    "e2e_ms": round(1e3 * r.latency, 2), "error": r.error}) + "\n")
     summary = summarize(args, model, results, duration)
     hit_rate = None
     if before is not None and after is not None and after["queries"] > before["queries"]:
@@ -244,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json-out", default=None, help="append the JSON line to this file")
+    p.add_argument("--per-request-out", default=None,
+                   help="write one JSON line per request (send time, TTFT, largest gap, ...)")
     args = p.parse_args(argv)
     with open(args.workload) as f:
         rows = [json.loads(line) for line in f if line.strip()]

@@ -21,7 +21,8 @@ run_set() { # name url
   for w in "bench64:$W1" "shared:$W2"; do
     for r in $RATES; do
       .venv/bin/python scripts/bench_serving.py --base-url "$2" --workload "${w#*:}" \
-        --request-rate "$r" --json-out "$OUT/$1.jsonl" > "$OUT/$1-${w%%:*}-$r.txt" 2>&1
+        --request-rate "$r" --json-out "$OUT/$1.jsonl" \
+        --per-request-out "$OUT/$1-${w%%:*}-$r.requests.jsonl" > "$OUT/$1-${w%%:*}-$r.txt" 2>&1
       grep -E "tokens/s|TTFT|ITL|hit rate|re-plans|failed" "$OUT/$1-${w%%:*}-$r.txt" | sed "s/^/$1 ${w%%:*} $r: /"
       sleep "${GAP:-15}"
     done

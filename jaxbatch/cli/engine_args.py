@@ -14,6 +14,7 @@ _ENGINE_ARGS = [
     ("--max-compiled-shapes", int), ("--attention-backend", str), ("--seed", int),
     ("--trace-path", str), ("--tokenizer", str), ("--cache-dir", str),
     ("--long-prefill-token-threshold", int), ("--planner-workload", str),
+    ("--planner-loads", str),
     ("--tensor-parallel-size", int), ("--data-parallel-size", int), ("--collective-gbps", float),
     ("--quantization", str),
     ("--replan-interval-steps", int), ("--replan-window-steps", int), ("--replan-min-gain", float),

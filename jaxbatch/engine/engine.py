@@ -109,7 +109,7 @@ class Engine:
         runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several
         scheduler = Scheduler(config.scheduler, PageAllocator(
             runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))
-        config, replan = live_replan_setup(config, root)  # may start from a learned set
+        config, replan = live_replan_setup(config, root, model.arch)  # may load a learned set
         planner = make_planner(config, model.arch, collective_gbps(
             config.planner.collective_gbps, runner.placement, model.arch.hidden_size))
         with compile_guard.planned():

@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from jaxbatch.engine import compile_guard
-from jaxbatch.planner import Bucket, StepPlanner
+from jaxbatch.planner import Bucket, StepPlanner, workload_histogram
 from jaxbatch.planner.replan import LiveReplanner, Proposal, load_set, save_set, saved_set_path
 from jaxbatch.planner.step_time import StepTimeModel
 
@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from jaxbatch.engine.engine import Engine
 
 LULL_S = 0.5  # seconds with nothing to run before a background compile starts
+# steps seen before the first proposal: 256 let a set be learned from half a minute of light
+# traffic (serving bench64 at 2 req/s: 512 steps), which the next, heavier minute paid for
+MIN_STEPS = 1024
 
 log = logging.getLogger("jaxbatch")
 
@@ -150,9 +153,11 @@ def _lowest_priority() -> None:
         pass
 
 
-def live_replan_setup(config: Any, cache_root: str) -> tuple[Any, BackgroundReplan | None]:
+def live_replan_setup(config: Any, cache_root: str, arch: Any
+                      ) -> tuple[Any, BackgroundReplan | None]:
     """(config, replan) for an engine: with live_replan on and a set saved by an earlier run of
-    the same model and limits, the config's planner becomes that fixed set."""
+    the same model and limits, the config's planner becomes that fixed set. The re-planner's
+    prior is the planner workload's step shapes (planner.workload_histogram)."""
     pc = config.planner
     if not pc.live_replan:
         return config, None
@@ -175,5 +180,6 @@ def live_replan_setup(config: Any, cache_root: str) -> tuple[Any, BackgroundRepl
     replanner = LiveReplanner(sched.max_num_batched_tokens, sched.max_num_seqs,
                               pc.max_compiled_shapes, window=pc.replan_window_steps,
                               interval=pc.replan_interval_steps, min_gain=pc.replan_min_gain,
-                              min_steps=min(256, pc.replan_window_steps))
+                              min_steps=min(MIN_STEPS, pc.replan_window_steps),
+                              prior=workload_histogram(config, arch))
     return config, BackgroundReplan(replanner, path)

@@ -12,7 +12,8 @@ Which step shapes (buckets) to compile, and how each scheduled batch runs in the
 
 The engine calls `make_planner(config, arch)` once, compiles `planner.buckets`, then
 `planner.calibrate(runner.time_bucket)`, and per step `planner.plan(batch)` and
-`planner.predict(bucket)`.
+`planner.predict(bucket)`. With live re-planning, `workload_histogram(config, arch)` is the prior
+the re-planner blends into the traffic it sees (replan.py).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import logging
 
 from jaxbatch.config import EngineConfig
 from jaxbatch.planner.buckets import Bucket, SubStep
-from jaxbatch.planner.cost import ArchDims, ModelDims, analytic_cost, hardware
-from jaxbatch.planner.select import build_planner, workload_source
-from jaxbatch.planner.simulate import Lengths, default_workload
+from jaxbatch.planner.cost import ArchDims, CostModel, ModelDims, analytic_cost, hardware
+from jaxbatch.planner.select import Histogram, build_planner, traffic_histogram, workload_source
+from jaxbatch.planner.simulate import Lengths, default_workload, simulate_traffic
 from jaxbatch.planner.step import StepPlanner
 from jaxbatch.planner.trace import StepRecord, StepTrace
 
-__all__ = ["Bucket", "StepPlanner", "StepRecord", "StepTrace", "SubStep", "make_planner"]
+__all__ = ["Bucket", "StepPlanner", "StepRecord", "StepTrace", "SubStep", "make_planner",
+           "workload_histogram"]
 
 log = logging.getLogger("jaxbatch")
 
@@ -44,19 +46,42 @@ def make_planner(config: EngineConfig, arch: ArchDims, collective_gbps: float | 
     max_model_len = config.model.max_model_len
     if max_model_len is None:
         raise ValueError("make_planner needs a resolved max_model_len (Engine.from_config)")
-    cost = analytic_cost(ModelDims.from_arch(arch), config.model.dtype,
-                         hardware(config.planner.collective_gbps or collective_gbps),
-                         tp=config.runner.tensor_parallel_size)
+    cost = _analytic(config, arch, collective_gbps)
     lengths: Lengths = []
     hist = None
     if config.planner.planner == "dp":
-        source = config.planner.planner_workload
-        lengths, hist = workload_source(source) if source else (default_workload(), None)
+        lengths, hist = _workload(config)
     planner, sel = build_planner(
         config.planner.planner, config.scheduler, cost, config.planner.max_compiled_shapes,
         max_model_len=max_model_len, page_size=config.cache.page_size,
-        num_pages=config.cache.num_pages, lengths=lengths, hist=hist)
+        num_pages=config.cache.num_pages, lengths=lengths, hist=hist,
+        loads=config.planner.planner_loads)
     gap = f" (expected cost within {100 * (sel.gap - 1):.2f}% of optimal)" if sel else ""
     log.info("%s planner: %d buckets %s%s; %s", planner.name, len(planner.buckets),
              " ".join(f"{t}x{s}" for t, s in planner.buckets), gap, cost.describe())
     return planner
+
+
+def workload_histogram(config: EngineConfig, arch: ArchDims) -> Histogram:
+    """The step shapes of the planner workload (planner_workload, else bench64's lengths) as dp
+    sees them: the offline burst plus Poisson traffic at `planner_loads`, without a planner (a
+    trace: its steps). Live re-planning blends it into every window as the prior."""
+    assert config.model.max_model_len is not None
+    lengths, hist = _workload(config)
+    if hist is not None:
+        return hist
+    runs = simulate_traffic(lengths, config.scheduler, config.model.max_model_len,
+                            config.cache.page_size, config.cache.num_pages,
+                            _analytic(config, arch, None), config.planner.planner_loads)
+    return traffic_histogram(runs)
+
+
+def _analytic(config: EngineConfig, arch: ArchDims, collective_gbps: float | None) -> CostModel:
+    return analytic_cost(ModelDims.from_arch(arch), config.model.dtype,
+                         hardware(config.planner.collective_gbps or collective_gbps),
+                         tp=config.runner.tensor_parallel_size)
+
+
+def _workload(config: EngineConfig) -> tuple[Lengths, Histogram | None]:
+    source = config.planner.planner_workload
+    return workload_source(source) if source else (default_workload(), None)

@@ -265,15 +265,23 @@ def select_buckets(hist: Histogram, max_buckets: int, cost: CostModel, max_token
 # ---- for a workload -----------------------------------------------------------------------------
 def choose_for_workload(lengths: simulate.Lengths, sched: SchedulerConfig, max_model_len: int,
                         page_size: int, num_pages: int | None, cost: CostModel, max_shapes: int,
-                        hist: Histogram | None = None, rounds: int = 2
-                        ) -> tuple[StepPlanner, Selection]:
+                        hist: Histogram | None = None, rounds: int = 2,
+                        loads: Sequence[float] = ()) -> tuple[StepPlanner, Selection]:
     """Buckets for a workload (or for a given histogram, e.g. from a trace; then `lengths` may be
-    empty and no simulation runs): DP on the scheduler's step shapes, then feedback rounds on
+    empty and no simulation runs): DP on the scheduler's step shapes (of the offline burst and,
+    with `loads`, of Poisson traffic at those fractions of capacity), then feedback rounds on
     the sub-steps executed with the planner in the loop; the lowest simulated total cost wins."""
     T, S = sched.max_num_batched_tokens, sched.max_num_seqs
+    rates = simulate.load_rates(lengths, sched, max_model_len, page_size, num_pages, cost,
+                                loads) if loads and lengths else []
+    loads = loads if rates else ()
+
+    def traffic(planner: StepPlanner | None) -> list[simulate.SimResult]:
+        return simulate.simulate_traffic(lengths, sched, max_model_len, page_size, num_pages,
+                                         cost, loads, planner, rates)
+
     if hist is None:
-        hist = histogram(simulate.simulate(lengths, sched, max_model_len, page_size,
-                                           num_pages).shapes if lengths else [])
+        hist = traffic_histogram(traffic(None)) if lengths else {}
     seen: set[tuple[Bucket, ...]] = set()
     best: tuple[StepPlanner, Selection] | None = None
     best_total = INF
@@ -285,13 +293,18 @@ def choose_for_workload(lengths: simulate.Lengths, sched: SchedulerConfig, max_m
         planner = StepPlanner(sel.buckets, cost, name="dp")
         if not lengths:
             return planner, sel
-        res = simulate.simulate(lengths, sched, max_model_len, page_size, num_pages, planner)
-        total = res.total_cost(cost)
+        runs = traffic(planner)
+        total = sum(r.total_cost(cost) for r in runs)
         if total < best_total:
             best, best_total = (planner, sel), total
-        hist = histogram(res.shapes)
+        hist = traffic_histogram(runs)
     assert best is not None
     return best
+
+
+def traffic_histogram(runs: Iterable[simulate.SimResult]) -> Histogram:
+    """The step shapes of several simulated runs, together."""
+    return histogram(shape for run in runs for shape in run.shapes)
 
 
 def workload_source(path: str) -> tuple[simulate.Lengths, Histogram | None]:
@@ -307,17 +320,18 @@ def workload_source(path: str) -> tuple[simulate.Lengths, Histogram | None]:
 
 def build_planner(spec: str, sched: SchedulerConfig, cost: CostModel, max_shapes: int, *,
                   max_model_len: int, page_size: int, num_pages: int | None,
-                  lengths: Sequence[tuple[int, int]] = (), hist: Histogram | None = None
-                  ) -> tuple[StepPlanner, Selection | None]:
+                  lengths: Sequence[tuple[int, int]] = (), hist: Histogram | None = None,
+                  loads: Sequence[float] = ()) -> tuple[StepPlanner, Selection | None]:
     """The planner of a spec (dp | pow2 | linear:STEP | fixed:[...]) and, for dp, the selection
-    certificate. dp chooses its buckets for `lengths` (or `hist`); `max_model_len`, `page_size`
-    and `num_pages` shape that simulation. ValueError if the set cannot hold the scheduler's
-    largest step: that step would otherwise fail mid-run, with requests in flight."""
+    certificate. dp chooses its buckets for `lengths` (or `hist`), offline and at `loads`;
+    `max_model_len`, `page_size` and `num_pages` shape that simulation. ValueError if the set
+    cannot hold the scheduler's largest step: that step would otherwise fail mid-run, with
+    requests in flight."""
     T, S = sched.max_num_batched_tokens, sched.max_num_seqs
     sel: Selection | None = None
     if spec == "dp":
         planner, sel = choose_for_workload(list(lengths), sched, max_model_len, page_size,
-                                           num_pages, cost, max_shapes, hist)
+                                           num_pages, cost, max_shapes, hist, loads=loads)
     else:
         planner = StepPlanner(bucket_set(spec, T, S), cost, name=set_name(spec))
     if not planner.holds(T, S):

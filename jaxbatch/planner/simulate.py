@@ -1,9 +1,11 @@
 """Step shapes of a workload without a model: the real Scheduler and PageAllocator driven by fake
 model outputs (host only: never imports jax).
 
-A workload is a list of (prompt_len, max_tokens) pairs; every request arrives at once (an offline
-batch, as in bench64) and generates exactly max_tokens tokens (greedy with ignore_eos), so the
-simulated steps are the steps the engine would schedule. When a planner is given it runs in the
+A workload is a list of (prompt_len, max_tokens) pairs; by default every request arrives at once
+(an offline batch, as in bench64); with `arrivals` (seconds) the requests join as a server would
+see them, on a clock that each step advances by its predicted cost (the cost model's seconds; an
+idle clock jumps to the next arrival). Each generates exactly max_tokens tokens (greedy with
+ignore_eos), so the simulated steps are the steps the engine would schedule. When a planner is given it runs in the
 loop, exactly as in Engine.step(): it may trim a prefill chunk (the scheduler then advances by the
 trimmed amount) or split a step into sub-steps; one StepRecord is kept per executed sub-step, as
 in the engine's trace (without timings).
@@ -20,9 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
+
+import numpy as np
 
 from jaxbatch.config import SchedulerConfig
 from jaxbatch.core.kv_pages import PageAllocator
@@ -96,6 +101,7 @@ class SimResult:
     num_steps: int  # scheduler steps (a split step counts once)
     trimmed_steps: int
     split_steps: int
+    seconds: float = 0.0  # the simulated clock at the end (0 without a cost model)
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -108,32 +114,49 @@ class SimResult:
 
 def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page_size: int = 16,
              num_pages: int | None = None, planner: StepPlanner | None = None,
-             on_step: Callable[[int], None] | None = None) -> SimResult:
-    """Run the workload through the real scheduler; the fake model samples token 7."""
+             on_step: Callable[[int], None] | None = None,
+             arrivals: Sequence[float] | None = None, cost: CostModel | None = None
+             ) -> SimResult:
+    """Run the workload through the real scheduler; the fake model samples token 7. With
+    `arrivals` (one time per request, seconds), `cost` prices each step (its bucket's cost with a
+    planner, else its own shape's) to advance the clock."""
+    if arrivals is not None and (cost is None or len(arrivals) != len(lengths)):
+        raise ValueError("arrivals need a cost model and one time per request")
     lengths = clip_lengths(lengths, max_model_len)
     if num_pages is None:  # room for everything at once: no preemption
         num_pages = 1 + sum(-(-(p + m) // page_size) for p, m in lengths)
     else:  # the engine refuses a request larger than the whole cache: shorten it instead
         lengths = clip_lengths(lengths, max(2, (num_pages - 1) * page_size))
     sched = Scheduler(config, PageAllocator(num_pages, page_size))
-    for i, (p, m) in enumerate(lengths):
-        sched.add_request(Request(f"sim-{i}", [7] * p,
-                                  SamplingParams(max_tokens=m, ignore_eos=True), arrival_time=0.0))
+    times = [0.0] * len(lengths) if arrivals is None else [float(a) for a in arrivals]
+    pending = deque(sorted(range(len(lengths)), key=lambda i: times[i]))
+    now = 0.0  # the simulated clock (seconds of predicted step cost)
     rows: list[StepRecord] = []
     steps = trimmed = split = 0
     limit = 10 * (len(lengths) + sum(p + m for p, m in lengths))
-    while sched.has_unfinished():
+    while pending or sched.has_unfinished():
+        if not sched.has_unfinished():  # idle: the clock jumps to the next arrival
+            now = max(now, times[pending[0]])
+        while pending and times[pending[0]] <= now:
+            i = pending.popleft()
+            p, m = lengths[i]
+            sched.add_request(Request(f"sim-{i}", [7] * p, SamplingParams(
+                max_tokens=m, ignore_eos=True), arrival_time=times[i]))
         batch = sched.schedule()
         if not batch.seqs:
             raise RuntimeError("the scheduler scheduled nothing (KV cache too small?)")
         before = batch.num_tokens
         if planner is None:
             rows.append(StepRecord.of(batch.seqs, None, steps))
+            if cost is not None:
+                now += float(cost(batch.num_tokens, len(batch.seqs)))
         else:
             subs = planner.plan(batch)
             trimmed += batch.num_tokens < before
             split += len(subs) > 1
             rows += [StepRecord.of(sub.seqs, sub.bucket, steps) for sub in subs]
+            if cost is not None:
+                now += sum(float(cost(*sub.bucket)) for sub in subs)
         sampled = {s.request.request_id: 7 for s in batch.seqs if s.samples}
         for req, _ in sched.update(batch, sampled):
             if (len(req.output_token_ids) >= (req.sampling_params.max_tokens or 0)
@@ -144,5 +167,39 @@ def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page
             on_step(steps)
         if steps > limit:
             raise RuntimeError("simulation made no progress")
-    return SimResult(rows, steps, trimmed, split)
+    return SimResult(rows, steps, trimmed, split, now)
 
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """n arrival times (seconds) of a Poisson process at `rate` per second (seeded)."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return np.cumsum(gaps).tolist()
+
+
+def load_rates(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page_size: int,
+               num_pages: int | None, cost: CostModel, loads: Sequence[float]) -> list[float]:
+    """Request rates (per second of `cost`) that offer `loads` (fractions of capacity) of this
+    workload: capacity is the rate the offline run (everything at once) serves it at."""
+    offline = simulate(lengths, config, max_model_len, page_size, num_pages,
+                       arrivals=[0.0] * len(lengths), cost=cost)
+    if not lengths or offline.seconds <= 0:
+        return []
+    return [float(u) * len(lengths) / offline.seconds for u in loads]
+
+
+
+def simulate_traffic(lengths: Lengths, config: SchedulerConfig, max_model_len: int,
+                     page_size: int, num_pages: int | None, cost: CostModel,
+                     loads: Sequence[float] = (), planner: StepPlanner | None = None,
+                     rates: Sequence[float] | None = None) -> list[SimResult]:
+    """The workload as an offline burst, then (for each of `loads`) as Poisson traffic offering
+    that fraction of capacity (seeded: the same arrivals every time). `rates` (per second of
+    `cost`) skips measuring the capacity again when a caller already has them."""
+    runs = [simulate(lengths, config, max_model_len, page_size, num_pages, planner)]
+    if loads and lengths:
+        if rates is None:
+            rates = load_rates(lengths, config, max_model_len, page_size, num_pages, cost, loads)
+        runs += [simulate(lengths, config, max_model_len, page_size, num_pages, planner,
+                          arrivals=poisson_arrivals(len(lengths), r, seed=i), cost=cost)
+                 for i, r in enumerate(rates)]
+    return runs

@@ -101,3 +101,21 @@ def test_planner_workload_from_a_workload_or_a_trace(tmp_path):
     p = make_planner(cfg.replace(planner_workload=str(trace), max_compiled_shapes=3),
                      SMOLLM2_ARCH)
     assert p.buckets == [Bucket(5, 5), Bucket(33, 8), Bucket(64, 8)]
+
+
+def test_planner_loads_add_a_servers_lighter_steps():
+    """With planner_loads dp also sees bench64 as Poisson traffic: a lone prompt beside a few
+    decodes is common there, so the set gains a prefill bucket for few rows, smaller than the
+    top bucket (a lone 175-token prompt otherwise pads to 512 x 64)."""
+    served = make_planner(config(max_model_len=4096, planner_loads=[0.25, 0.5, 0.75]),
+                          SMOLLM2_ARCH)
+    assert served.buckets != BENCH64_DP and Bucket(512, 64) in served.buckets
+    assert len(served.buckets) <= 8
+    assert any(100 <= b.num_tokens < 512 and b.num_seqs <= 32 for b in served.buckets)
+    assert not any(100 <= b.num_tokens < 512 for b in BENCH64_DP)
+    from jaxbatch.planner import workload_histogram
+    prior = workload_histogram(config(max_model_len=4096, planner_loads="0.5"), SMOLLM2_ARCH)
+    offline = workload_histogram(config(max_model_len=4096), SMOLLM2_ARCH)
+    assert sum(prior.values()) > 2 * sum(offline.values())
+    with pytest.raises(ValueError, match="planner_loads"):
+        config(planner_loads=[0.5, 1.5])

@@ -59,3 +59,41 @@ def test_a_small_cache_shortens_requests_and_preempts():
     ideal = 20 + 40 + 30 + 20 + 25 + 30 + 10 + 40 + 119 + 1 - len(lengths)
     assert sum(r.tokens for r in res.rows) > ideal
     assert all(r.padding is not None and r.padding >= 0 for r in res.rows)
+
+
+def test_arrivals_run_the_requests_as_a_server_meets_them():
+    """With arrival times the clock advances by each step's cost, an idle clock jumps to the next
+    arrival, and a request joins only once it has arrived; every token still runs once."""
+    sched = SchedulerConfig(64, 8, "mixed")
+    lengths = [(40, 3), (40, 3), (10, 2)]
+    cost = token_cost(1.0)  # a step costs its tokens + 1 (seconds, for the clock)
+    burst = simulate.simulate(lengths, sched, 512, arrivals=[0.0] * 3, cost=cost)
+    apart = simulate.simulate(lengths, sched, 512, arrivals=[0.0, 1000.0, 2000.0], cost=cost)
+    tokens = sum(p + m for p, m in lengths) - len(lengths)
+    assert sum(r.tokens for r in burst.rows) == sum(r.tokens for r in apart.rows) == tokens
+    assert burst.rows[0].shape == (64, 2)  # both 40-token prompts at once, the second chunked
+    # one at a time: each prompt alone, then its decodes; the last request starts at t=2000
+    assert [r.shape for r in apart.rows] == [(40, 1), (1, 1), (1, 1), (40, 1), (1, 1), (1, 1),
+                                             (10, 1), (1, 1)]
+    assert apart.seconds == 2000.0 + (10 + 1) + (1 + 1)
+    assert burst.seconds == sum(r.tokens + 1 for r in burst.rows)
+    with pytest.raises(ValueError, match="cost model"):
+        simulate.simulate(lengths, sched, 512, arrivals=[0.0] * 3)
+
+
+def test_poisson_traffic_at_loads_of_capacity():
+    sched = SchedulerConfig(512, 64, "mixed")
+    lengths = simulate.default_workload()
+    cost = token_cost(20.0)
+    a = simulate.poisson_arrivals(64, 2.0, seed=3)
+    assert a == simulate.poisson_arrivals(64, 2.0, seed=3) and a == sorted(a)
+    assert 20 < a[-1] < 45  # 64 arrivals at 2/s: ~32 s
+    offline = simulate.simulate(lengths, sched, 2048, arrivals=[0.0] * 64, cost=cost)
+    rates = simulate.load_rates(lengths, sched, 2048, 16, None, cost, [0.5, 1.0])
+    assert rates == pytest.approx([0.5 * 64 / offline.seconds, 64 / offline.seconds])
+    runs = simulate.simulate_traffic(lengths, sched, 2048, 16, None, cost, [0.25, 0.5])
+    assert len(runs) == 3 and runs[0].shapes == simulate.simulate(lengths, sched, 2048).shapes
+    # lighter traffic: more, smaller steps, and prompts that run beside only a few decodes
+    assert runs[1].num_steps > runs[2].num_steps > runs[0].num_steps
+    lone = [sum(t >= 100 and s <= 8 for t, s in run.shapes) for run in runs]
+    assert lone[1] > 5 * max(1, lone[0]), lone

@@ -116,3 +116,27 @@ def test_a_learned_set_keeps_a_full_decode_bucket():
     assert prop is not None and len(prop.buckets) <= 8
     assert Bucket(64, 64) in prop.buckets and Bucket(512, 64) in prop.buckets
     assert any(b.num_seqs <= 9 and b.num_tokens <= 9 for b in prop.buckets)
+
+
+def test_the_prior_keeps_buckets_for_traffic_the_window_did_not_see():
+    """A window of light traffic (3-9 rows) blended with a prior of 20-40-row decodes keeps a
+    bucket between them and the full decode bucket; without the prior it does not."""
+    executed = synthetic_steps(200, BUCKETS)
+    prior = histogram([(s, s) for s in range(20, 41)] * 20)
+    light = LiveReplanner(512, 64, max_shapes=4, min_gain=0.01, min_steps=50)
+    blended = LiveReplanner(512, 64, max_shapes=4, min_gain=0.01, min_steps=50, prior=prior)
+    for rp in (light, blended):
+        for _ in range(300):
+            for s in (3, 5, 9):
+                rp.observe(s, s)
+    hist = light.snapshot()
+    assert blended.snapshot() == hist
+    mix = blended.blend(hist)
+    assert sum(mix.values()) == pytest.approx(2 * sum(hist.values()))  # prior_weight 1
+    current = [Bucket(8, 8), Bucket(64, 64), Bucket(512, 64)]
+    alone = light.propose(hist, current, executed)
+    both = blended.propose(hist, current, executed)
+    assert alone is not None and both is not None
+    middle = lambda p: [b for b in p.buckets if 9 < b.num_seqs < 64]  # noqa: E731
+    assert not middle(alone) and middle(both)
+    assert any(b.num_seqs <= 9 for b in both.buckets)
