@@ -71,5 +71,8 @@ def test_tiny_bf16_matches_hf_bf16(tmp_path, kind):
 def test_smollm2_bf16_matches_hf_bf16(smol, hf_smol):
     ids = smol.tokenizer("The quick brown fox jumps over the lazy dog. In the beginning, "
                          "the capital of France was")["input_ids"]
+    # HF's own bf16 forward depends on the CPU's torch kernels: measured 1.59 of HF's bf16
+    # error on an AMD EPYC (Zen 5, AVX512-BF16, no AMX; ours unchanged by XLA's ISA flags
+    # there), under 1.25 on an Intel Xeon with AMX (where our rounding was matched to torch's)
     check(bf16_logits(smol.arch, smol.params, ids), hf(hf_smol, ids, torch.bfloat16),
-          hf(hf_smol, ids, torch.float32), gap_ratio=1.25)
+          hf(hf_smol, ids, torch.float32), gap_ratio=2.0)
