@@ -32,7 +32,7 @@ from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from jaxbatch.engine import compile_guard, multihost, prompt_logprobs
 from jaxbatch.engine.attention import attention_fn
 from jaxbatch.engine.client import EngineStats
-from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype
+from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype, choose_small_matmul
 from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
 from jaxbatch.engine.runner import Runner
 from jaxbatch.engine.sharding import collective_gbps, engine_mesh
@@ -103,9 +103,16 @@ class Engine:
         config = dataclasses.replace(
             config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
         assert config.model.max_model_len is not None
+        attention = attention_fn(config.runner.attention_backend, root)  # builds the CPU kernels
+        mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
+        arch = model.arch
+        # bf16 on CPU, one device: decode steps' matmuls through the small-matmul kernel where
+        # it measures faster than XLA's dot (engine/precision.py)
+        small = (mesh is None and config.model.dtype == "bfloat16"
+                 and choose_small_matmul(arch.hidden_size, arch.intermediate_size,
+                                         arch.num_layers, root))
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
-                        attention_fn(config.runner.attention_backend, root),
-                        engine_mesh(config.runner.tensor_parallel_size, devices))
+                        attention, mesh, small_matmul=small)
         runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several
         scheduler = Scheduler(config.scheduler, PageAllocator(
             runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))

@@ -115,3 +115,77 @@ def choose_compute_dtype(hidden: int, inner: int, cache_root: str) -> PrecisionC
     choice = PrecisionChoice(dtype, gflops, source)
     log.info("dtype auto: %s", choice.describe())
     return choice
+
+
+# ---- the small bf16 matmul (decode steps) ------------------------------------------------------
+SMALL_MATMUL_MIN_SPEEDUP = 1.1  # a clear win only: it doubles the weights' memory
+_SMALL_ROWS = 4
+
+
+def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool,
+                      repeats: int = 7) -> float:
+    """Median seconds of `layers` up-projections [_SMALL_ROWS, hidden] @ [hidden, inner] in bf16
+    as the model runs them in a scan (weights as uint16 bits, [out, in], or packed): enough
+    weight bytes to stream from memory, as a decode step does."""
+    from pallas_kernels.ragged_paged_attention import cpu_kernel
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((layers, inner, hidden)) * 0.02, jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    ws = cpu_kernel.pack_for_small_matmul(bits) if packed else bits
+
+    def one(x, wl):
+        if packed:
+            return cpu_kernel.small_matmul(x, wl)
+        wl = jax.lax.bitcast_convert_type(wl, jnp.bfloat16)
+        return jax.lax.dot_general(x, wl, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32).astype(x.dtype)
+
+    @jax.jit
+    def stack(x, ws):
+        return jax.lax.scan(lambda c, wl: (c + one(x, wl)[:, :hidden], None), x, ws)[0]
+
+    x = jnp.asarray(rng.standard_normal((_SMALL_ROWS, hidden)), jnp.bfloat16)
+    jax.block_until_ready(stack(x, ws))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(stack(x, ws))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -> bool:
+    """Whether decode steps should run their bf16 matmuls through the small-matmul kernel
+    (cpu_kernel.small_matmul) rather than XLA's dot: measured (or read from the cache) on the
+    model's up-projection shape, at least SMALL_MATMUL_MIN_SPEEDUP faster. False where the
+    kernel is not available (no AVX512-BF16, or not built)."""
+    from pallas_kernels.ragged_paged_attention import cpu_kernel
+
+    if jax.default_backend() != "cpu" or not cpu_kernel.small_matmul_available() \
+            or inner % 16 or hidden % 2:
+        return False
+    ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}x{layers}|small v1"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:20]
+    path = os.path.join(cache_root, "precision", f"small-{key}.json")
+    try:
+        with open(path) as f:
+            seconds = {k: float(v) for k, v in json.load(f)["seconds"].items()}
+        source = "cache"
+    except (OSError, ValueError, KeyError):
+        seconds = {name: _time_layer_stack(hidden, inner, layers, packed)
+                   for name, packed in (("xla", False), ("small", True))}
+        source = "measured"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"device": ident, "seconds": seconds}, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("could not cache the small-matmul measurement in %s: %s", path, e)
+    use = seconds["xla"] >= SMALL_MATMUL_MIN_SPEEDUP * seconds["small"]
+    log.info("small bf16 matmul for decode steps: %s (%s: %d layers of %dx%d at %d rows, XLA "
+             "%.2f ms, kernel %.2f ms)", "on" if use else "off", source, layers, hidden, inner,
+             _SMALL_ROWS, 1e3 * seconds["xla"], 1e3 * seconds["small"])
+    return use

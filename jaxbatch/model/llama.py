@@ -30,6 +30,12 @@ import numpy as np
 from jaxbatch.model import moe
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, Int8Weight, int8_matmul
+from pallas_kernels.ragged_paged_attention.cpu_kernel import SMALL_MATMUL_MAX_ROWS as SMALL_ROWS
+from pallas_kernels.ragged_paged_attention.cpu_kernel import (
+    can_pack,
+    pack_for_small_matmul,
+    small_matmul,
+)
 
 Params = dict
 AttentionFn = Callable[..., jax.Array]
@@ -60,6 +66,9 @@ class OutInWeight:
     `ynn::interleave2_x16`); the head as [V, H] 2.6 -> 1.9 ms at 3 rows, 4.8 -> 3.9 at 64."""
 
     wt: jax.Array  # [..., out, in]
+    # the same weight packed for the small bf16 matmul (cpu_kernel.small_matmul): steps of at
+    # most SMALL_MATMUL_MAX_ROWS tokens use it where XLA:CPU would repack `wt` on every call
+    packed: jax.Array | None = None  # [..., out/16, in/2, 32] uint16
 
     @property
     def shape(self) -> tuple[int, ...]:  # the weight's own [..., in, out]
@@ -140,6 +149,8 @@ def _mm(x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
     if isinstance(w, Int8Weight):
         return int8_matmul(x, w)
     if isinstance(w, OutInWeight):
+        if w.packed is not None and x.dtype == jnp.bfloat16 and x.shape[0] <= SMALL_ROWS:
+            return small_matmul(x, w.packed)  # the same sums, rounded the same (bitwise)
         return jax.lax.dot_general(x, w.wt, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32).astype(x.dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -272,7 +283,10 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
     h = rms_norm(hidden, values(params["final_norm"]).astype(hidden.dtype), arch.rms_norm_eps,
                  plus_one=arch.gemma_norms)
     head = params.get("lm_head")
-    if isinstance(head, OutInWeight):
+    packed = params.get("head_packed")  # the head for the small matmul (as_run_on_cpu)
+    if packed is not None and h.dtype == jnp.bfloat16 and h.shape[0] <= SMALL_ROWS:
+        logits = small_matmul(h, packed)
+    elif isinstance(head, OutInWeight):
         logits = jax.lax.dot_general(h, values(head.wt).astype(hidden.dtype),
                                      (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     elif head is not None:
@@ -291,13 +305,17 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
     return logits
 
 
-def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True) -> Params:
+def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
+                  small_matmul_packs: bool = False) -> Params:
     """The params in the forms XLA:CPU runs fastest. bf16: the scanned layer weights held as
     uint16 bits (`store_bf16_as_bits`), and with `out_in` the linear weights and an untied
     head stored [out, in] (`OutInWeight`); a tied head is the embedding itself, dotted over its
     last axis. The embedding and head stay bf16 (neither is sliced in the scan; as bits the
     head was bitcast into a fresh 56 MB copy every step, 12.8 ms of a 3-row SmolLM2 step).
-    Unchanged on other backends and in float32. The runner (`out_in` off under tensor
+    With `small_matmul_packs` (the runner's measured choice, engine/runner.py) every linear
+    weight and the head also get a copy packed for the small bf16 matmul that steps of at most
+    SMALL_ROWS tokens run (cpu_kernel.small_matmul; the packed copies double the weights'
+    memory). Unchanged on other backends and in float32. The runner (`out_in` off under tensor
     parallelism, whose shardings are laid out for [in, out]) and the scripts that run the
     forward directly use this."""
     if jax.default_backend() != "cpu" or params["embed"].dtype != jnp.bfloat16:
@@ -307,11 +325,17 @@ def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True) -> Param
         for name in LINEAR_WEIGHTS:
             w = layers.get(name)
             if w is not None and not isinstance(w, Int8Weight):
-                layers[name] = OutInWeight(jnp.swapaxes(w, -1, -2))
+                wt = jnp.swapaxes(w, -1, -2)
+                pack = small_matmul_packs and can_pack(wt)
+                layers[name] = OutInWeight(wt, pack_for_small_matmul(wt) if pack else None)
     out = {**params, "layers": store_bf16_as_bits(layers)}
     head = params.get("lm_head")
     if out_in and head is not None and not isinstance(head, Int8Weight):
         out["lm_head"] = OutInWeight(jnp.array(head.T))
+    head_wt = params["embed"] if head is None else (None if isinstance(head, Int8Weight)
+                                                    else head.T)
+    if out_in and small_matmul_packs and head_wt is not None and can_pack(head_wt):
+        out["head_packed"] = pack_for_small_matmul(head_wt)
     return out
 
 

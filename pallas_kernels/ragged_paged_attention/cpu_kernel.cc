@@ -1032,6 +1032,107 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   return ffi::Error::Success();
 }
 
+// ---- bf16 matmul for a few rows ----------------------------------------------------------
+// out[M, N] = x[M, K] @ W[N, K]^T in bf16 with f32 sums, rounded to bf16 (the model's _mm), for
+// M <= 16 (decode steps). The weight is packed once at load time as [N/16, K/2, 32] bf16: per
+// block of 16 output columns, per pair of K, the 16 columns' pairs, which is the operand layout
+// of VDPBF16PS, so a block's weights are one contiguous stream read once. XLA:CPU's dot
+// (YNNPACK) repacks the [N, K] weight into that layout on every call on a CPU without AMX
+// (`ynn::transpose_x32_avx512`: 31% of a 1-row SmolLM2 decode step on an AMD Zen 5).
+struct MatmulJob {
+  const uint16_t* x;
+  const uint16_t* w;
+  uint16_t* out;
+  int64_t M, K2, N, NB;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+constexpr int64_t kMatmulChunk = 8;  // 16-column blocks per claim
+
+#if defined(__AVX512BF16__)
+// kB blocks at once: kM * kB independent accumulator chains hide the dot's latency
+template <int kM, int kB>
+void matmul_blocks(const MatmulJob& j, int64_t nb0) {
+  __m512 acc[kB][kM];
+  for (int b = 0; b < kB; ++b)
+    for (int m = 0; m < kM; ++m) acc[b][m] = _mm512_setzero_ps();
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(j.x);
+  const uint16_t* wp[kB];
+  for (int b = 0; b < kB; ++b) wp[b] = j.w + (nb0 + b) * j.K2 * 32;
+  for (int64_t k2 = 0; k2 < j.K2; ++k2) {
+    __m512bh xb[kM];
+    for (int m = 0; m < kM; ++m)
+      xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x32[m * j.K2 + k2]));
+    for (int b = 0; b < kB; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp[b] + (k2 + 8) * 32), _MM_HINT_T0);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wp[b] + k2 * 32);
+      for (int m = 0; m < kM; ++m) acc[b][m] = _mm512_dpbf16_ps(acc[b][m], xb[m], wv);
+    }
+  }
+  for (int b = 0; b < kB; ++b)
+    for (int m = 0; m < kM; ++m) {
+      const __m256bh o = _mm512_cvtneps_pbh(acc[b][m]);  // round to nearest even
+      std::memcpy(j.out + m * j.N + (nb0 + b) * 16, &o, 32);
+    }
+}
+
+template <int kM>
+void matmul_span(const MatmulJob& j, int64_t lo, int64_t hi) {
+  constexpr int kB = kM <= 4 ? 4 : (kM <= 8 ? 2 : 1);
+  int64_t nb = lo;
+  for (; nb + kB <= hi; nb += kB) matmul_blocks<kM, kB>(j, nb);
+  for (; nb < hi; ++nb) matmul_blocks<kM, 1>(j, nb);
+}
+
+void matmul_drain(MatmulJob& j) {
+  const int64_t chunks = (j.NB + kMatmulChunk - 1) / kMatmulChunk;
+  for (int64_t c = j.next.fetch_add(1); c < chunks; c = j.next.fetch_add(1)) {
+    const int64_t lo = c * kMatmulChunk, hi = std::min(j.NB, lo + kMatmulChunk);
+    switch (j.M) {
+#define JAXBATCH_M(n) \
+  case n:             \
+    matmul_span<n>(j, lo, hi); \
+    break;
+      JAXBATCH_M(1) JAXBATCH_M(2) JAXBATCH_M(3) JAXBATCH_M(4) JAXBATCH_M(5) JAXBATCH_M(6)
+      JAXBATCH_M(7) JAXBATCH_M(8) JAXBATCH_M(9) JAXBATCH_M(10) JAXBATCH_M(11) JAXBATCH_M(12)
+      JAXBATCH_M(13) JAXBATCH_M(14) JAXBATCH_M(15) JAXBATCH_M(16)
+#undef JAXBATCH_M
+      default: break;
+    }
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
+#endif
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Result<ffi::AnyBuffer> out) {
+#if defined(__AVX512BF16__)
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || !is16(x.element_type()) ||
+      !is16(w.element_type()) || !is16(out->element_type()))
+    return ffi::Error::InvalidArgument("small_matmul: x [M, K], w [N/16, K/2, 32], 16-bit");
+  auto j = std::make_shared<MatmulJob>();
+  j->x = static_cast<const uint16_t*>(x.untyped_data());
+  j->w = static_cast<const uint16_t*>(w.untyped_data());
+  j->out = static_cast<uint16_t*>(out->untyped_data());
+  j->M = xd[0];
+  j->K2 = xd[1] / 2;
+  j->NB = wd[0];
+  j->N = wd[0] * 16;
+  if (j->M < 1 || j->M > 16 || xd[1] % 2 != 0 || wd[1] != j->K2 || wd[2] != 32 ||
+      od[0] != j->M || od[1] != j->N)
+    return ffi::Error::InvalidArgument("small_matmul: bad shapes");
+  const int64_t chunks = (j->NB + kMatmulChunk - 1) / kMatmulChunk;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([j] { matmul_drain(*j); });
+  matmul_drain(*j);
+  while (j->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "small_matmul needs AVX512-BF16");
+#endif
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchRaggedPagedAttention, RaggedPagedAttention,
@@ -1052,3 +1153,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchRaggedPagedAttention, RaggedPagedAttention
                                   .Attr<bool>("round_p")
                                   .Attr<int64_t>("q_block")
                                   .Attr<bool>("use_amx"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchSmallMatmul, SmallMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()  // w packed [N/16, K/2, 32]
+                                  .Ret<ffi::AnyBuffer>());  // out [M, N]
+
+// 1 when this build has the small bf16 matmul (the CPU has AVX512-BF16)
+extern "C" int JaxbatchSmallMatmulSupported() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}

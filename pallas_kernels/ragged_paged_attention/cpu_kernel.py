@@ -25,12 +25,15 @@ import numpy as np
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernel.cc")
 TARGET = "jaxbatch_ragged_paged_attention"
+MATMUL_TARGET = "jaxbatch_small_matmul"
+SMALL_MATMUL_MAX_ROWS = 16  # rows (tokens of a step) the small bf16 matmul takes
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC"]
 KV_SPLIT = 512  # keys per softmax split: torch's CPU flash attention's (see cpu_kernel.cc)
 Q_BLOCK = 16  # query rows per work item of a prefill chunk
 
 _lock = threading.Lock()
 _registered: str | None = None
+_small_matmul = False  # the library has the small bf16 matmul (AVX512-BF16)
 
 
 class KernelUnavailable(RuntimeError):
@@ -107,6 +110,10 @@ def register(cache_dir: str) -> None:
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxbatchRaggedPagedAttention),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxbatchSmallMatmul),
+                                    platform="cpu")
+        global _small_matmul
+        _small_matmul = bool(lib.JaxbatchSmallMatmulSupported())
         _registered = path
 
 
@@ -154,3 +161,36 @@ def available(cache_dir: str) -> str | None:
     except (KernelUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None
+
+
+# ---- bf16 matmul for a few rows (decode steps) -----------------------------------------------
+def small_matmul_available() -> bool:
+    """The library is registered and has the small bf16 matmul (this CPU has AVX512-BF16)."""
+    return _registered is not None and _small_matmul
+
+
+def pack_for_small_matmul(w_out_in: jax.Array) -> jax.Array:
+    """A bf16 weight [..., N, K] ([out, in]; bf16 or its uint16 bits) as the kernel reads it:
+    uint16 [..., N/16, K/2, 32], per block of 16 output columns and pair of K the columns'
+    (k, k+1) pairs. N % 16 == 0 and K % 2 == 0."""
+    w = w_out_in if w_out_in.dtype == jnp.uint16 else jax.lax.bitcast_convert_type(
+        w_out_in.astype(jnp.bfloat16), jnp.uint16)
+    *lead, n, k = w.shape
+    if n % 16 or k % 2:
+        raise ValueError(f"small matmul packing needs N % 16 == 0 and K % 2 == 0, got {n}x{k}")
+    w = jnp.swapaxes(w.reshape(*lead, n // 16, 16, k // 2, 2), -3, -2)
+    return w.reshape(*lead, n // 16, k // 2, 32)
+
+
+def can_pack(w_out_in: jax.Array) -> bool:
+    n, k = w_out_in.shape[-2:]
+    return n % 16 == 0 and k % 2 == 0
+
+
+def small_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
+    """x [M, K] bf16 (M <= SMALL_MATMUL_MAX_ROWS) @ the packed weight's [K, N] -> [M, N] bf16:
+    f32 sums rounded to nearest even, as `dot(x, w, preferred_element_type=f32).astype(bf16)`."""
+    m, n = x.shape[0], packed.shape[-3] * 16
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.uint16))
+    out = call(jax.lax.bitcast_convert_type(x, jnp.uint16), packed)
+    return jax.lax.bitcast_convert_type(out, jnp.bfloat16)
