@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -88,28 +89,36 @@ def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 5) -> floa
     return total
 
 
+def _cached(path: str, ident: str, field: str, measure: Callable[[], dict[str, float]]
+            ) -> tuple[dict[str, float], str]:
+    """(measurements, "cache" | "measured"): read from `path`, else measured and saved there
+    (atomically; a failed save only costs the next start a second)."""
+    try:
+        with open(path) as f:
+            return {k: float(v) for k, v in json.load(f)[field].items()}, "cache"
+    except (OSError, ValueError, KeyError):
+        pass
+    values = measure()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"device": ident, field: values}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not cache the measurement in %s: %s", path, e)
+    return values, "measured"
+
+
 def choose_compute_dtype(hidden: int, inner: int, cache_root: str) -> PrecisionChoice:
     """Measure (or read the cached measurement) and pick the faster dtype."""
     ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}|v1"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     path = os.path.join(cache_root, "precision", f"{key}.json")
     flops = sum(2 * 2 * rows * hidden * inner for rows in _ROWS)
-    try:
-        with open(path) as f:
-            gflops = {k: float(v) for k, v in json.load(f)["gflops"].items()}
-        source = "cache"
-    except (OSError, ValueError, KeyError):
-        gflops = {name: flops / _time_matmuls(dt, hidden, inner) / 1e9
-                  for name, dt in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16))}
-        source = "measured"
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump({"device": ident, "gflops": gflops}, f)
-            os.replace(tmp, path)
-        except OSError as e:  # the cache only saves a second
-            log.warning("could not cache the precision measurement in %s: %s", path, e)
+    gflops, source = _cached(path, ident, "gflops", lambda: {
+        name: flops / _time_matmuls(dt, hidden, inner) / 1e9
+        for name, dt in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16))})
     dtype = "bfloat16" if gflops["bfloat16"] >= BF16_MIN_SPEEDUP * gflops["float32"] \
         else "float32"
     choice = PrecisionChoice(dtype, gflops, source)
@@ -123,29 +132,35 @@ _SMALL_ROWS = 4
 
 
 def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool,
-                      repeats: int = 7) -> float:
-    """Median seconds of `layers` up-projections [_SMALL_ROWS, hidden] @ [hidden, inner] in bf16
-    as the model runs them in a scan (weights as uint16 bits, [out, in], or packed): enough
-    weight bytes to stream from memory, as a decode step does."""
+                      repeats: int = 9) -> float:
+    """Median seconds of `layers` layers of the model's matmul shapes at _SMALL_ROWS rows (an
+    attention-sized [hidden, hidden] and the MLP's gate, up and down), in bf16 as the model runs
+    them in a scan (weights as uint16 bits, [out, in], or packed): the weight bytes of a decode
+    step, streamed from memory as it does."""
     from pallas_kernels.ragged_paged_attention import cpu_kernel
 
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((layers, inner, hidden)) * 0.02, jnp.bfloat16)
-    bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
-    ws = cpu_kernel.pack_for_small_matmul(bits) if packed else bits
+    shapes = [(hidden, hidden), (inner, hidden), (inner, hidden), (hidden, inner)]  # [out, in]
+    keys = jax.random.split(jax.random.PRNGKey(0), len(shapes))
+    ws = []
+    for key, shape in zip(keys, shapes):
+        w = jax.random.normal(key, (layers, *shape), jnp.bfloat16) * 0.02
+        bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
+        ws.append(cpu_kernel.pack_for_small_matmul(bits) if packed else bits)
 
-    def one(x, wl):
+    def mm(x, wl):
         if packed:
             return cpu_kernel.small_matmul(x, wl)
         wl = jax.lax.bitcast_convert_type(wl, jnp.bfloat16)
         return jax.lax.dot_general(x, wl, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32).astype(x.dtype)
 
-    @jax.jit
-    def stack(x, ws):
-        return jax.lax.scan(lambda c, wl: (c + one(x, wl)[:, :hidden], None), x, ws)[0]
+    def layer(x, w):
+        wo, wg, wu, wd = w
+        x = x + mm(x, wo)
+        return x + mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd), None
 
-    x = jnp.asarray(rng.standard_normal((_SMALL_ROWS, hidden)), jnp.bfloat16)
+    stack = jax.jit(lambda x, ws: jax.lax.scan(layer, x, ws)[0])
+    x = jax.random.normal(keys[0], (_SMALL_ROWS, hidden), jnp.bfloat16)
     jax.block_until_ready(stack(x, ws))
     times = []
     for _ in range(repeats):
@@ -158,34 +173,22 @@ def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool,
 def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -> bool:
     """Whether decode steps should run their bf16 matmuls through the small-matmul kernel
     (cpu_kernel.small_matmul) rather than XLA's dot: measured (or read from the cache) on the
-    model's up-projection shape, at least SMALL_MATMUL_MIN_SPEEDUP faster. False where the
+    model's layer shapes, at least SMALL_MATMUL_MIN_SPEEDUP faster. False where the
     kernel is not available (no AVX512-BF16, or not built)."""
     from pallas_kernels.ragged_paged_attention import cpu_kernel
 
     if jax.default_backend() != "cpu" or not cpu_kernel.small_matmul_available() \
             or inner % 16 or hidden % 2:
         return False
-    ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}x{layers}|small v1"
+    ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}x{layers}|small v2"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     path = os.path.join(cache_root, "precision", f"small-{key}.json")
-    try:
-        with open(path) as f:
-            seconds = {k: float(v) for k, v in json.load(f)["seconds"].items()}
-        source = "cache"
-    except (OSError, ValueError, KeyError):
-        seconds = {name: _time_layer_stack(hidden, inner, layers, packed)
-                   for name, packed in (("xla", False), ("small", True))}
-        source = "measured"
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump({"device": ident, "seconds": seconds}, f)
-            os.replace(tmp, path)
-        except OSError as e:
-            log.warning("could not cache the small-matmul measurement in %s: %s", path, e)
+    seconds, source = _cached(path, ident, "seconds", lambda: {
+        name: _time_layer_stack(hidden, inner, layers, packed)
+        for name, packed in (("xla", False), ("small", True))})
     use = seconds["xla"] >= SMALL_MATMUL_MIN_SPEEDUP * seconds["small"]
-    log.info("small bf16 matmul for decode steps: %s (%s: %d layers of %dx%d at %d rows, XLA "
-             "%.2f ms, kernel %.2f ms)", "on" if use else "off", source, layers, hidden, inner,
-             _SMALL_ROWS, 1e3 * seconds["xla"], 1e3 * seconds["small"])
+    log.info("small bf16 matmul for decode steps: %s (%s: %d layers of %dx%d MLP + %dx%d at %d "
+             "rows, XLA %.2f ms, kernel %.2f ms)", "on" if use else "off", source, layers,
+             hidden, inner, hidden, hidden, _SMALL_ROWS, 1e3 * seconds["xla"],
+             1e3 * seconds["small"])
     return use
