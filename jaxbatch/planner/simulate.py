@@ -5,10 +5,10 @@ A workload is a list of (prompt_len, max_tokens) pairs; by default every request
 (an offline batch, as in bench64); with `arrivals` (seconds) the requests join as a server would
 see them, on a clock that each step advances by its predicted cost (the cost model's seconds; an
 idle clock jumps to the next arrival). Each generates exactly max_tokens tokens (greedy with
-ignore_eos), so the simulated steps are the steps the engine would schedule. When a planner is given it runs in the
-loop, exactly as in Engine.step(): it may trim a prefill chunk (the scheduler then advances by the
-trimmed amount) or split a step into sub-steps; one StepRecord is kept per executed sub-step, as
-in the engine's trace (without timings).
+ignore_eos), so the simulated steps are the steps the engine would schedule. When a planner is
+given it runs in the loop, exactly as in Engine.step(): it may trim a prefill chunk (the
+scheduler then advances by the trimmed amount) or split a step into sub-steps; one StepRecord is
+kept per executed sub-step, as in the engine's trace (without timings).
 
 Workload files:
   *.json   {"requests": [[prompt_len, max_tokens], ...]}  (the packaged bench64 lengths)
