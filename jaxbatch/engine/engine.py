@@ -106,13 +106,13 @@ class Engine:
         attention = attention_fn(config.runner.attention_backend, root)  # builds the CPU kernels
         mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
         arch = model.arch
-        # bf16 on CPU, one device: decode steps' matmuls through the small-matmul kernel where
-        # it measures faster than XLA's dot (engine/precision.py)
-        small = (mesh is None and config.model.dtype == "bfloat16"
-                 and choose_small_matmul(arch.hidden_size, arch.intermediate_size,
-                                         arch.num_layers, root))
+        # bf16 on CPU, one device: the matmuls of steps up to as many tokens as the small-matmul
+        # kernel measures faster than XLA's dot run through it (engine/precision.py)
+        small_rows = (choose_small_matmul(arch.hidden_size, arch.intermediate_size,
+                                          arch.num_layers, root)
+                      if mesh is None and config.model.dtype == "bfloat16" else 0)
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
-                        attention, mesh, small_matmul=small)
+                        attention, mesh, small_matmul_rows=small_rows)
         runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several
         scheduler = Scheduler(config.scheduler, PageAllocator(
             runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))

@@ -126,14 +126,16 @@ def choose_compute_dtype(hidden: int, inner: int, cache_root: str) -> PrecisionC
     return choice
 
 
-# ---- the small bf16 matmul (decode steps) ------------------------------------------------------
+# ---- the small bf16 matmul (decode steps, small prefill chunks) --------------------------------
 SMALL_MATMUL_MIN_SPEEDUP = 1.1  # a clear win only: it doubles the weights' memory
-_SMALL_ROWS = 4
+# rows at which the kernel is timed against XLA's dot: a decode step, a few decodes, a small
+# and a larger mixed step
+SMALL_MATMUL_ROWS = (4, 16, 64, 256)
 
 
-def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool,
+def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool, rows: int,
                       repeats: int = 9) -> float:
-    """Median seconds of `layers` layers of the model's matmul shapes at _SMALL_ROWS rows (an
+    """Median seconds of `layers` layers of the model's matmul shapes at `rows` rows (an
     attention-sized [hidden, hidden] and the MLP's gate, up and down), in bf16 as the model runs
     them in a scan (weights as uint16 bits, [out, in], or packed): the weight bytes of a decode
     step, streamed from memory as it does."""
@@ -147,20 +149,24 @@ def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool,
         bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
         ws.append(cpu_kernel.pack_for_small_matmul(bits) if packed else bits)
 
-    def mm(x, wl):
-        if packed:
-            return cpu_kernel.small_matmul(x, wl)
-        wl = jax.lax.bitcast_convert_type(wl, jnp.bfloat16)
+    def mm(x, w, li):
+        if packed:  # the whole stack and the layer index, as llama.forward passes them
+            return cpu_kernel.small_matmul(x, w, li)
+        wl = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
         return jax.lax.dot_general(x, wl, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32).astype(x.dtype)
 
-    def layer(x, w):
-        wo, wg, wu, wd = w
-        x = x + mm(x, wo)
-        return x + mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd), None
+    def run(x, ws):
+        def layer(x, xs):
+            w, li = (ws, xs) if packed else (xs, None)
+            wo, wg, wu, wd = w
+            x = x + mm(x, wo, li)
+            return x + mm(jax.nn.silu(mm(x, wg, li)) * mm(x, wu, li), wd, li), None
 
-    stack = jax.jit(lambda x, ws: jax.lax.scan(layer, x, ws)[0])
-    x = jax.random.normal(keys[0], (_SMALL_ROWS, hidden), jnp.bfloat16)
+        return jax.lax.scan(layer, x, jnp.arange(layers) if packed else ws)[0]
+
+    stack = jax.jit(run)
+    x = jax.random.normal(keys[0], (rows, hidden), jnp.bfloat16)
     jax.block_until_ready(stack(x, ws))
     times = []
     for _ in range(repeats):
@@ -170,25 +176,30 @@ def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool,
     return float(np.median(times))
 
 
-def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -> bool:
-    """Whether decode steps should run their bf16 matmuls through the small-matmul kernel
-    (cpu_kernel.small_matmul) rather than XLA's dot: measured (or read from the cache) on the
-    model's layer shapes, at least SMALL_MATMUL_MIN_SPEEDUP faster. False where the
-    kernel is not available (no AVX512-BF16, or not built)."""
+def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -> int:
+    """Up to how many tokens a step's bf16 matmuls should run through the small-matmul kernel
+    (cpu_kernel.small_matmul) rather than XLA's dot: the largest of SMALL_MATMUL_ROWS at which
+    it (and at every smaller one) measures at least SMALL_MATMUL_MIN_SPEEDUP faster on the
+    model's layer shapes (or read from the cache). 0 (never) where the kernel is not available
+    (no AVX512-BF16, or not built) or loses at a decode step."""
     from pallas_kernels.ragged_paged_attention import cpu_kernel
 
     if jax.default_backend() != "cpu" or not cpu_kernel.small_matmul_available() \
             or inner % 16 or hidden % 2:
-        return False
-    ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}x{layers}|small v2"
+        return 0
+    ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}x{layers}|small v4"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     path = os.path.join(cache_root, "precision", f"small-{key}.json")
     seconds, source = _cached(path, ident, "seconds", lambda: {
-        name: _time_layer_stack(hidden, inner, layers, packed)
-        for name, packed in (("xla", False), ("small", True))})
-    use = seconds["xla"] >= SMALL_MATMUL_MIN_SPEEDUP * seconds["small"]
-    log.info("small bf16 matmul for decode steps: %s (%s: %d layers of %dx%d MLP + %dx%d at %d "
-             "rows, XLA %.2f ms, kernel %.2f ms)", "on" if use else "off", source, layers,
-             hidden, inner, hidden, hidden, _SMALL_ROWS, 1e3 * seconds["xla"],
-             1e3 * seconds["small"])
-    return use
+        f"{name} {rows}": _time_layer_stack(hidden, inner, layers, packed, rows)
+        for rows in SMALL_MATMUL_ROWS for name, packed in (("xla", False), ("small", True))})
+    max_rows = 0
+    for rows in SMALL_MATMUL_ROWS:
+        if seconds[f"xla {rows}"] < SMALL_MATMUL_MIN_SPEEDUP * seconds[f"small {rows}"]:
+            break
+        max_rows = rows
+    log.info("small bf16 matmul: steps of up to %d tokens (%s: %d layers of %dx%d MLP + %dx%d; "
+             "XLA / kernel ms: %s)", max_rows, source, layers, hidden, inner, hidden, hidden,
+             ", ".join(f"{rows} rows {1e3 * seconds[f'xla {rows}']:.1f} / "
+                       f"{1e3 * seconds[f'small {rows}']:.1f}" for rows in SMALL_MATMUL_ROWS))
+    return max_rows

@@ -88,10 +88,11 @@ def plain_greedy(s: Any) -> bool:
 
 class Runner:
     def __init__(self, arch: ModelArch, params: Any, cache: CacheConfig, max_model_len: int,
-                 attention_fn: Any, mesh: Any = None, small_matmul: bool = False) -> None:
+                 attention_fn: Any, mesh: Any = None, small_matmul_rows: int = 0) -> None:
         """`mesh`: a "tp" mesh (engine/sharding.py) to run on, else the default device.
-        `small_matmul`: bf16 weights also packed for the small-matmul kernel, which steps of at
-        most 16 tokens run (llama.as_run_on_cpu; the engine measures whether it pays)."""
+        `small_matmul_rows`: bf16 weights also packed for the small-matmul kernel, which steps
+        of at most that many tokens run (llama.as_run_on_cpu; the engine measures up to where
+        it pays, engine/precision.py); 0: XLA's dot for every step."""
         self.placement: sharding.Placement | None = None
         if mesh is not None:  # tensor parallel (or one replica's devices): see sharding.py
             params, arch, self.placement = sharding.prepare(params, arch, mesh)
@@ -99,7 +100,7 @@ class Runner:
         self.arch = arch
         # bf16 on CPU: layers as uint16 bits, linear weights [out, in] (not under tensor parallelism)
         params = llama.as_run_on_cpu(params, arch, out_in=self.placement is None,
-                                     small_matmul_packs=small_matmul and self.placement is None)
+                                     small_matmul_rows=small_matmul_rows if self.placement is None else 0)
         if self.placement is not None:
             params = sharding.place(params, self.placement.params)
         self.params = params

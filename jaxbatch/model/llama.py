@@ -30,8 +30,8 @@ import numpy as np
 from jaxbatch.model import moe
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, Int8Weight, int8_matmul
-from pallas_kernels.ragged_paged_attention.cpu_kernel import SMALL_MATMUL_MAX_ROWS as SMALL_ROWS
 from pallas_kernels.ragged_paged_attention.cpu_kernel import (
+    SMALL_MATMUL_MAX_ROWS,
     can_pack,
     pack_for_small_matmul,
     small_matmul,
@@ -58,6 +58,26 @@ class AttentionInputs:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class PackedWeight:
+    """A bf16 linear weight packed for the small bf16 matmul (cpu_kernel.small_matmul), which
+    steps of at most `max_rows` tokens run (the engine measures up to where it beats XLA's dot:
+    on a CPU without AMX, XLA:CPU repacks the [out, in] weight on every call)."""
+
+    w: jax.Array  # [..., out/16, in/2, 32] uint16
+    max_rows: int = dataclasses.field(metadata={"static": True})
+    # inside the layer scan: `w` is the whole [L, ...] stack (not scanned: a sliced stack is
+    # copied into a temporary for the kernel every layer) and this i32 scalar picks the layer
+    layer: jax.Array | None = None
+
+    def takes(self, x: jax.Array) -> bool:
+        return x.dtype == jnp.bfloat16 and x.shape[0] <= self.max_rows
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return small_matmul(x, self.w, self.layer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class OutInWeight:
     """A linear weight stored as [..., out, in], its transpose: `_mm` dots over its last axis.
     The layout XLA:CPU's bf16 dots (YNNPACK on AMX) run fastest: on 30 layers of SmolLM2's
@@ -66,9 +86,7 @@ class OutInWeight:
     `ynn::interleave2_x16`); the head as [V, H] 2.6 -> 1.9 ms at 3 rows, 4.8 -> 3.9 at 64."""
 
     wt: jax.Array  # [..., out, in]
-    # the same weight packed for the small bf16 matmul (cpu_kernel.small_matmul): steps of at
-    # most SMALL_MATMUL_MAX_ROWS tokens use it where XLA:CPU would repack `wt` on every call
-    packed: jax.Array | None = None  # [..., out/16, in/2, 32] uint16
+    packed: PackedWeight | None = None  # the same weight for the small bf16 matmul
 
     @property
     def shape(self) -> tuple[int, ...]:  # the weight's own [..., in, out]
@@ -149,8 +167,8 @@ def _mm(x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
     if isinstance(w, Int8Weight):
         return int8_matmul(x, w)
     if isinstance(w, OutInWeight):
-        if w.packed is not None and x.dtype == jnp.bfloat16 and x.shape[0] <= SMALL_ROWS:
-            return small_matmul(x, w.packed)  # the same sums, rounded the same (bitwise)
+        if w.packed is not None and w.packed.takes(x):
+            return w.packed(x)  # the same sums, rounded the same (bitwise)
         return jax.lax.dot_general(x, w.wt, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32).astype(x.dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -218,10 +236,21 @@ def forward(
     def norm(v: jax.Array, w: jax.Array) -> jax.Array:
         return rms_norm(v, w, eps, plus_one=gemma)
 
+    # the small-matmul packs stay out of the scanned inputs: the kernel takes each whole stack
+    # and the layer index (slicing them in the scan copied every layer's weights, ~2x the bytes
+    # of a decode step)
+    layers = params["layers"]
+    packs = {name: w.packed for name, w in layers.items()
+             if isinstance(w, OutInWeight) and w.packed is not None}  # whole [L, ...] stacks
+    scanned = {name: dataclasses.replace(w, packed=None) if name in packs else w
+               for name, w in layers.items()}
+
     def layer(carry, xs):
         x, k_cache, v_cache = carry
         lp, li, extra = xs
         lp = jax.tree.map(values, lp)
+        for name, pack in packs.items():
+            lp[name] = dataclasses.replace(lp[name], packed=dataclasses.replace(pack, layer=li))
         h = norm(x, lp["attn_norm"])
         q = _mm(h, lp["wq"])
         k = _mm(h, lp["wk"])
@@ -269,7 +298,7 @@ def forward(
     flat = (L * N_pages, P, K, D)
     (x, k_cache, v_cache), _ = jax.lax.scan(
         layer, (x, kv_cache["k"].reshape(flat), kv_cache["v"].reshape(flat)),
-        (params["layers"], idx, _layer_inputs(arch)),
+        (scanned, idx, _layer_inputs(arch)),
     )
     shape = kv_cache["k"].shape
     return x, {"k": k_cache.reshape(shape), "v": v_cache.reshape(shape)}
@@ -284,8 +313,8 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
                  plus_one=arch.gemma_norms)
     head = params.get("lm_head")
     packed = params.get("head_packed")  # the head for the small matmul (as_run_on_cpu)
-    if packed is not None and h.dtype == jnp.bfloat16 and h.shape[0] <= SMALL_ROWS:
-        logits = small_matmul(h, packed)
+    if packed is not None and packed.takes(h):
+        logits = packed(h)
     elif isinstance(head, OutInWeight):
         logits = jax.lax.dot_general(h, values(head.wt).astype(hidden.dtype),
                                      (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -306,16 +335,15 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
 
 
 def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
-                  small_matmul_packs: bool = False) -> Params:
+                  small_matmul_rows: int = 0) -> Params:
     """The params in the forms XLA:CPU runs fastest. bf16: the scanned layer weights held as
     uint16 bits (`store_bf16_as_bits`), and with `out_in` the linear weights and an untied
     head stored [out, in] (`OutInWeight`); a tied head is the embedding itself, dotted over its
     last axis. The embedding and head stay bf16 (neither is sliced in the scan; as bits the
     head was bitcast into a fresh 56 MB copy every step, 12.8 ms of a 3-row SmolLM2 step).
-    With `small_matmul_packs` (the runner's measured choice, engine/runner.py) every linear
+    With `small_matmul_rows` (the engine's measured choice, engine/precision.py) every linear
     weight and the head also get a copy packed for the small bf16 matmul that steps of at most
-    SMALL_ROWS tokens run (cpu_kernel.small_matmul; the packed copies double the weights'
-    memory). Unchanged on other backends and in float32. The runner (`out_in` off under tensor
+    that many tokens run (`PackedWeight`; the packed copies double the weights' memory). Unchanged on other backends and in float32. The runner (`out_in` off under tensor
     parallelism, whose shardings are laid out for [in, out]) and the scripts that run the
     forward directly use this."""
     if jax.default_backend() != "cpu" or params["embed"].dtype != jnp.bfloat16:
@@ -326,17 +354,23 @@ def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
             w = layers.get(name)
             if w is not None and not isinstance(w, Int8Weight):
                 wt = jnp.swapaxes(w, -1, -2)
-                pack = small_matmul_packs and can_pack(wt)
-                layers[name] = OutInWeight(wt, pack_for_small_matmul(wt) if pack else None)
+                layers[name] = OutInWeight(wt, _packed(wt, small_matmul_rows))
     out = {**params, "layers": store_bf16_as_bits(layers)}
     head = params.get("lm_head")
     if out_in and head is not None and not isinstance(head, Int8Weight):
         out["lm_head"] = OutInWeight(jnp.array(head.T))
     head_wt = params["embed"] if head is None else (None if isinstance(head, Int8Weight)
                                                     else head.T)
-    if out_in and small_matmul_packs and head_wt is not None and can_pack(head_wt):
-        out["head_packed"] = pack_for_small_matmul(head_wt)
+    head_packed = _packed(head_wt, small_matmul_rows) if out_in and head_wt is not None else None
+    if head_packed is not None:
+        out["head_packed"] = head_packed
     return out
+
+
+def _packed(wt: jax.Array, max_rows: int) -> PackedWeight | None:
+    if max_rows <= 0 or not can_pack(wt):
+        return None
+    return PackedWeight(pack_for_small_matmul(wt), min(max_rows, SMALL_MATMUL_MAX_ROWS))
 
 
 def one_sequence_inputs(num_tokens: int, page_size: int) -> tuple[int, AttentionInputs]:

@@ -26,7 +26,7 @@ import numpy as np
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernel.cc")
 TARGET = "jaxbatch_ragged_paged_attention"
 MATMUL_TARGET = "jaxbatch_small_matmul"
-SMALL_MATMUL_MAX_ROWS = 16  # rows (tokens of a step) the small bf16 matmul takes
+SMALL_MATMUL_MAX_ROWS = 512  # rows (tokens of a step) the small bf16 matmul takes (kMatmulMaxRows)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC"]
 KV_SPLIT = 512  # keys per softmax split: torch's CPU flash attention's (see cpu_kernel.cc)
 Q_BLOCK = 16  # query rows per work item of a prefill chunk
@@ -187,10 +187,19 @@ def can_pack(w_out_in: jax.Array) -> bool:
     return n % 16 == 0 and k % 2 == 0
 
 
-def small_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
+def small_matmul(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None
+                 ) -> jax.Array:
     """x [M, K] bf16 (M <= SMALL_MATMUL_MAX_ROWS) @ the packed weight's [K, N] -> [M, N] bf16:
-    f32 sums rounded to nearest even, as `dot(x, w, preferred_element_type=f32).astype(bf16)`."""
+    f32 sums rounded to nearest even, as `dot(x, w, preferred_element_type=f32).astype(bf16)`.
+    `packed` [N/16, K/2, 32], or a stack [L, N/16, K/2, 32] and `layer` (an i32 scalar, traced
+    in a layer scan) picking one: pass the stack rather than slicing it in the scan, where XLA
+    copies the slice into a temporary for the call."""
+    if packed.ndim == 3:
+        packed, layer = packed[None], 0
+    elif layer is None:
+        raise ValueError("small_matmul: a stack of packed weights needs a layer index")
     m, n = x.shape[0], packed.shape[-3] * 16
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.uint16))
-    out = call(jax.lax.bitcast_convert_type(x, jnp.uint16), packed)
+    out = call(jax.lax.bitcast_convert_type(x, jnp.uint16), packed,
+               jnp.asarray(layer, jnp.int32).reshape(1))
     return jax.lax.bitcast_convert_type(out, jnp.bfloat16)

@@ -52,3 +52,28 @@ def test_engine_with_dtype_auto_computes_in_the_chosen_dtype(tmp_path, monkeypat
     assert eng.runner.kv_dtype == jnp.bfloat16  # kv_cache_dtype auto follows the compute dtype
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 16
+
+
+# kernel seconds per rows measured; XLA's are 1.0 at every size
+@pytest.mark.parametrize("kernel_s,want", [
+    ({4: 0.5, 16: 0.5, 64: 0.8, 256: 1.2}, 64),   # loses at 256 rows: up to 64
+    ({4: 0.5, 16: 0.95, 64: 0.5, 256: 0.5}, 4),   # not a clear win at 16: never above 4
+    ({4: 0.95, 16: 0.5, 64: 0.5, 256: 0.5}, 0),   # no clear win at a decode step: off
+    ({4: 0.5, 16: 0.5, 64: 0.5, 256: 0.5}, 256),
+])
+def test_small_matmul_rows_are_where_it_wins(tmp_path, monkeypatch, kernel_s, want):
+    from pallas_kernels.ragged_paged_attention import cpu_kernel
+
+    calls = []
+
+    def fake_time(hidden, inner, layers, packed, rows, repeats=9):
+        calls.append((packed, rows))
+        return kernel_s[rows] if packed else 1.0
+
+    monkeypatch.setattr(precision, "_time_layer_stack", fake_time)
+    monkeypatch.setattr(cpu_kernel, "small_matmul_available", lambda: True)
+    assert precision.choose_small_matmul(64, 128, 2, str(tmp_path)) == want
+    assert sorted(calls) == sorted((p, r) for r in precision.SMALL_MATMUL_ROWS
+                                   for p in (False, True))
+    assert precision.choose_small_matmul(64, 128, 2, str(tmp_path)) == want  # cached
+    assert len(calls) == 2 * len(precision.SMALL_MATMUL_ROWS)

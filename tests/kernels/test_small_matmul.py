@@ -1,7 +1,7 @@
-"""The small bf16 matmul (cpu_kernel.small_matmul, decode steps on CPUs where XLA's dot repacks
-the weights every call): bitwise XLA's bf16 dot with f32 sums, and the model's logits bitwise
-the same with and without it. Skipped on a CPU without AVX512-BF16 (the kernel is not built
-there and the engine never asks for it)."""
+"""The small bf16 matmul (cpu_kernel.small_matmul: decode steps and small chunks on CPUs where
+XLA's dot repacks the weights every call): bitwise XLA's bf16 dot with f32 sums, and the model's
+logits bitwise the same with and without it. Skipped on a CPU without AVX512-BF16 (the kernel is
+not built there and the engine never asks for it)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _xla(x, w_out_in):
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16, 17, 40, 88, 200])
 @pytest.mark.parametrize("k,n", [(64, 16), (576, 1536), (1536, 576), (576, 49152), (130, 48)])
 def test_bitwise_xlas_bf16_dot(m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
@@ -49,6 +49,26 @@ def test_bitwise_xlas_bf16_dot(m, k, n):
         assert np.mean(got == want) > 0.97  # own summation order; 52 ms for SmolLM2's head)
     else:
         np.testing.assert_array_equal(got, want)
+
+
+def test_stack_and_layer_index_inside_a_scan():
+    """A layer scan passes the whole stack and the index (llama.forward): each layer's product
+    is the sliced weight's, and no copy of a weight slice is made for the call."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, 32, 64)) * 0.05, jnp.bfloat16)  # [L, N, K]
+    stack = cpu_kernel.pack_for_small_matmul(w)
+    f = jax.jit(lambda x, stack: jax.lax.scan(
+        lambda c, li: (c, cpu_kernel.small_matmul(x, stack, li)), 0, jnp.arange(4))[1])
+    got = np.asarray(f(x, stack), np.float32)
+    for li in range(4):
+        np.testing.assert_array_equal(got[li], np.asarray(jax.jit(_xla)(x, w[li]), np.float32))
+    hlo = f.lower(x, stack).compile().as_text()
+    assert "u16[1,2,32,32]" not in hlo  # what slicing the stack in the scan makes (and copies)
+    with pytest.raises(ValueError, match="layer index"):
+        cpu_kernel.small_matmul(x, stack)
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(jax.jit(cpu_kernel.small_matmul)(x, stack, 4))
 
 
 def test_packing_layout_and_limits():
@@ -70,12 +90,15 @@ def test_model_logits_bitwise_with_and_without(tmp_path, kind):
     m = load_model(str(tmp_path / kind), "bfloat16")
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), m.params)
     plain = llama.as_run_on_cpu(params, m.arch)
-    packed = llama.as_run_on_cpu(params, m.arch, small_matmul_packs=True)
-    assert packed["layers"]["wq"].packed is not None and "head_packed" in packed
-    ids = np.random.RandomState(3).randint(3, 256, size=12)  # 12 tokens: the small path
+    packed = llama.as_run_on_cpu(params, m.arch, small_matmul_rows=16)
+    assert packed["layers"]["wq"].packed.max_rows == 16 and "head_packed" in packed
+    wide = llama.as_run_on_cpu(params, m.arch, small_matmul_rows=64)
+    ids = np.random.RandomState(3).randint(3, 256, size=12)  # 12 tokens: the kernel in both
     a = prefill_logits(m.arch, plain, ids, jnp.uint16)
-    b = prefill_logits(m.arch, packed, ids, jnp.uint16)
-    np.testing.assert_array_equal(a, b)
-    long_ids = np.random.RandomState(4).randint(3, 256, size=40)  # 40 tokens: XLA's dot
-    np.testing.assert_array_equal(prefill_logits(m.arch, plain, long_ids, jnp.uint16),
-                                  prefill_logits(m.arch, packed, long_ids, jnp.uint16))
+    np.testing.assert_array_equal(a, prefill_logits(m.arch, packed, ids, jnp.uint16))
+    np.testing.assert_array_equal(a, prefill_logits(m.arch, wide, ids, jnp.uint16))
+    # 40 tokens: XLA's dot with packs for up to 16 rows, the kernel with packs for up to 64
+    long_ids = np.random.RandomState(4).randint(3, 256, size=40)
+    b = prefill_logits(m.arch, plain, long_ids, jnp.uint16)
+    np.testing.assert_array_equal(b, prefill_logits(m.arch, packed, long_ids, jnp.uint16))
+    np.testing.assert_array_equal(b, prefill_logits(m.arch, wide, long_ids, jnp.uint16))
