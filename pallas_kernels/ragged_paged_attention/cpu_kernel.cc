@@ -11,7 +11,8 @@
 // Three paths per item: f32 (any dtype; K/V converted into f32 scratch, register tiles);
 // with bf16 queries and cache, decode items read the pages in place with AVX512-BF16 dots
 // (run_decode_bf16) and prefill items run on AMX tiles (run_prefill_amx), where the compiler
-// targets them (-march=native) and, for AMX, the OS grants the tile state.
+// targets them (-march=native) and, for AMX, the OS grants the tile state; without AMX, prefill
+// items run through run_decode_bf16 as wide items (wide_scores, wide_pv: GEMM-like blocks).
 //
 // Numerics follow torch's CPU flash attention (what HF's sdpa runs on CPU): keys in splits of
 // `kv_split` (512) from position 0; per split, scores in f32 from exact products, the running
@@ -207,11 +208,13 @@ struct Scratch {
   std::vector<float> q, k, v, kt, s, acc, m, l;
   std::vector<uint16_t> qb, pb;  // bf16 queries; bf16 probabilities (run_prefill_bf16)
   std::vector<uint32_t> kt2, v2;  // K and V as bf16 pairs (run_prefill_bf16)
+  std::vector<uint32_t> pw;  // probabilities as bf16 pair words (wide_pv)
 #if defined(__AVX512F__)
   struct alignas(64) Zmm {
     __m512 v;
   };
   std::vector<Zmm> part;  // partial dot products, 16 keys per score row
+  std::vector<Zmm> vp;  // a head's V rows of a split as bf16 pairs of keys (wide_pv)
 #endif
 };
 
@@ -609,6 +612,146 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
 }
 
+// Pass 1 of a wide item (more than kDecodeRows score rows per KV head: prefill rows on a CPU
+// without AMX): per block of 16 keys and KV head, the block's K rows are gathered transposed
+// (16 keys in the lanes, one 32-bit bf16 pair of D per vector) and each score row's dots with
+// the 16 keys are kD/2 VDPBF16PS with the row's pair broadcast: no per-key horizontal sums
+// (the narrow path's sum16), and the block's K is loaded once for the item's rows.
+// s[(h * R + r) * n + j] = q_(h,r) . k_(a+j), sums over D's pairs in order.
+constexpr int kWideRows = 12;  // score rows per block: 12 independent accumulator chains
+
+template <int kD, class Token>
+void wide_scores(const Problem& p, Scratch& sc, int64_t R, int64_t a, int64_t n, float* s,
+                 const Token& token) {
+  constexpr int kW = kD / 2;  // 32-bit words (bf16 pairs) per head row
+  const int64_t Hkv = p.Hkv;
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(sc.qb.data());
+  const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
+  for (int64_t jb = 0; jb < n; jb += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - jb);
+    const __mmask16 km = static_cast<__mmask16>((1u << nb) - 1);
+    // word offsets of the block's keys from its first key's row (missing keys repeat the last)
+    const int64_t base = token(a + jb);
+    alignas(64) int32_t idx[16];
+    bool near = true;
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t d = (token(a + jb + std::min<int64_t>(i, nb - 1)) - base) / 2;
+      near = near && d > -(int64_t{1} << 30) && d < (int64_t{1} << 30);
+      idx[i] = static_cast<int32_t>(d);
+    }
+    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kbase + base);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      __m512i kt[kW];
+      if (near) {
+        const __m512i vidx = _mm512_add_epi32(_mm512_load_si512(idx),
+                                              _mm512_set1_epi32(static_cast<int>(h * kW)));
+        for (int w = 0; w < kW; ++w)
+          kt[w] = _mm512_i32gather_epi32(_mm512_add_epi32(vidx, _mm512_set1_epi32(w)), k32, 4);
+      } else {  // pages too far apart for 32-bit gather offsets: copy word by word
+        alignas(64) uint32_t t[kW][16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const uint32_t* row = reinterpret_cast<const uint32_t*>(
+              kbase + token(a + jb + std::min<int64_t>(i, nb - 1))) + h * kW;
+          for (int w = 0; w < kW; ++w) t[w][i] = row[w];
+        }
+        for (int w = 0; w < kW; ++w) kt[w] = _mm512_load_si512(t[w]);
+      }
+      for (int64_t r0 = 0; r0 < R; r0 += kWideRows) {
+        const uint32_t* qr = q32 + (h * R + r0) * kW;
+        __m512 acc[kWideRows];
+        for (int r = 0; r < kWideRows; ++r) acc[r] = _mm512_setzero_ps();
+        for (int w = 0; w < kW; ++w)
+          for (int r = 0; r < kWideRows; ++r)
+            acc[r] = _mm512_dpbf16_ps(
+                acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[r * kW + w])),
+                (__m512bh)kt[w]);
+        for (int r = 0; r < kWideRows; ++r)
+          _mm512_mask_storeu_ps(s + (h * R + r0 + r) * n + jb, km, acc[r]);
+      }
+    }
+  }
+}
+
+// Pass 2 of a wide item: acc += p @ v over the split's n keys. The keys' V rows are
+// interleaved into bf16 pairs once per head (vp) and the probabilities packed into pair words
+// once per row (pw), so that the row blocks (kPvAcc accumulators) only load and multiply.
+constexpr int kPvAcc = 24;  // f32 accumulators per row block
+
+template <int kD, int kRB>
+void wide_pv_rows(const uint32_t* pw, int64_t n2, const __m512bh* vp, float* accs) {
+  constexpr int kV = kD / 16;  // 16-float accumulators per row
+  __m512 acc[kRB][kV];
+  for (int r = 0; r < kRB; ++r)
+    for (int c = 0; c < kV; ++c) acc[r][c] = _mm512_loadu_ps(accs + r * kD + 16 * c);
+  for (int64_t j2 = 0; j2 < n2; ++j2) {
+    const __m512bh* v = vp + j2 * kV;
+    for (int r = 0; r < kRB; ++r) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r * n2 + j2]));
+      for (int c = 0; c < kV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], pp);
+    }
+  }
+  for (int r = 0; r < kRB; ++r)
+    for (int c = 0; c < kV; ++c) _mm512_storeu_ps(accs + r * kD + 16 * c, acc[r][c]);
+}
+
+template <int kD, class Token>
+void wide_pv(const Problem& p, Scratch& sc, int64_t R, int64_t a, int64_t n, const float* s,
+             const Token& token, __m512i ilo, __m512i ihi) {
+  constexpr int kC = kD / 32, kV = kD / 16;
+  constexpr int kRB = kPvAcc / kV > 0 ? kPvAcc / kV : 1;  // rows per block
+  const int64_t Hkv = p.Hkv, HR = Hkv * R, n2 = (n + 1) / 2;
+  // probabilities (already bf16-rounded f32: their top halves are the bf16 bits) as pair
+  // words: word j2 of a row = (p[2 j2], p[2 j2 + 1]); an odd last key pairs with 0
+  sc.pw.resize(HR * n2);
+  for (int64_t hr = 0; hr < HR; ++hr) {
+    const uint32_t* f = reinterpret_cast<const uint32_t*>(s + hr * n);
+    uint32_t* w = sc.pw.data() + hr * n2;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512i v = _mm512_loadu_si512(f + j);  // 64-bit lanes: p[j+2k+1] << 32 | p[j+2k]
+      const __m512i lo = _mm512_and_si512(_mm512_srli_epi64(v, 16), _mm512_set1_epi64(0xFFFF));
+      const __m512i hi16 = _mm512_and_si512(_mm512_srli_epi64(v, 32),
+                                            _mm512_set1_epi64(0xFFFF0000));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j / 2),
+                          _mm512_cvtepi64_epi32(_mm512_or_si512(lo, hi16)));
+    }
+    for (; j < n; j += 2)
+      w[j / 2] = (f[j] >> 16) | (j + 1 < n ? (f[j + 1] & 0xffff0000u) : 0u);
+  }
+  const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
+  sc.vp.resize(n2 * kV);
+  __m512bh* vp = reinterpret_cast<__m512bh*>(sc.vp.data());
+  for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t j = 0; j < n; j += 2) {
+      const bool pair = j + 1 < n;
+      const uint16_t* v0 = vbase + token(a + j) + h * kD;
+      const uint16_t* v1 = pair ? vbase + token(a + j + 1) + h * kD : v0;
+      for (int c = 0; c < kC; ++c) {
+        const __m512i x0 = _mm512_loadu_si512(v0 + 32 * c);
+        // a missing second key gets zero rows (not v0's: 0 * inf would be NaN)
+        const __m512i x1 = pair ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
+        vp[(j / 2) * kV + 2 * c] = (__m512bh)_mm512_permutex2var_epi16(x0, ilo, x1);
+        vp[(j / 2) * kV + 2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x0, ihi, x1);
+      }
+    }
+    int64_t r0 = 0;
+    for (; r0 + kRB <= R; r0 += kRB)
+      wide_pv_rows<kD, kRB>(sc.pw.data() + (h * R + r0) * n2, n2, vp,
+                            sc.acc.data() + (h * R + r0) * kD);
+    const uint32_t* pw = sc.pw.data() + (h * R + r0) * n2;
+    float* accs = sc.acc.data() + (h * R + r0) * kD;
+    switch (R - r0) {  // the rows left (fewer than kRB)
+      case 0: break;
+      case 1: wide_pv_rows<kD, 1>(pw, n2, vp, accs); break;
+      case 2: wide_pv_rows<kD, (kRB > 2 ? 2 : 1)>(pw, n2, vp, accs); break;
+      case 3: wide_pv_rows<kD, (kRB > 3 ? 3 : 1)>(pw, n2, vp, accs); break;
+      case 4: wide_pv_rows<kD, (kRB > 4 ? 4 : 1)>(pw, n2, vp, accs); break;
+      case 5: wide_pv_rows<kD, (kRB > 5 ? 5 : 1)>(pw, n2, vp, accs); break;
+      default: break;
+    }
+  }
+}
+
 // Decode items with a bf16 cache and bf16 queries (what a bf16 model runs): the pages are read
 // in place with AVX512-BF16 dot products (exact bf16 products, f32 sums) instead of being
 // converted into f32 scratch first. The f32 sweep spent ~45% of a decode layer storing the
@@ -630,9 +773,13 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   const int64_t HR = Hkv * R;
   const int64_t split = p.kv_split;
   // score row (h, r) = query row r / G, head h * G + r % G; its bf16 query at qb[(h*R + r)*kD]
-  sc.qb.resize(HR * kD);
+  // wide items compute score rows in blocks of kWideRows: the last block of the last head
+  // reads (and writes) up to kWideRows rows past the end (other heads' are overwritten later)
+  const bool wide = R > kDecodeRows;
+  const int64_t pad_rows = wide ? kWideRows : 0;
+  sc.qb.resize((HR + pad_rows) * kD);
   reset_row_state(sc, HR, kD);
-  sc.s.resize(HR * split);
+  sc.s.resize((HR + pad_rows) * split);
   sc.part.resize(HR * 16);
   copy_bf16_queries(p, it, start, G, R, kD, sc.qb.data());
   int32_t lo, hi;
@@ -669,7 +816,9 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
     const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + split, hi);
     const int64_t n = b - a;
     // pass 1: s[(h*R + r) * n + j] = q . k_j
-    for (int64_t jb = 0; jb < n; jb += 16) {
+    if (wide) {
+      wide_scores<kD>(p, sc, R, a, n, s, token);
+    } else for (int64_t jb = 0; jb < n; jb += 16) {
       const int64_t nb = std::min<int64_t>(16, n - jb);
       for (int64_t jj = 0; jj < 16; ++jj) {
         const int slot = kSumSlot[jj];
@@ -713,6 +862,10 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
     // would start on cold pages), two lines per pair of keys
     const bool last_split = j0 + split >= hi;
     int64_t next_line = 0;
+    if (wide) {
+      wide_pv<kD>(p, sc, R, a, n, s, token, ilo, ihi);
+      continue;
+    }
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int64_t r0 = 0; r0 < R; r0 += 4) {
         const int64_t rb = std::min<int64_t>(4, R - r0);
@@ -888,10 +1041,24 @@ void run_prefill_amx(const Problem& p, const Item& it, Scratch& sc) {
 #endif  // JAXBATCH_AMX
 #endif
 
+#if defined(__AVX512BF16__)
+// Without AMX (not built for it, or refused), prefill items of bf16 queries and a bf16 cache
+// run through run_decode_bf16 as wide items (wide_scores); `use_amx=False` keeps the f32 path
+// (tests compare the two).
+bool wide_items(const Problem& p) {
+  bool amx = false;
+#ifdef JAXBATCH_AMX
+  amx = amx_granted();
+#endif
+  return p.use_amx && !amx && (p.D == 64 || p.D == 128 || p.D == 256);
+}
+#endif
+
 // `next`: the item this thread runs after `it` (its first pages are prefetched), or null.
 void run_any(const Problem& p, const Item& it, Scratch& sc, const Item* next) {
 #if defined(__AVX512BF16__)
-  if (p.q16 && p.kv16 && p.round_p && it.rows * (p.Hq / p.Hkv) <= kDecodeRows) {
+  if (p.q16 && p.kv16 && p.round_p &&
+      (it.rows * (p.Hq / p.Hkv) <= kDecodeRows || wide_items(p))) {
     switch (p.D) {
       case 64: return run_decode_bf16<64>(p, it, sc, next);
       case 128: return run_decode_bf16<128>(p, it, sc, next);
@@ -919,25 +1086,12 @@ void run_any(const Problem& p, const Item& it, Scratch& sc, const Item* next) {
   }
 }
 
-// Query rows per work item. Without AMX (not built for it, or refused), prefill rows of a bf16
-// cache run as narrow items of at most kDecodeRows score rows per KV head through the bf16
-// in-place path (run_decode_bf16): on an AMD EPYC (Zen 5, AVX512-BF16, no AMX), one SmolLM2
-// layer took 1.84 -> 1.47 ms for 3 chunks of 150 rows, 5.9 -> 1.8 ms for 184 rows after 700
-// cached keys (16-row items re-convert the whole context to f32 per item) and 2.5 -> 0.6 ms
-// for 40 rows after 800 keys beside 10 decodes. `use_amx=False` keeps the f32 path (tests).
-int64_t item_rows(const Problem& p, int64_t q_block) {
-#if defined(__AVX512BF16__)
-  const int64_t G = p.Hq / p.Hkv;
-  bool amx = false;
-#ifdef JAXBATCH_AMX
-  amx = amx_granted();
-#endif
-  if (p.q16 && p.kv16 && p.round_p && p.use_amx && !amx && G <= kDecodeRows &&
-      (p.D == 64 || p.D == 128 || p.D == 256))
-    return kDecodeRows / G;
-#endif
-  return q_block;
-}
+// Query rows per work item: q_block (wide items without AMX: 16 rows of SmolLM2's 3 query
+// heads per KV head are 48 score rows, 4 blocks of kWideRows sharing each gathered K block).
+// Before wide items, prefill rows without AMX ran as narrow items of <= kDecodeRows score rows
+// per KV head (one SmolLM2 layer, AMD EPYC Zen 5: 512 rows 2.77 ms, 184 rows after 700 keys
+// 3.12 ms).
+int64_t item_rows(const Problem&, int64_t q_block) { return q_block; }
 
 // Shared by the caller and the pool tasks; a task that starts after the work is done finds no
 // item left and only touches this (kept alive by its shared_ptr).

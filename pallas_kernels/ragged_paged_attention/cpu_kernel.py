@@ -137,8 +137,9 @@ def ragged_paged_attention_cpu(
     With a bf16 cache (bf16, or uint16 bits) the probabilities are rounded to bf16 before the
     PV product, as torch's CPU flash attention does. bf16 queries and cache: decode rows use
     AVX512-BF16 dots on the pages in place, prefill rows AMX tiles, where the CPU has them;
-    without AMX, prefill rows run as narrow items through the decode rows' bf16 path
-    (`use_amx=False`: the f32 path for prefill rows, for tests to compare)."""
+    without AMX, prefill items run the bf16 path in GEMM-like blocks (K gathered transposed,
+    V and probabilities packed in pairs) (`use_amx=False`: the f32 path for prefill rows, for
+    tests to compare)."""
     if _registered is None:
         raise KernelUnavailable("register(cache_dir) first")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
