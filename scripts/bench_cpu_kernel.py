@@ -6,7 +6,8 @@ pages of 16, bf16 cache as uint16 bits), against the jnp reference where that is
                       stays in cache between calls)
   decode, 30 layers   the same rows over 30 cache slabs in a lax.scan, as the model runs them
                       (322 MB: every layer's KV comes from DRAM); prints the KV read rate
-  prefill             3 chunks of 150 rows (contexts 0/100/300), 4 chunks of 128 (0/100/300/0)
+  prefill             3 chunks of 150 rows (contexts 0/100/300), 4 chunks of 128 (0/100/300/0),
+                      a fresh 512-row chunk, 184 rows after 700 cached keys
 
   python scripts/bench_cpu_kernel.py [--iters 20] [--cache-dir DIR]
 Medians of --iters calls; quote them next to a run of the same script (machines are noisy).
@@ -98,7 +99,8 @@ def main() -> None:
     print(f"decode, {LAYERS} layers ({LAYERS * mb:.0f} MB of KV from DRAM): kernel {t30:.1f} ms, "
           f"{LAYERS * mb / t30:.1f} GB/s")
     del kL, vL
-    for q_lens, ctx in (([150, 150, 151], [0, 100, 300]), ([128] * 4, [0, 100, 300, 0])):
+    for q_lens, ctx in (([150, 150, 151], [0, 100, 300]), ([128] * 4, [0, 100, 300, 0]),
+                        ([512], [0]), ([184], [700])):
         q_lens, ctx = np.array(q_lens), np.array(ctx)
         kv = (q_lens + ctx).astype(np.int32)
         n2, table2 = layout(rng, kv)
