@@ -99,8 +99,9 @@ class Runner:
             attention_fn = sharding.shard_attention(attention_fn, mesh)
         self.arch = arch
         # bf16 on CPU: layers as uint16 bits, linear weights [out, in] (not under tensor parallelism)
-        params = llama.as_run_on_cpu(params, arch, out_in=self.placement is None,
-                                     small_matmul_rows=small_matmul_rows if self.placement is None else 0)
+        one_device = self.placement is None
+        params = llama.as_run_on_cpu(params, arch, out_in=one_device,
+                                     small_matmul_rows=small_matmul_rows if one_device else 0)
         if self.placement is not None:
             params = sharding.place(params, self.placement.params)
         self.params = params

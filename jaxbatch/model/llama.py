@@ -343,7 +343,8 @@ def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
     head was bitcast into a fresh 56 MB copy every step, 12.8 ms of a 3-row SmolLM2 step).
     With `small_matmul_rows` (the engine's measured choice, engine/precision.py) every linear
     weight and the head also get a copy packed for the small bf16 matmul that steps of at most
-    that many tokens run (`PackedWeight`; the packed copies double the weights' memory). Unchanged on other backends and in float32. The runner (`out_in` off under tensor
+    that many tokens run (`PackedWeight`; the packed copies double the weights' memory).
+    Unchanged on other backends and in float32. The runner (`out_in` off under tensor
     parallelism, whose shardings are laid out for [in, out]) and the scripts that run the
     forward directly use this."""
     if jax.default_backend() != "cpu" or params["embed"].dtype != jnp.bfloat16:
