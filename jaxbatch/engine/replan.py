@@ -62,7 +62,9 @@ class BackgroundReplan:
         self.replanner = replanner
         self.save_path = save_path
         self.events: list[ReplanEvent] = []
-        self.last_gain = 0.0  # predicted gain of the last proposal looked at (0: none)
+        # predicted gain of the best set at the last look: a swapped-in set's, else the best
+        # one below the threshold (0: none better than the current set)
+        self.last_gain = 0.0
         self._thread: threading.Thread | None = None
         self._ready: tuple[Proposal, dict, dict, float] | None = None
         self._error: BaseException | None = None
@@ -107,7 +109,7 @@ class BackgroundReplan:
         _lowest_priority()
         try:
             prop = self.replanner.propose(hist, current, executed)
-            self.last_gain = prop.gain if prop else 0.0
+            self.last_gain = prop.gain if prop else self.replanner.best_gain
             if prop is None:
                 return
             runner = engine.runner

@@ -55,6 +55,9 @@ class LiveReplanner:
             raise ValueError(f"min_gain must be in (0, 1), got {min_gain}")
         self.max_tokens, self.max_seqs, self.max_shapes = max_tokens, max_seqs, max_shapes
         self.interval, self.min_gain, self.min_steps = interval, min_gain, min_steps
+        # predicted gain of the best set found at the last look, whether it reached min_gain
+        # or not (0: the current set was already the best)
+        self.best_gain = 0.0
         # the start-up workload's step shapes (planner.workload_histogram), blended into every
         # window with `prior_weight` times the window's mass: a window is a sample of a few
         # minutes of traffic, and a set fitted to it alone forgets the shapes it did not see
@@ -117,6 +120,7 @@ class LiveReplanner:
         work = sum(hist.values()) * float(np.mean([model.work(r) for r in executed]))
         prop = Proposal(buckets, expected_cost(cur, hist, cost) + work,
                         expected_cost(buckets, hist, cost) + work, int(steps))
+        self.best_gain = 0.0 if buckets == sorted(cur) else prop.gain
         if buckets == sorted(cur) or prop.gain < self.min_gain:
             return None
         return prop

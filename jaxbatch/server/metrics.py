@@ -78,8 +78,9 @@ class ServerMetrics:
         self.replans = Gauge(p + "replans", "bucket sets swapped in by live re-planning",
                              registry=r)
         self.replan_gain = Gauge(p + "replan_predicted_gain",
-                                 "predicted saving of the last bucket set looked at by live "
-                                 "re-planning (fraction of the recent steps' time)", registry=r)
+                                 "predicted saving of the best bucket set found at live "
+                                 "re-planning's last look, swapped in or below its threshold "
+                                 "(fraction of the recent steps' time)", registry=r)
         # data-parallel replicas (engine/replicas.py): the engine gauges above are their sums
         self.replica_waiting = Gauge(p + "replica_num_requests_waiting",
                                      "requests waiting in one replica", ["replica"], registry=r)

@@ -83,8 +83,9 @@ def test_replanner_proposes_buckets_for_the_traffic_it_sees():
     work = 900 * np.mean([model.work(r) for r in executed])
     assert prop.new_cost_s == pytest.approx(expected_cost(prop.buckets, hist, cost) + work)
     assert prop.current_cost_s == pytest.approx(expected_cost(current, hist, cost) + work)
+    assert rp.best_gain == prop.gain
     # the proposed set is already in place: nothing to gain
-    assert rp.propose(hist, prop.buckets, executed) is None
+    assert rp.propose(hist, prop.buckets, executed) is None and rp.best_gain == 0.0
 
 
 def test_replanner_holds_back_small_gains():
@@ -93,6 +94,7 @@ def test_replanner_holds_back_small_gains():
     hist = histogram([(30, 30)] * 10 + [(60, 60)] * 10)
     # a set that already nearly fits the traffic: a better one exists but gains < 50%
     assert rp.propose(hist, [Bucket(32, 32), Bucket(64, 64), Bucket(512, 64)], executed) is None
+    assert 0.0 < rp.best_gain < 0.5  # the best set's gain is still reported (/metrics)
 
 
 def test_saved_set_round_trip(tmp_path):
