@@ -62,8 +62,8 @@ class BackgroundReplan:
         self.replanner = replanner
         self.save_path = save_path
         self.events: list[ReplanEvent] = []
-        # predicted gain of the best set at the last look: a swapped-in set's, else the best
-        # one below the threshold (0: none better than the current set)
+        # predicted gain of the set chosen at the last look: a swapped-in set's, else one below
+        # the threshold (LiveReplanner.best_gain; negative: the current set is cheaper)
         self.last_gain = 0.0
         self._thread: threading.Thread | None = None
         self._ready: tuple[Proposal, dict, dict, float] | None = None

@@ -55,8 +55,8 @@ class LiveReplanner:
             raise ValueError(f"min_gain must be in (0, 1), got {min_gain}")
         self.max_tokens, self.max_seqs, self.max_shapes = max_tokens, max_seqs, max_shapes
         self.interval, self.min_gain, self.min_steps = interval, min_gain, min_steps
-        # predicted gain of the best set found at the last look, whether it reached min_gain
-        # or not (0: the current set was already the best)
+        # predicted gain of the set chosen at the last look, whether it reached min_gain or
+        # not (0: it is the current set; negative: the current set is predicted cheaper)
         self.best_gain = 0.0
         # the start-up workload's step shapes (planner.workload_histogram), blended into every
         # window with `prior_weight` times the window's mass: a window is a sample of a few

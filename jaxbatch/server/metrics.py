@@ -78,9 +78,10 @@ class ServerMetrics:
         self.replans = Gauge(p + "replans", "bucket sets swapped in by live re-planning",
                              registry=r)
         self.replan_gain = Gauge(p + "replan_predicted_gain",
-                                 "predicted saving of the best bucket set found at live "
+                                 "predicted saving of the bucket set chosen at live "
                                  "re-planning's last look, swapped in or below its threshold "
-                                 "(fraction of the recent steps' time)", registry=r)
+                                 "(fraction of the recent steps' time; negative: the current "
+                                 "set is cheaper)", registry=r)
         # data-parallel replicas (engine/replicas.py): the engine gauges above are their sums
         self.replica_waiting = Gauge(p + "replica_num_requests_waiting",
                                      "requests waiting in one replica", ["replica"], registry=r)
