@@ -120,8 +120,9 @@ class LiveReplanner:
         work = sum(hist.values()) * float(np.mean([model.work(r) for r in executed]))
         prop = Proposal(buckets, expected_cost(cur, hist, cost) + work,
                         expected_cost(buckets, hist, cost) + work, int(steps))
-        self.best_gain = 0.0 if buckets == sorted(cur) else prop.gain
-        if buckets == sorted(cur) or prop.gain < self.min_gain:
+        same = buckets == sorted(cur)
+        self.best_gain = 0.0 if same else prop.gain
+        if same or prop.gain < self.min_gain:
             return None
         return prop
 

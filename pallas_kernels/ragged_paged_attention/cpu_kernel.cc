@@ -780,7 +780,7 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   sc.qb.resize((HR + pad_rows) * kD);
   reset_row_state(sc, HR, kD);
   sc.s.resize((HR + pad_rows) * split);
-  sc.part.resize(HR * 16);
+  if (!wide) sc.part.resize(HR * 16);  // the narrow pass 1's partial sums
   copy_bf16_queries(p, it, start, G, R, kD, sc.qb.data());
   int32_t lo, hi;
   key_range(p, it, ctx, kv_len, lo, hi);
@@ -1086,13 +1086,6 @@ void run_any(const Problem& p, const Item& it, Scratch& sc, const Item* next) {
   }
 }
 
-// Query rows per work item: q_block (wide items without AMX: 16 rows of SmolLM2's 3 query
-// heads per KV head are 48 score rows, 4 blocks of kWideRows sharing each gathered K block).
-// Before wide items, prefill rows without AMX ran as narrow items of <= kDecodeRows score rows
-// per KV head (one SmolLM2 layer, AMD EPYC Zen 5: 512 rows 2.77 ms, 184 rows after 700 keys
-// 3.12 ms).
-int64_t item_rows(const Problem&, int64_t q_block) { return q_block; }
-
 // Shared by the caller and the pool tasks; a task that starts after the work is done finds no
 // item left and only touches this (kept alive by its shared_ptr).
 struct Work {
@@ -1161,7 +1154,9 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   if (kd[3] != p.D || p.Hq % p.Hkv != 0 || p.D > 1024 || kv_split <= 0 || q_block <= 0)
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad shapes or settings");
   std::memset(p.out, 0, static_cast<size_t>(p.T * p.Hq * p.D) * (p.q16 ? 2 : 4));
-  const int64_t rows_per_item = item_rows(p, q_block);
+  // q_block query rows per item (without AMX, SmolLM2's 16 rows x 3 query heads per KV head
+  // are 48 score rows of a wide item: 4 blocks of kWideRows sharing each gathered K block)
+  const int64_t rows_per_item = q_block;
   // work items, the longest first (they are claimed in order, so the tail balances)
   std::vector<std::pair<int64_t, Item>> costed;
   for (int32_t s = 0; s < p.num_seqs; ++s) {
