@@ -1,1 +1,11 @@
-"""Attention kernels with a shared signature: a pure-jnp reference (CPU path) and Pallas GPU kernels."""
+"""jaxbatch's kernels, by what they compute; each kernel ships a pure-jnp reference with its
+signature, and tests compare them.
+
+| package | kernel | language | platform |
+|---|---|---|---|
+| `attention/` | ragged paged attention: `reference.py` (jnp, any device), `kernel.py` (Pallas on the Triton backend: GPU; `interpret=True` on CPU for tests), `cpu.py` + `cpu_attention.cc` | jnp / Pallas / C++ | any / GPU / CPU |
+| `matmul/` | the small bf16 matmul for decode steps: `small_bf16.py` + `small_bf16.cc` | C++ (AVX512-BF16) | CPU |
+
+The C++ kernels are XLA FFI custom calls, built on the machine that runs them (with -march=native)
+into one shared library and registered by `cpu_library.py`.
+"""

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The CPU attention kernel (cpu_kernel.cc) on SmolLM2 shapes (9 q / 3 KV heads, head dim 64,
+"""The CPU attention kernel (pallas_kernels/attention/cpu_attention.cc) on SmolLM2 shapes (9 q / 3 KV heads, head dim 64,
 pages of 16, bf16 cache as uint16 bits), against the jnp reference where that is quick:
 
   decode, 1 layer     64 decode rows of bench64-like lengths (~220 keys; 10.7 MB of KV that
@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import cpu_kernel
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels import cpu_library
+from pallas_kernels.attention import cpu as cpu_kernel
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 
 HQ, HKV, D, P, LAYERS, WIDTH = 9, 3, 64, 16, 30, 128
 
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "jaxbatch-kernels"))
     args = ap.parse_args()
-    cpu_kernel.register(args.cache_dir)
+    cpu_library.register(args.cache_dir)
     rng = np.random.default_rng(0)
     kern = jax.jit(functools.partial(cpu_kernel.ragged_paged_attention_cpu, sm_scale=0.125))
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=0.125,

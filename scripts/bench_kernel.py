@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention.kernel import (
+from pallas_kernels.attention.kernel import (
     prefill_tile,
     ragged_paged_attention,
 )
-from pallas_kernels.ragged_paged_attention.reference import (
+from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
 )
 

@@ -32,7 +32,7 @@ from jaxbatch.engine.runner import kv_storage_dtype  # noqa: E402
 from jaxbatch.model import llama  # noqa: E402
 from jaxbatch.model.loader import LoadedModel, load_model  # noqa: E402
 from jaxbatch.model.quantize import weight_bytes  # noqa: E402
-from pallas_kernels.ragged_paged_attention.reference import (  # noqa: E402
+from pallas_kernels.attention.reference import (  # noqa: E402
     ragged_paged_attention_reference,
 )
 

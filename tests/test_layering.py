@@ -1,6 +1,7 @@
 """The package's shape, computed from the source (nothing listed by hand):
-no import cycle anywhere in jaxbatch/ (lazy, function-level imports included), and the host-only
-layers never import jax, directly or through anything they import."""
+no import cycle anywhere in jaxbatch/ (lazy, function-level and `if TYPE_CHECKING:` imports
+included), the host-only layers never import jax, directly or through anything they import, and
+the top of jaxbatch/ holds at most five modules (the rest live in their subsystem's package)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from tests.helpers import REPO
 PKG = pathlib.Path(REPO) / "jaxbatch"
 DEVICE_LIBS = {"jax", "jaxlib", "flax", "orbax"}
 # host-only: every module under these packages, and these modules
-HOST_ONLY_PACKAGES = ("jaxbatch.core", "jaxbatch.planner")
-HOST_ONLY_MODULES = ("jaxbatch.config", "jaxbatch.openai_protocol", "jaxbatch.batch.files",
+HOST_ONLY_PACKAGES = ("jaxbatch.core", "jaxbatch.planner", "jaxbatch.api")
+HOST_ONLY_MODULES = ("jaxbatch.config", "jaxbatch.batch.files",
                      "jaxbatch.batch.records", "jaxbatch.engine.client")
 
 
@@ -39,12 +40,13 @@ def _is_type_checking(node: ast.AST) -> bool:
 def _imports(name: str, path: pathlib.Path, modules: set[str], eager_only: bool = False
              ) -> tuple[set[str], set[str]]:
     """-> (jaxbatch modules imported, top-level third-party names imported), from every import
-    statement in the file except those under `if TYPE_CHECKING:`; with `eager_only`, only those
-    that run when the module is imported (not inside a function)."""
+    statement in the file, those under `if TYPE_CHECKING:` included (a loop a type checker
+    must resolve is still a loop); with `eager_only`, only those that run when the module is
+    imported (not inside a function, not under `if TYPE_CHECKING:`)."""
     tree = ast.parse(path.read_text())
     deferred = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
     skip = {id(n) for t in ast.walk(tree)
-            if _is_type_checking(t) or (eager_only and isinstance(t, deferred))
+            if eager_only and (_is_type_checking(t) or isinstance(t, deferred))
             for n in ast.walk(t) if n is not t or _is_type_checking(t)}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     internal, external = set(), set()
@@ -91,6 +93,21 @@ def test_graph_is_read_from_the_source(graph):
     assert "jaxbatch.core.scheduler" in graph["jaxbatch.engine.engine"][0]
     assert "jax" in graph["jaxbatch.engine.runner"][1]
     assert len(graph) > 40
+
+
+def test_type_checking_imports_are_in_the_graph(tmp_path):
+    """A guard for the cycle test: an import under `if TYPE_CHECKING:` is an edge."""
+    f = tmp_path / "m.py"
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                 "    from jaxbatch.core.request import Request\n")
+    mods = {"jaxbatch.core.request", "jaxbatch.m"}
+    assert _imports("jaxbatch.m", f, mods)[0] == {"jaxbatch.core.request"}
+    assert _imports("jaxbatch.m", f, mods, eager_only=True)[0] == set()
+
+
+def test_top_level_holds_at_most_five_modules():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 5, top
 
 
 def test_no_import_cycles(graph):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from jaxbatch.openai_protocol import ApiError, parse_chat_request
+from jaxbatch.api.protocol import ApiError, parse_chat_request
 
 NAMED = [{"role": "user", "content": "hi", "name": "ann"}]
 

@@ -1,4 +1,4 @@
-"""jaxbatch.openai_protocol on its own (host only, a fake tokenizer): request parsing, refusal of
+"""jaxbatch.api.protocol on its own (host only, a fake tokenizer): request parsing, refusal of
 unsupported parameters by name, length checks, and the response/chunk bodies."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from jaxbatch import openai_protocol as P
+from jaxbatch.api import protocol as P
+from jaxbatch.api.protocol import ApiError
 from jaxbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxbatch.openai_protocol import ApiError
 
 
 class FakeTokenizer:
@@ -49,7 +49,7 @@ def error_of(fn, *args) -> ApiError:
 
 
 def test_importing_protocol_pulls_no_server_libraries():
-    code = ("import sys, jaxbatch.openai_protocol; "
+    code = ("import sys, jaxbatch.api.protocol; "
             "bad = [m for m in ('aiohttp', 'prometheus_client') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

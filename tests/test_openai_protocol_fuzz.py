@@ -21,14 +21,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxbatch import openai_protocol as P
+from jaxbatch.api import protocol as P
+from jaxbatch.api.protocol import ApiError, RequestLimits
 from jaxbatch.core.sampling_params import (
     INT32_MAX,
     MAX_BANNED_IDS,
     MAX_LOGPROBS,
     MIN_TEMPERATURE,
 )
-from jaxbatch.openai_protocol import ApiError, RequestLimits
 from tests.test_openai_protocol import FakeTokenizer
 
 

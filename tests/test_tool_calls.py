@@ -14,11 +14,11 @@ import llguidance.hf
 import pytest
 from transformers import AutoTokenizer
 
-from jaxbatch import openai_protocol as P
+from jaxbatch.api import protocol as P
+from jaxbatch.api.protocol import ApiError
+from jaxbatch.api.tool_calls import ToolCallStream, parse_tool_calls
+from jaxbatch.api.tools import parse_tools, render_tool_chat, tool_message
 from jaxbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxbatch.openai_protocol import ApiError
-from jaxbatch.openai_tools import parse_tools, render_tool_chat, tool_message
-from jaxbatch.tool_calls import ToolCallStream, parse_tool_calls
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

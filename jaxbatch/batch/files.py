@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import IO, Any
 
-from jaxbatch import openai_protocol as protocol
+from jaxbatch.api import protocol as protocol
 
 Key = str | int
 

@@ -20,6 +20,13 @@ import time
 from collections.abc import Container, Iterator, Sequence
 from typing import Any
 
+from jaxbatch.api.protocol import (
+    DEFAULT_LIMITS,
+    ApiError,
+    RequestLimits,
+    bad_request,
+    new_id,
+)
 from jaxbatch.batch.files import Key, ResultWriter
 from jaxbatch.batch.records import (
     Item,
@@ -37,13 +44,6 @@ from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.core.parallel_sampling import choice_request_ids
 from jaxbatch.core.request import NewRequest
 from jaxbatch.engine.client import EngineClient
-from jaxbatch.openai_protocol import (
-    DEFAULT_LIMITS,
-    ApiError,
-    RequestLimits,
-    bad_request,
-    new_id,
-)
 
 log = logging.getLogger("jaxbatch.batch")
 

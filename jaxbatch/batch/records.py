@@ -4,7 +4,7 @@ Input:  {"custom_id": str, "method": "POST", "url": "/v1/completions" | "/v1/cha
          "body": {...}}
 Output: {"id": "batch_req_...", "custom_id": str, "response": {"status_code", "request_id",
          "body"} | null, "error": {"code", "message"} | null}
-The response body is built by jaxbatch.openai_protocol, exactly as the server's non-streaming
+The response body is built by jaxbatch.api.protocol, exactly as the server's non-streaming
 route builds it.
 """
 
@@ -16,9 +16,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from jaxbatch.batch.files import Key, custom_id_of, load_line, too_deep
-from jaxbatch.core.outputs import RequestOutput
-from jaxbatch.openai_protocol import (
+from jaxbatch.api.protocol import (
     DEFAULT_LIMITS,
     ApiError,
     ParsedRequest,
@@ -29,6 +27,8 @@ from jaxbatch.openai_protocol import (
     parse_completion_request,
     response_body,
 )
+from jaxbatch.batch.files import Key, custom_id_of, load_line, too_deep
+from jaxbatch.core.outputs import RequestOutput
 
 PARSERS = {"/v1/completions": parse_completion_request,
            "/v1/chat/completions": parse_chat_request}

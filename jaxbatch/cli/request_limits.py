@@ -1,4 +1,4 @@
-"""The `--max-*` request-limit flags (openai_protocol.RequestLimits), shared by `jaxbatch serve`
+"""The `--max-*` request-limit flags (api.protocol.RequestLimits), shared by `jaxbatch serve`
 and `jaxbatch batch` so a body refused by one is refused by the other (a leaf module: it imports
 only the protocol's limits)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxbatch.openai_protocol import DEFAULT_LIMITS, RequestLimits
+from jaxbatch.api.protocol import DEFAULT_LIMITS, RequestLimits
 
 # RequestLimits fields -> their flag (the others: --max-stop-strings for max_stop_strings ...)
 _LIMIT_FLAGS = {"max_body_bytes": "--max-request-body-bytes"}

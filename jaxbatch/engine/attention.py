@@ -1,7 +1,7 @@
 """The attention backend of the step: one signature (see pallas_kernels/ragged_paged_attention),
 chosen once at engine start.
 
-  native     the C++ kernel for XLA:CPU (cpu_kernel.cc), built with this machine's compiler on
+  native     the C++ kernel for XLA:CPU (pallas_kernels/attention/cpu_attention.cc), built with this machine's compiler on
              first use and cached; reads the KV pages in place on XLA's intra-op threads
   reference  pure jnp (runs anywhere; the oracle of the kernels)
   pallas     the Triton kernel on GPU, tuned for the device it runs on; on CPU it runs in
@@ -17,8 +17,10 @@ from collections.abc import Callable
 
 import jax
 
-from pallas_kernels.ragged_paged_attention import cpu_kernel, tuning
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels import cpu_library
+from pallas_kernels.attention import cpu as cpu_attention
+from pallas_kernels.attention import tuning
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ def resolve_backend(backend: str, cache_dir: str) -> str:
             return "pallas"
         if jax.default_backend() != "cpu":
             return "reference"
-        why = cpu_kernel.available(cache_dir)
+        why = cpu_library.available(cache_dir)
         if why is None:
             return "native"
         log.warning("attention: the native CPU kernel is unavailable (%s); using the jnp "
@@ -42,7 +44,7 @@ def resolve_backend(backend: str, cache_dir: str) -> str:
         if jax.default_backend() != "cpu":
             raise ValueError("attention_backend native is the XLA:CPU kernel; this process "
                              f"runs on {jax.default_backend()}")
-        why = cpu_kernel.available(cache_dir)
+        why = cpu_library.available(cache_dir)
         if why is not None:
             raise RuntimeError(f"attention_backend native: the CPU kernel did not build: {why}")
     return backend
@@ -51,12 +53,12 @@ def resolve_backend(backend: str, cache_dir: str) -> str:
 def attention_fn(backend: str, cache_dir: str) -> Callable[..., jax.Array]:
     backend = resolve_backend(backend, cache_dir)
     if backend == "native":
-        return cpu_kernel.ragged_paged_attention_cpu
+        return cpu_attention.ragged_paged_attention_cpu
     if backend == "reference":
         # The engine's cache only ever holds finite values (zeros at start, then written KV), so
         # the reference may skip its NaN guard on the value side: one less pass over the blocks.
         return functools.partial(ragged_paged_attention_reference, nan_safe=False)
-    from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
+    from pallas_kernels.attention.kernel import ragged_paged_attention
 
     on_gpu = jax.default_backend() == "gpu"
     knobs = tuning.for_device(jax.devices()[0]).kwargs()

@@ -139,7 +139,7 @@ def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool, rows: 
     attention-sized [hidden, hidden] and the MLP's gate, up and down), in bf16 as the model runs
     them in a scan (weights as uint16 bits, [out, in], or packed): the weight bytes of a decode
     step, streamed from memory as it does."""
-    from pallas_kernels.ragged_paged_attention import cpu_kernel
+    from pallas_kernels.matmul import small_bf16
 
     shapes = [(hidden, hidden), (inner, hidden), (inner, hidden), (hidden, inner)]  # [out, in]
     keys = jax.random.split(jax.random.PRNGKey(0), len(shapes))
@@ -147,11 +147,11 @@ def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool, rows: 
     for key, shape in zip(keys, shapes):
         w = jax.random.normal(key, (layers, *shape), jnp.bfloat16) * 0.02
         bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
-        ws.append(cpu_kernel.pack_for_small_matmul(bits) if packed else bits)
+        ws.append(small_bf16.pack(bits) if packed else bits)
 
     def mm(x, w, li):
         if packed:  # the whole stack and the layer index, as llama.forward passes them
-            return cpu_kernel.small_matmul(x, w, li)
+            return small_bf16.small_matmul(x, w, li)
         wl = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
         return jax.lax.dot_general(x, wl, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32).astype(x.dtype)
@@ -178,13 +178,13 @@ def _time_layer_stack(hidden: int, inner: int, layers: int, packed: bool, rows: 
 
 def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -> int:
     """Up to how many tokens a step's bf16 matmuls should run through the small-matmul kernel
-    (cpu_kernel.small_matmul) rather than XLA's dot: the largest of SMALL_MATMUL_ROWS at which
+    (pallas_kernels/matmul/small_bf16.py) rather than XLA's dot: the largest of SMALL_MATMUL_ROWS at which
     it (and at every smaller one) measures at least SMALL_MATMUL_MIN_SPEEDUP faster on the
     model's layer shapes (or read from the cache). 0 (never) where the kernel is not available
     (no AVX512-BF16, or not built) or loses at a decode step."""
-    from pallas_kernels.ragged_paged_attention import cpu_kernel
+    from pallas_kernels.matmul import small_bf16
 
-    if jax.default_backend() != "cpu" or not cpu_kernel.small_matmul_available() \
+    if jax.default_backend() != "cpu" or not small_bf16.available() \
             or inner % 16 or hidden % 2:
         return 0
     ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}x{layers}|small v4"

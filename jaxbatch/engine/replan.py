@@ -26,15 +26,25 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from jaxbatch.engine import compile_guard
+from jaxbatch.engine.runner import Runner
 from jaxbatch.planner import Bucket, StepPlanner, workload_histogram
 from jaxbatch.planner.replan import LiveReplanner, Proposal, load_set, save_set, saved_set_path
 from jaxbatch.planner.step_time import StepTimeModel
+from jaxbatch.planner.trace import StepTrace
 
-if TYPE_CHECKING:
-    from jaxbatch.engine.engine import Engine
+
+class ReplanTarget(Protocol):
+    """What re-planning reads and swaps on the engine (engine.Engine is one; a protocol here, so
+    that this module does not import the engine that imports it)."""
+
+    planner: StepPlanner
+    runner: Runner
+    trace: StepTrace
+    idle_since: float | None  # time.monotonic() when the engine last ran out of work, or None
+
 
 LULL_S = 0.5  # seconds with nothing to run before a background compile starts
 # steps seen before the first proposal: 256 let a set be learned from half a minute of light
@@ -76,7 +86,7 @@ class BackgroundReplan:
     def observe(self, tokens: int, seqs: int) -> None:
         self.replanner.observe(tokens, seqs)
 
-    def tick(self, engine: Engine) -> None:
+    def tick(self, engine: ReplanTarget) -> None:
         """Between two steps: swap in a finished set, or start looking for one."""
         if self._ready is not None:
             self._swap(engine, *self._ready)
@@ -94,7 +104,7 @@ class BackgroundReplan:
             name="jaxbatch-replan", daemon=True)
         self._thread.start()
 
-    def _recent(self, engine: Engine) -> list:
+    def _recent(self, engine: ReplanTarget) -> list:
         """The executed steps of the window (copies of the trace's last rows)."""
         rows = engine.trace.rows
         n = min(len(rows), self.replanner.shapes.maxlen or len(rows))
@@ -105,7 +115,7 @@ class BackgroundReplan:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _work(self, engine: Engine, hist: dict, current: list[Bucket], executed: list) -> None:
+    def _work(self, engine: ReplanTarget, hist: dict, current: list[Bucket], executed: list) -> None:
         _lowest_priority()
         try:
             prop = self.replanner.propose(hist, current, executed)
@@ -123,7 +133,7 @@ class BackgroundReplan:
         except BaseException as e:  # noqa: BLE001 - reported on the stepping thread
             self._error = e
 
-    def _swap(self, engine: Engine, prop: Proposal, steps: dict, samplers: dict,
+    def _swap(self, engine: ReplanTarget, prop: Proposal, steps: dict, samplers: dict,
               compile_s: float) -> None:
         runner, old = engine.runner, list(engine.planner.buckets)
         runner.executables.update(steps)
@@ -140,7 +150,7 @@ class BackgroundReplan:
                  compile_s)
 
 
-def _in_lull(engine: Engine) -> bool:
+def _in_lull(engine: ReplanTarget) -> bool:
     idle = engine.idle_since
     return idle is not None and time.monotonic() - idle >= LULL_S
 

@@ -30,12 +30,7 @@ import numpy as np
 from jaxbatch.model import moe
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, Int8Weight, int8_matmul
-from pallas_kernels.ragged_paged_attention.cpu_kernel import (
-    SMALL_MATMUL_MAX_ROWS,
-    can_pack,
-    pack_for_small_matmul,
-    small_matmul,
-)
+from pallas_kernels.matmul import small_bf16
 
 Params = dict
 AttentionFn = Callable[..., jax.Array]
@@ -59,7 +54,7 @@ class AttentionInputs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedWeight:
-    """A bf16 linear weight packed for the small bf16 matmul (cpu_kernel.small_matmul), which
+    """A bf16 linear weight packed for the small bf16 matmul (pallas_kernels/matmul/small_bf16.py), which
     steps of at most `max_rows` tokens run (the engine measures up to where it beats XLA's dot:
     on a CPU without AMX, XLA:CPU repacks the [out, in] weight on every call)."""
 
@@ -73,7 +68,7 @@ class PackedWeight:
         return x.dtype == jnp.bfloat16 and x.shape[0] <= self.max_rows
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return small_matmul(x, self.w, self.layer)
+        return small_bf16.small_matmul(x, self.w, self.layer)
 
 
 @jax.tree_util.register_dataclass
@@ -369,9 +364,9 @@ def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
 
 
 def _packed(wt: jax.Array, max_rows: int) -> PackedWeight | None:
-    if max_rows <= 0 or not can_pack(wt):
+    if max_rows <= 0 or not small_bf16.can_pack(wt):
         return None
-    return PackedWeight(pack_for_small_matmul(wt), min(max_rows, SMALL_MATMUL_MAX_ROWS))
+    return PackedWeight(small_bf16.pack(wt), min(max_rows, small_bf16.MAX_ROWS))
 
 
 def one_sequence_inputs(num_tokens: int, page_size: int) -> tuple[int, AttentionInputs]:

@@ -2,7 +2,7 @@
 
 POST /v1/completions, POST /v1/chat/completions (JSON or SSE; `generate.py`), POST /v1/tokenize
 and /v1/detokenize (`tokenize.py`), GET /v1/models,
-GET /health, GET /metrics. Parsing and bodies come from `jaxbatch.openai_protocol`; errors are
+GET /health, GET /metrics. Parsing and bodies come from `jaxbatch.api.protocol`; errors are
 OpenAI's shape everywhere (`middleware.py`). A client that goes away cancels its handler
 (handler_cancellation=True), whose `finally` aborts its engine requests, so their KV pages are
 freed at the next step. HTTP limits (`ServerLimits`): a header timeout (aiohttp's keep-alive timer,
@@ -19,9 +19,9 @@ import time
 
 from aiohttp import web
 
-from jaxbatch import openai_protocol as protocol
+from jaxbatch.api import protocol as protocol
+from jaxbatch.api.protocol import ApiError
 from jaxbatch.engine.client import EngineClient
-from jaxbatch.openai_protocol import ApiError
 from jaxbatch.server.async_engine import AsyncEngine
 from jaxbatch.server.connections import LimitedTCPSite
 from jaxbatch.server.generate import chat_completions, completions

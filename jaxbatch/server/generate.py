@@ -18,13 +18,13 @@ from typing import Any
 
 from aiohttp import web
 
-from jaxbatch import openai_protocol as protocol
+from jaxbatch.api import protocol as protocol
+from jaxbatch.api.protocol import ApiError
+from jaxbatch.api.tool_calls import ToolCallStream
 from jaxbatch.core.outputs import RequestOutput
-from jaxbatch.openai_protocol import ApiError
 from jaxbatch.server.async_engine import EngineDeadError, QueueFullError, RequestStream
 from jaxbatch.server.middleware import ClientGone, internal_error, read_json_body
 from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
-from jaxbatch.tool_calls import ToolCallStream
 
 log = logging.getLogger("jaxbatch.server")
 

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from jaxbatch.openai_protocol import ApiError
+from jaxbatch.api.protocol import ApiError
 from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
 
 log = logging.getLogger("jaxbatch.server")

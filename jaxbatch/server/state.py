@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from jaxbatch.openai_protocol import RequestLimits
+from jaxbatch.api.protocol import RequestLimits
 from jaxbatch.server.async_engine import AsyncEngine
 from jaxbatch.server.metrics import ServerMetrics
 

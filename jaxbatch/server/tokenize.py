@@ -1,4 +1,4 @@
-"""POST /v1/tokenize and /v1/detokenize (vLLM's routes and shapes; jaxbatch/openai_tokenize.py).
+"""POST /v1/tokenize and /v1/detokenize (vLLM's routes and shapes; jaxbatch/api/tokenize.py).
 Tokenisation and chat templates run in the parse pool, off the event loop, as for generation."""
 
 from __future__ import annotations
@@ -9,21 +9,21 @@ from typing import Any
 
 from aiohttp import web
 
-from jaxbatch import openai_protocol as protocol
-from jaxbatch import openai_tokenize
+from jaxbatch.api import protocol as protocol
+from jaxbatch.api import tokenize as api_tokenize
 from jaxbatch.server.middleware import read_json_body
 from jaxbatch.server.state import STATE, ServerState
 
 
 def _tokenize(st: ServerState, raw: bytes) -> dict[str, Any]:
     body = protocol.load_json_body(raw, st.limits.request)
-    return openai_tokenize.tokenize(body, st.tokenizer, st.max_model_len, st.served_names,
+    return api_tokenize.tokenize(body, st.tokenizer, st.max_model_len, st.served_names,
                                     st.limits.request)
 
 
 def _detokenize(st: ServerState, raw: bytes) -> dict[str, Any]:
     body = protocol.load_json_body(raw, st.limits.request)
-    return openai_tokenize.detokenize(body, st.tokenizer, st.served_names, st.limits.request)
+    return api_tokenize.detokenize(body, st.tokenizer, st.served_names, st.limits.request)
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from jaxbatch import openai_protocol as protocol
+from jaxbatch.api import protocol as protocol
 from jaxbatch.batch.files import BatchFileError, ResultWriter, iter_lines
 from jaxbatch.batch.job import BatchJob
 from jaxbatch.cli.batch import build_parser, run

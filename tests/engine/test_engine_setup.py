@@ -98,16 +98,16 @@ def test_auto_attention_is_the_native_kernel_on_cpu(tmp_path, monkeypatch):
     without one it falls back to the jnp reference instead of failing, and an explicit native
     is a clear error."""
     from jaxbatch.engine import attention
-    from pallas_kernels.ragged_paged_attention import cpu_kernel
+    from pallas_kernels import cpu_library
 
     assert attention.resolve_backend("auto", str(tmp_path)) == "native"
     assert attention.resolve_backend("reference", str(tmp_path)) == "reference"
-    monkeypatch.setattr(cpu_kernel, "_registered", None)  # as in a fresh process
+    monkeypatch.setattr(cpu_library, "_registered", None)  # as in a fresh process
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    cpu_kernel.available.cache_clear()
+    cpu_library.available.cache_clear()
     try:
         assert attention.resolve_backend("auto", str(tmp_path / "other")) == "reference"
         with pytest.raises(RuntimeError, match="did not build"):
             attention.resolve_backend("native", str(tmp_path / "other"))
     finally:
-        cpu_kernel.available.cache_clear()
+        cpu_library.available.cache_clear()

@@ -62,7 +62,7 @@ def test_engine_with_dtype_auto_computes_in_the_chosen_dtype(tmp_path, monkeypat
     ({4: 0.5, 16: 0.5, 64: 0.5, 256: 0.5}, 256),
 ])
 def test_small_matmul_rows_are_where_it_wins(tmp_path, monkeypatch, kernel_s, want):
-    from pallas_kernels.ragged_paged_attention import cpu_kernel
+    from pallas_kernels.matmul import small_bf16
 
     calls = []
 
@@ -71,7 +71,7 @@ def test_small_matmul_rows_are_where_it_wins(tmp_path, monkeypatch, kernel_s, wa
         return kernel_s[rows] if packed else 1.0
 
     monkeypatch.setattr(precision, "_time_layer_stack", fake_time)
-    monkeypatch.setattr(cpu_kernel, "small_matmul_available", lambda: True)
+    monkeypatch.setattr(small_bf16, "available", lambda: True)
     assert precision.choose_small_matmul(64, 128, 2, str(tmp_path)) == want
     assert sorted(calls) == sorted((p, r) for r in precision.SMALL_MATMUL_ROWS
                                    for p in (False, True))

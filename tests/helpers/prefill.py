@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.model import llama
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 
 PAGE = 4
 

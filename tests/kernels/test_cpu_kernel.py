@@ -1,4 +1,4 @@
-"""The native CPU ragged paged attention kernel (cpu_kernel.cc, built here with the machine's C++
+"""The native CPU ragged paged attention kernel (pallas_kernels/attention/cpu_attention.cc, built here with the machine's C++
 compiler) against the jnp reference and the naive float64 oracle.
 
 Same batches as the Pallas kernel's tests (tests/helpers/attention_cases.make_batch: NaN in
@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.ragged_paged_attention import cpu_kernel
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels import cpu_library
+from pallas_kernels.attention import cpu as cpu_kernel
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 from tests.helpers.attention_cases import (
     HEADS,
     SETTINGS,
@@ -36,7 +37,7 @@ _STATIC = ("sm_scale", "soft_cap", "sliding_window", "kv_split", "q_block", "use
 
 @pytest.fixture(scope="module", autouse=True)
 def _built(tmp_path_factory):
-    why = cpu_kernel.available(str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+    why = cpu_library.available(str(tmp_path_factory.getbasetemp() / "kernel-cache"))
     assert why is None, why  # the CI machine has a compiler: a failed build is a failure
 
 

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.ragged_paged_attention.kernel import (
+from pallas_kernels.attention.kernel import (
     prefill_block_table,
     ragged_paged_attention,
 )
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 from tests.helpers.attention_cases import (
     HEADS,
     SETTINGS,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
+from pallas_kernels.attention.kernel import ragged_paged_attention
 
 _TRITON = "__gpu$xla.gpu.triton"
 MODELS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128), "phi3": (32, 32, 96)}  # Hq, Hkv, D

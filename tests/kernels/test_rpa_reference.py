@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 from tests.helpers.attention_cases import SETTINGS, make_batch, naive_attention, round_up
 
 

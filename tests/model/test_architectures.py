@@ -147,7 +147,7 @@ def test_layer_kinds_stay_in_one_scan():
         i32 = jnp.zeros(8, jnp.int32)
         attn = llama.AttentionInputs(i32, i32[:2], jnp.zeros((2, 3), jnp.int32), i32[:3],
                                      i32[:1])
-        from pallas_kernels.ragged_paged_attention.reference import (
+        from pallas_kernels.attention.reference import (
             ragged_paged_attention_reference,
         )
 

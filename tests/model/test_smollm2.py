@@ -16,7 +16,7 @@ import torch
 
 from jaxbatch.model import llama
 from jaxbatch.model.loader import LoadedModel, load_model
-from pallas_kernels.ragged_paged_attention.reference import (
+from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference as rpa,
 )
 from tests.helpers.smollm2 import chat_ids, torch_one_thread

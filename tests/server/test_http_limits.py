@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jaxbatch.openai_protocol import RequestLimits
+from jaxbatch.api.protocol import RequestLimits
 from jaxbatch.server.state import ServerLimits
 from tests.server.support import (
     FakeEngine,

@@ -15,7 +15,7 @@ import time
 
 import aiohttp
 
-from jaxbatch import openai_protocol
+from jaxbatch.api import protocol
 from tests.helpers import REPO
 from tests.server.support import FakeEngine
 
@@ -79,7 +79,7 @@ def test_an_unexpected_exception_is_a_500_without_internals(serve, caplog, monke
     def broken(*a, **k):
         raise ValueError("secret detail <object at 0x1234>")
 
-    monkeypatch.setattr(openai_protocol, "models_response", broken)
+    monkeypatch.setattr(protocol, "models_response", broken)
 
     async def get():
         async with aiohttp.ClientSession() as c, c.get(s.url + "/v1/models") as r:

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.ragged_paged_attention.tuning import DEFAULT
+from pallas_kernels.attention.tuning import DEFAULT
 
 _NEG = -1e30  # finite "minus infinity", as in the reference
 

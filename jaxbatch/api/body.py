@@ -5,7 +5,7 @@ load_json_body: raw bytes -> a JSON value, refusing what would cost unbounded wo
 json.loads (413 over RequestLimits.max_body_bytes; 400 for invalid UTF-8, nesting deeper than
 max_json_depth, invalid JSON, NaN/Infinity literals). check_json_depth is its linear-time
 nesting check, for callers that parse JSON themselves (batch lines). check_values walks a parsed
-body (iteratively) for lone surrogates and depth. jaxbatch.openai_protocol re-exports all of it.
+body (iteratively) for lone surrogates and depth. jaxbatch.api.protocol re-exports all of it.
 """
 
 from __future__ import annotations

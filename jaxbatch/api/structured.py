@@ -6,7 +6,7 @@ Sources, at most one per request (a 400 names the second):
                        "description"}} (OpenAI)
   guided_json, guided_regex, guided_choice, guided_grammar   (vLLM's older extensions)
   structured_outputs   {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (vLLM's)
-and, for chat, a forced tool call (tool_choice "required" or a named function; openai_tools.py).
+and, for chat, a forced tool call (tool_choice "required" or a named function; api/tools.py).
 The grammar is compiled against the model's tokenizer here, so one that does not compile is a
 400 carrying llguidance's message, before anything reaches the engine.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxbatch.api.body import bad_request
 from jaxbatch.core.grammar import check_grammar
 from jaxbatch.core.sampling_params import SamplingParams, show
 from jaxbatch.core.structured_outputs import StructuredOutputsParams, structured_outputs_from
-from jaxbatch.openai_body import bad_request
 
 KEYS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs")

@@ -1,5 +1,5 @@
 """OpenAI response bodies from finished or streamed RequestOutputs, host only (no aiohttp, no jax):
-the server and the offline batch job share them; jaxbatch.openai_protocol re-exports them.
+the server and the offline batch job share them; jaxbatch.api.protocol re-exports them.
 
 response_body builds the non-streaming body (completion or chat, after the parsed request's
 kind); completion_chunk / chat_chunk / usage_chunk build streaming chunks; models_response the
@@ -11,13 +11,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from jaxbatch.api.parsed import ParsedRequest
+from jaxbatch.api.tool_calls import ToolCallStream, parse_tool_calls
 from jaxbatch.core.outputs import CompletionOutput, RequestOutput
-from jaxbatch.tool_calls import ToolCallStream, parse_tool_calls
-
-if TYPE_CHECKING:
-    from jaxbatch.openai_protocol import ParsedRequest
 
 
 def new_id(kind: str) -> str:

@@ -10,7 +10,7 @@ and chats become token ids through jaxbatch.core.prompts (encode_text, render_ch
 everywhere else.
 
 One module for callers: the body's errors, limits and JSON loading (load_json_body,
-check_json_depth; jaxbatch.openai_body) and the response bodies (jaxbatch.openai_responses) are
+check_json_depth; jaxbatch.api.body) and the response bodies (jaxbatch.api.responses) are
 re-exported here.
 """
 
@@ -20,9 +20,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxbatch.core.prompts import encode_text
-from jaxbatch.core.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams, show
-from jaxbatch.openai_body import (  # noqa: F401 - re-exported: one protocol module
+from jaxbatch.api.body import (  # noqa: F401 - re-exported: one protocol module
     DEFAULT_LIMITS,
     ApiError,
     RequestLimits,
@@ -31,7 +29,8 @@ from jaxbatch.openai_body import (  # noqa: F401 - re-exported: one protocol mod
     check_values,
     load_json_body,
 )
-from jaxbatch.openai_responses import (  # noqa: F401 - re-exported: one protocol module
+from jaxbatch.api.parsed import ParsedRequest  # noqa: F401 - re-exported
+from jaxbatch.api.responses import (  # noqa: F401 - re-exported: one protocol module
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -44,27 +43,13 @@ from jaxbatch.openai_responses import (  # noqa: F401 - re-exported: one protoco
     usage,
     usage_chunk,
 )
-from jaxbatch.openai_structured import KEYS as STRUCTURED_OUTPUT_KEYS
-from jaxbatch.openai_structured import with_structured_outputs
-from jaxbatch.openai_tools import is_tool_message, parse_tools, render_tool_chat, tool_message
+from jaxbatch.api.structured import KEYS as STRUCTURED_OUTPUT_KEYS
+from jaxbatch.api.structured import with_structured_outputs
+from jaxbatch.api.tools import is_tool_message, parse_tools, render_tool_chat, tool_message
+from jaxbatch.core.prompts import encode_text
+from jaxbatch.core.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams, show
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat defaults to the room left
-
-
-@dataclasses.dataclass
-class ParsedRequest:
-    kind: str  # "completion" | "chat"
-    model: str | None
-    # engine prompts, one per choice: {"prompt_token_ids": [...], "prompt": str | None}
-    prompts: list[dict[str, Any]]
-    # shared by every prompt; max_tokens None means "the room left in the context" per prompt
-    sampling_params: SamplingParams
-    stream: bool = False
-    include_usage: bool = False
-    top_logprobs: int | None = None  # None: no logprobs; else top-n per token (0: sampled only)
-    echo: bool = False  # completions: the prompt (and its logprobs) before each choice
-    prompt_logprobs: int | None = None  # as the body asked (echo with logprobs computes them too)
-    tool_calls: bool = False  # chat with tools: the output is read for calls (tool_calls.py)
 
 
 # ---- parameters ------------------------------------------------------------------------------

@@ -19,9 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxbatch.core.prompts import encode_text, render_chat
-from jaxbatch.core.sampling_params import show
-from jaxbatch.openai_protocol import (
+from jaxbatch.api.protocol import (
     DEFAULT_LIMITS,
     RequestLimits,
     _check_keys,
@@ -32,6 +30,8 @@ from jaxbatch.openai_protocol import (
     bad_request,
     check_names_used,
 )
+from jaxbatch.core.prompts import encode_text, render_chat
+from jaxbatch.core.sampling_params import show
 
 _PROMPT_KEYS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 _CHAT_KEYS = {"model", "messages", "add_generation_prompt", "continue_final_message",

@@ -23,11 +23,11 @@ import json
 import re
 from typing import Any
 
+from jaxbatch.api.body import bad_request
+from jaxbatch.api.tool_calls import CLOSE, OPEN, call_text
 from jaxbatch.core.prompts import render_chat
 from jaxbatch.core.sampling_params import show
 from jaxbatch.core.structured_outputs import StructuredOutputsParams
-from jaxbatch.openai_body import bad_request
-from jaxbatch.tool_calls import CLOSE, OPEN, call_text
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 

@@ -1,0 +1,147 @@
+"""The C++ CPU kernels as one shared library: built with this machine's C++ compiler on first
+use, loaded once a process, each kernel registered as an XLA FFI custom call for the CPU platform.
+
+Sources: `attention/cpu_attention.cc` (ragged paged attention) and `matmul/small_bf16.cc` (the
+small bf16 matmul); one `.so`, one FFI target each (TARGETS). The build is cached by everything
+that changes the binary: the sources, the compiler's version, the CPU's instruction set flags (it
+is built with -march=native, so a library built on one CPU model is never loaded on another) and
+jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when there is no
+compiler or the build fails; callers fall back to jnp and say so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+
+_HERE = os.path.dirname(__file__)
+SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
+           os.path.join(_HERE, "matmul", "small_bf16.cc"))
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512",
+         "-std=c++17", "-shared", "-fPIC"]
+# FFI target name -> the handler symbol the library exports
+TARGETS = {
+    "jaxbatch_ragged_paged_attention": "JaxbatchRaggedPagedAttention",
+    "jaxbatch_small_matmul": "JaxbatchSmallMatmul",
+}
+# feature name -> an exported `int f(void)` saying whether this build has it (what the CPU's
+# instruction set allowed the compiler to emit)
+FEATURES = {"small_matmul": "JaxbatchSmallMatmulSupported"}
+
+_lock = threading.Lock()
+_registered: str | None = None
+_features: dict[str, bool] = {}
+
+
+class KernelUnavailable(RuntimeError):
+    """No C++ compiler, or the library did not build on this machine."""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or \
+        shutil.which("clang++")
+    if not cxx:
+        raise KernelUnavailable("no C++ compiler found (set CXX)")
+    return cxx
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cpu_has(flag: str) -> bool:
+    """This CPU reports `flag` (a /proc/cpuinfo name: avx512_bf16, amx_tile, avx512_vnni)."""
+    return flag in _cpu_flags().split()
+
+
+def library_path(cache_dir: str) -> tuple[str, list[str]]:
+    """Where the library for this machine lives, and the command that builds it (output last)."""
+    import jaxlib
+
+    cxx = _compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
+    include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
+    sources = []
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            sources.append(f.read())
+    key = hashlib.sha256(b"\0".join([
+        *sources, version.encode(), _cpu_flags().encode(), jaxlib.__version__.encode(),
+        " ".join(FLAGS).encode()])).hexdigest()[:16]
+    path = os.path.join(cache_dir, "kernels", f"jaxbatch-cpu-{key}.so")
+    return path, [cxx, *FLAGS, "-I", include, *SOURCES, "-o"]
+
+
+def build(cache_dir: str) -> str:
+    """The library's path, built now if this machine has no copy yet."""
+    path, cmd = library_path(cache_dir)
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        res = subprocess.run([*cmd, tmp], capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise KernelUnavailable(f"building the CPU kernels failed:\n{res.stderr[-4000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent builder's copy is the same
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def register(cache_dir: str) -> None:
+    """Build (if needed) and register every custom call for the CPU platform (once a process)."""
+    global _registered
+    with _lock:
+        if _registered is not None:
+            return
+        path = build(cache_dir)
+        lib = ctypes.cdll.LoadLibrary(path)
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
+        for name, symbol in FEATURES.items():
+            _features[name] = bool(getattr(lib, symbol)())
+        _registered = path
+
+
+def registered() -> bool:
+    return _registered is not None
+
+
+def has(feature: str) -> bool:
+    """The library is registered and this build has `feature` (a FEATURES name)."""
+    return _registered is not None and _features.get(feature, False)
+
+
+@functools.cache
+def available(cache_dir: str) -> str | None:
+    """None when the library is registered for this process, else why it is not."""
+    try:
+        register(cache_dir)
+    except (KernelUnavailable, OSError, AttributeError) as e:
+        return str(e)
+    return None

@@ -1,3 +1,0 @@
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-
-__all__ = ["ragged_paged_attention_reference"]
