@@ -32,4 +32,4 @@ bench: install-test
 	$(BIN)/python scripts/bench_throughput.py
 
 plan: install
-	$(BIN)/jaxbatch plan ../shared/workloads/bench64.jsonl
+	$(BIN)/jaxbatch plan benchmarks/workloads/bench64.jsonl

@@ -33,7 +33,7 @@ import time
 import aiohttp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_WORKLOAD = os.path.join(HERE, "..", "..", "shared", "workloads", "bench64.jsonl")
+DEFAULT_WORKLOAD = os.path.join(HERE, "..", "benchmarks", "workloads", "bench64.jsonl")
 
 
 @dataclasses.dataclass

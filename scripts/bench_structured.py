@@ -21,7 +21,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-DEFAULT_WORKLOAD = os.path.join(REPO, "..", "shared", "workloads", "bench64.jsonl")
+DEFAULT_WORKLOAD = os.path.join(REPO, "benchmarks", "workloads", "bench64.jsonl")
 PEOPLE = {"type": "array", "minItems": 40, "items": {
     "type": "object", "properties": {
         "name": {"type": "string"}, "age": {"type": "integer"},

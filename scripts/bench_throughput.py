@@ -31,7 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-DEFAULT_WORKLOAD = os.path.join(REPO, "..", "shared", "workloads", "bench64.jsonl")
+DEFAULT_WORKLOAD = os.path.join(REPO, "benchmarks", "workloads", "bench64.jsonl")
 
 
 def bucket_rates(eng) -> list[dict]:

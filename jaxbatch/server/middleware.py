@@ -93,7 +93,9 @@ def _check_key(request: web.Request, key: str) -> None:
     if not given:
         raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
                        "invalid_request_error", None, "invalid_api_key")
-    if not hmac.compare_digest(given.encode(), key.encode()):
+    # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the same way
+    # (a plain .encode() raised on non-UTF-8 bytes: a 500 instead of this 401)
+    if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
         raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", None,
                        "invalid_api_key")
 

@@ -122,3 +122,41 @@ def test_plan_tool_never_imports_jax():
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("argv,what", [
+    (["plan", "no/such/workload.jsonl"], "workload file"),
+    (["plan", "--config", "no/such/preset.yaml"], "config file"),
+    (["batch", "-i", "no/such/in.jsonl", "-o", "out.jsonl"], "input file"),
+    (["serve", "--config", "no/such/preset.yaml"], "config file"),
+])
+def test_a_missing_file_is_one_line_and_exit_2(argv, what, tmp_path):
+    """Run as a user does (the console script's module): one line naming the file, exit 2, no
+    traceback; a directory or an unreadable file the same way."""
+    res = subprocess.run([sys.executable, "-m", "jaxbatch.cli", *argv], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    path = next(a for a in argv if a.startswith("no/such/"))
+    assert len(lines) == 1 and what in lines[0] and path in lines[0] \
+        and "no such file" in lines[0], res.stderr
+
+
+def test_a_directory_or_unreadable_workload_is_one_line_and_exit_2(tmp_path, capsys):
+    from jaxbatch.cli.engine_args import require_readable
+
+    with pytest.raises(SystemExit) as e:
+        require_readable(str(tmp_path), "workload file", "jaxbatch plan")
+    assert e.value.code == 2 and "is a directory" in capsys.readouterr().err
+    f = tmp_path / "w.jsonl"
+    f.write_text("{}\n")
+    f.chmod(0)
+    try:
+        with open(f, "rb"):
+            pytest.skip("running as a user who reads files without permission (root)")
+    except PermissionError:
+        pass
+    with pytest.raises(SystemExit) as e:
+        require_readable(str(f), "workload file", "jaxbatch plan")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and str(f) in err and len(err.strip().splitlines()) == 1

@@ -268,6 +268,16 @@ def test_http_errors(srv, client):
     for key in (None, "sk-wrong"):
         status, body = post(url, json.dumps({"prompt": "x", "max_tokens": 2}).encode(), key)
         assert status == 401 and assert_error_shape(body)["code"] == "invalid_api_key"
+    # a key of non-UTF-8 bytes is a wrong key like any other (it was a 500)
+    port = int(srv.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  b"Authorization: Bearer sk-\xff\xfe\x80\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+    assert b"invalid_api_key" in reply
     bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
