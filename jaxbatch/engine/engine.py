@@ -30,7 +30,8 @@ from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from jaxbatch.engine import compile_guard, multihost, prompt_logprobs
-from jaxbatch.engine.attention import attention_fn
+from jaxbatch.engine.attention import attention_fn, resolve_backend
+from jaxbatch.engine.calibration import calibrate, calibration_ident, calibration_path
 from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype, choose_small_matmul
 from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
@@ -119,9 +120,13 @@ class Engine:
         config, replan = live_replan_setup(config, root, model.arch)  # may load a learned set
         planner = make_planner(config, model.arch, collective_gbps(
             config.planner.collective_gbps, runner.placement, model.arch.hidden_size))
+        # step times saved by an earlier start of the same model on this machine are reused
+        ident = calibration_ident(model, config, runner,
+                                  resolve_backend(config.runner.attention_backend, root))
         with compile_guard.planned():
             warmup = runner.compile(planner.buckets, progress=config.runner.progress)
-            planner.calibrate(runner.time_bucket)
+            calibrate(planner, runner, calibration_path(root, ident), ident,
+                      progress=config.runner.progress)
         engine = cls(config, model, runner, scheduler, planner)
         engine.precision = precision
         engine.replan = replan

@@ -89,16 +89,22 @@ def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 5) -> floa
     return total
 
 
-def _cached(path: str, ident: str, field: str, measure: Callable[[], dict[str, float]]
-            ) -> tuple[dict[str, float], str]:
-    """(measurements, "cache" | "measured"): read from `path`, else measured and saved there
-    (atomically; a failed save only costs the next start a second)."""
+def load_measurements(path: str, field: str) -> dict[str, float] | None:
+    """The measurements saved under `field` at `path`, or None: missing (silently) or unreadable
+    (with a warning: they are measured again, never a crash)."""
     try:
         with open(path) as f:
-            return {k: float(v) for k, v in json.load(f)[field].items()}, "cache"
-    except (OSError, ValueError, KeyError):
-        pass
-    values = measure()
+            return {k: float(v) for k, v in json.load(f)[field].items()}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("ignoring the unreadable measurement cache %s: %s: %s", path,
+                    type(e).__name__, e)
+        return None
+
+
+def save_measurements(path: str, ident: str, field: str, values: dict[str, float]) -> None:
+    """Save atomically (a reader never sees half a file); a failed save is only a warning."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -107,6 +113,17 @@ def _cached(path: str, ident: str, field: str, measure: Callable[[], dict[str, f
         os.replace(tmp, path)
     except OSError as e:
         log.warning("could not cache the measurement in %s: %s", path, e)
+
+
+def _cached(path: str, ident: str, field: str, measure: Callable[[], dict[str, float]]
+            ) -> tuple[dict[str, float], str]:
+    """(measurements, "cache" | "measured"): read from `path`, else measured and saved there
+    (a failed save only costs the next start a second)."""
+    values = load_measurements(path, field)
+    if values is not None:
+        return values, "cache"
+    values = measure()
+    save_measurements(path, ident, field, values)
     return values, "measured"
 
 

@@ -100,8 +100,9 @@ class Runner:
         self.arch = arch
         # bf16 on CPU: layers as uint16 bits, linear weights [out, in] (not under tensor parallelism)
         one_device = self.placement is None
+        self.small_matmul_rows = small_matmul_rows if one_device else 0
         params = llama.as_run_on_cpu(params, arch, out_in=one_device,
-                                     small_matmul_rows=small_matmul_rows if one_device else 0)
+                                     small_matmul_rows=self.small_matmul_rows)
         if self.placement is not None:
             params = sharding.place(params, self.placement.params)
         self.params = params
@@ -211,7 +212,8 @@ class Runner:
         steps: dict[Bucket, Any] = {}
         samplers: dict[tuple[int, bool], Any] = {}
         todo = [b for b in buckets if b not in self.executables]
-        for b in tqdm(todo, desc="compiling step shapes", disable=not progress or not todo):
+        for b in tqdm(todo, desc=f"compiling {len(todo)} step shapes",
+                      disable=not progress or not todo):
             example = dummy_step_inputs(b, self.pages_per_seq, self.arch.vocab_size)
             steps[b] = self._jitted.lower(self.params, cache_spec, example).compile()
             S, V = b.num_seqs, self.arch.vocab_size

@@ -1,0 +1,101 @@
+"""Warm-up calibration, remembered: each bucket's measured step time is saved in the cache dir,
+so a restart times only the buckets it has no time for.
+
+The planner prices its buckets with measured seconds (StepPlanner.calibrate). Timing every
+compiled bucket (Runner.time_bucket: four all-padding steps each) took 22 s of a 43-48 s warm
+restart on a 1B model. A saved time is reused only where the same step would run: the key holds
+the model (its dimensions and its weight files' path, size and mtime), the compute and KV dtypes,
+quantization, the KV cache's page size and pages, the attention backend, tensor parallelism,
+the device and jax, and FORMAT. A reused time is not measured again; JAXBATCH_RECALIBRATE=1
+times every bucket afresh (and saves the new times).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxbatch.config import EngineConfig
+from jaxbatch.engine.precision import device_identity, load_measurements, save_measurements
+from jaxbatch.engine.runner import Runner
+from jaxbatch.model.loader import LoadedModel
+from jaxbatch.planner import Bucket, StepPlanner
+
+log = logging.getLogger("jaxbatch")
+
+FORMAT = "step times v1"  # bump when what is measured, or how, changes
+_WEIGHT_FILES = (".safetensors", ".gguf", ".bin")
+
+
+def calibration_ident(model: LoadedModel, config: EngineConfig, runner: Runner,
+                      attention_backend: str) -> str:
+    """Everything a bucket's step time depends on (`config`: dtype and max_model_len resolved;
+    `attention_backend`: as resolved on this machine, not auto)."""
+    return json.dumps({
+        "format": FORMAT, "device": device_identity(), "jax": jax.__version__,
+        "processes": jax.process_count(), "weights": _weights_identity(model.source),
+        "arch": dataclasses.asdict(model.arch), "dtype": config.model.dtype,
+        "quantization": config.model.quantization, "kv_dtype": jnp.dtype(runner.kv_dtype).name,
+        "page_size": runner.page_size, "num_pages": runner.num_pages,
+        "pages_per_seq": runner.pages_per_seq, "attention": attention_backend,
+        "tp": config.runner.tensor_parallel_size, "small_matmul_rows": runner.small_matmul_rows,
+    }, sort_keys=True, default=str)
+
+
+def _weights_identity(source: str) -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) of the weight file, or of each weight file in the directory."""
+    try:
+        paths = [source] if os.path.isfile(source) else sorted(
+            os.path.join(source, f) for f in os.listdir(source) if f.endswith(_WEIGHT_FILES))
+        stats = [(os.path.abspath(p), os.stat(p)) for p in paths]
+    except OSError:  # not a path on this machine: the name alone
+        return [(source, 0, 0)]
+    return [(p, st.st_size, st.st_mtime_ns) for p, st in stats]
+
+
+def calibration_path(cache_root: str, ident: str) -> str:
+    key = hashlib.sha256(ident.encode()).hexdigest()[:20]
+    return os.path.join(cache_root, "planner", f"step-times-{key}.json")
+
+
+def calibrate(planner: StepPlanner, runner: Runner, path: str, ident: str,
+              progress: bool = True) -> int:
+    """Price the planner's buckets with measured seconds: saved at `path` where there are, timed
+    (runner.time_bucket) for the others, the union saved back. Returns the buckets timed."""
+    from tqdm import tqdm
+
+    saved = _load(path)
+    recalibrate = os.environ.get("JAXBATCH_RECALIBRATE", "") not in ("", "0")
+    known = {} if recalibrate else saved
+    todo = [b for b in planner.buckets if b not in known]
+    reused = len(planner.buckets) - len(todo)
+    timed = {b: runner.time_bucket(b) for b in tqdm(
+        todo, desc=f"timing {len(todo)} new step shapes ({reused} reused)",
+        disable=not progress or not todo)}
+    times = {**known, **timed}
+    planner.calibrate(lambda b: times[b])
+    log.info("step times: %d timed, %d reused from %s", len(todo), reused, path)
+    if timed:
+        save_measurements(path, ident, "seconds",
+                          {f"{t}x{s}": v for (t, s), v in {**saved, **timed}.items()})
+    return len(todo)
+
+
+def _load(path: str) -> dict[Bucket, float]:
+    """The saved times ({} when none, or unreadable: then with a warning)."""
+    raw = load_measurements(path, "seconds") or {}
+    try:
+        times = {Bucket(*map(int, k.split("x"))): v for k, v in raw.items()}
+    except (ValueError, TypeError) as e:
+        log.warning("ignoring the unreadable step times %s: %s", path, e)
+        return {}
+    if not all(0.0 < v < float("inf") for v in times.values()):
+        log.warning("ignoring the step times %s: not all positive and finite", path)
+        return {}
+    return times
