@@ -1,8 +1,9 @@
 """The C++ CPU kernels as one shared library: built with this machine's C++ compiler on first
 use, loaded once a process, each kernel registered as an XLA FFI custom call for the CPU platform.
 
-Sources: `attention/cpu_attention.cc` (ragged paged attention) and `matmul/small_bf16.cc` (the
-small bf16 matmul); one `.so`, one FFI target each (TARGETS). The build is cached by everything
+Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the
+small bf16 matmul) and `matmul/quant.cc` (matmuls over GGUF blocks); one `.so`, one FFI target
+each (TARGETS). The build is cached by everything
 that changes the binary: the sources, the compiler's version, the CPU's instruction set flags (it
 is built with -march=native, so a library built on one CPU model is never loaded on another) and
 jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when there is no
@@ -24,17 +25,21 @@ import jax
 
 _HERE = os.path.dirname(__file__)
 SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
-           os.path.join(_HERE, "matmul", "small_bf16.cc"))
+           os.path.join(_HERE, "matmul", "small_bf16.cc"),
+           os.path.join(_HERE, "matmul", "quant.cc"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512",
          "-std=c++17", "-shared", "-fPIC"]
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
     "jaxbatch_ragged_paged_attention": "JaxbatchRaggedPagedAttention",
     "jaxbatch_small_matmul": "JaxbatchSmallMatmul",
+    "jaxbatch_quant_matmul": "JaxbatchQuantMatmul",
 }
 # feature name -> an exported `int f(void)` saying whether this build has it (what the CPU's
 # instruction set allowed the compiler to emit)
-FEATURES = {"small_matmul": "JaxbatchSmallMatmulSupported"}
+FEATURES = {"small_matmul": "JaxbatchSmallMatmulSupported",
+            "quant_matmul_bf16": "JaxbatchQuantMatmulBf16",
+            "quant_matmul_f32": "JaxbatchQuantMatmulF32"}
 
 _lock = threading.Lock()
 _registered: str | None = None

@@ -38,7 +38,7 @@ from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
 from jaxbatch.engine.runner import Runner
 from jaxbatch.engine.sharding import collective_gbps, engine_mesh
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
-from jaxbatch.model.loader import LoadedModel, load_model
+from jaxbatch.model.loader import LoadedModel, load_arch, load_model
 from jaxbatch.planner import StepPlanner, StepTrace, SubStep, make_planner
 
 log = logging.getLogger("jaxbatch")
@@ -81,7 +81,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LoadedModel | None = None,
-                    devices: Sequence[Any] | None = None) -> Engine:
+                    devices: Sequence[Any] | None = None,
+                    keep_loaded_params: bool = False) -> Engine:
         """Load (unless `model` is given), build every part and compile every bucket. `devices`:
         the devices this engine runs on (a data-parallel replica's; tensor_parallel_size of
         them); None: the first tensor_parallel_size devices."""
@@ -90,16 +91,15 @@ class Engine:
         root = cache_dir(config.model.cache_dir)
         compile_guard.enable_persistent_cache(root)
         precision: PrecisionChoice | None = None
-        if model is None:
-            model = load_model(config.model.model,
-                               "float32" if config.model.dtype == "auto" else config.model.dtype,
-                               cache_dir=root, tokenizer=config.model.tokenizer)
-        if config.model.dtype == "auto":
-            arch = model.arch
+        if config.model.dtype == "auto":  # decided before the weights are read (one copy)
+            arch = model.arch if model is not None else load_arch(config.model.model, root)
             precision = choose_compute_dtype(arch.hidden_size, arch.intermediate_size, root)
-            model = model.with_dtype(precision.dtype)
             config = dataclasses.replace(
                 config, model=dataclasses.replace(config.model, dtype=precision.dtype))
+        if model is None:
+            model = load_model(config.model.model, config.model.dtype, cache_dir=root,
+                               tokenizer=config.model.tokenizer)
+        model = model.with_dtype(config.model.dtype)
         model = model.quantized(config.model.quantization)  # after the dtype (model/quantize.py)
         config = dataclasses.replace(
             config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
@@ -114,6 +114,11 @@ class Engine:
                       if mesh is None and config.model.dtype == "bfloat16" else 0)
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                         attention, mesh, small_matmul_rows=small_rows)
+        # the runner holds the params in the forms it runs: the loaded copy goes (one resident
+        # copy of each weight; the LoadedModel keeps its arch, tokenizer and EOS ids), unless
+        # more replicas are built from it (`keep_loaded_params`)
+        if not keep_loaded_params:
+            model = dataclasses.replace(model, params={})
         runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several
         scheduler = Scheduler(config.scheduler, PageAllocator(
             runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))

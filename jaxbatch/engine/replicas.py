@@ -55,7 +55,7 @@ class ReplicaRouter:
         if len(devices) < dp * tp:
             raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs "
                              f"{dp * tp} devices; {len(devices)} are visible")
-        first = Engine.from_config(config, devices=devices[:tp])
+        first = Engine.from_config(config, devices=devices[:tp], keep_loaded_params=dp > 1)
         rest = [Engine.from_config(first.config, model=first.model,
                                    devices=devices[i * tp:(i + 1) * tp]) for i in range(1, dp)]
         # warm-up ends when the last replica is built: what the later ones compiled while

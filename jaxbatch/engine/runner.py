@@ -110,7 +110,7 @@ class Runner:
         self.pages_per_seq = -(-max_model_len // cache.page_size)
         self.history_len = max_model_len  # the adjusted sampler's token history width
         # compute in the weights' dtype: the loader already chose it (dtype: auto measures)
-        self.compute_dtype = llama.value_dtype(params["embed"])
+        self.compute_dtype = llama.value_dtype(params["final_norm"])
         self.kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.compute_dtype)
         self.cache_dtype = kv_storage_dtype(self.kv_dtype)
         tp = 1 if self.placement is None else self.placement.tp

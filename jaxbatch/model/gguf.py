@@ -1,5 +1,10 @@
-"""Load a llama.cpp GGUF file: dequantise, rename to HF names, undo llama.cpp's layout changes.
+"""Load a llama.cpp GGUF file: keep or dequantise, rename to HF names, undo llama.cpp's layout
+changes.
 
+Linear weights and the embedding/head in the formats the engine computes from directly (Q8_0,
+Q4_0, Q4_K, Q5_K, Q6_K: pallas_kernels/matmul/quant_formats.py) stay in their blocks
+(`RawBlocks` -> `QuantWeight`): read from the memory-mapped file tensor by tensor, never
+dequantised. Everything else is dequantised tensor by tensor into the compute dtype.
 Dequantisation is the `gguf` package's own (`gguf.quants.dequantize`, the reference llama.cpp
 ships with its converter), so every type it reads loads: F32/F16/BF16, Q4_0..Q8_0, the K-quants
 (Q2_K..Q6_K, what Q4_K_M/Q5_K_M files mix), the IQ- and TQ-quants, MXFP4. Names go through the
@@ -20,14 +25,23 @@ support, so they match what `AutoModelForCausalLM.from_pretrained(dir, gguf_file
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import re
 from typing import Any
 
 import numpy as np
 
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.weights import WeightLoadError, assemble_params, expected_hf_names
+from jaxbatch.model.quantize import RawBlocks
+from jaxbatch.model.weights import (
+    LazyTensors,
+    WeightLoadError,
+    assemble_params,
+    expected_hf_names,
+)
+from pallas_kernels.matmul.quant_formats import FORMATS, row_bytes
 
 # llama.cpp stores q/k of these architectures with rows interleaved for its rope kernel
 _PERMUTED_ARCHS = ("llama", "mistral")
@@ -180,8 +194,48 @@ def open_gguf(path: str) -> Any:
 
 
 def _field(reader: Any, key: str) -> Any:
+    if isinstance(reader, TensorIndex):
+        return reader.fields.get(key)
     f = reader.fields.get(key)
     return None if f is None else f.contents()
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexedTensor:
+    """What the loader reads of a GGUFReader tensor, from a saved index: `data` is its bytes in
+    the memory-mapped file, uint8 [rows, row bytes]."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # ggml dims, innermost first
+    data: np.ndarray
+
+
+class TensorIndex:
+    """The file's tensor table (name, type, dims, data offset) and architecture, saved beside the
+    cached HF config: a restart maps the file and skips GGUFReader's parse of every metadata
+    field (SmolLM2's 49k-token vocabulary: seconds)."""
+
+    def __init__(self, path: str, table: dict[str, Any]) -> None:
+        import gguf
+
+        if os.path.getsize(path) != table["size"]:
+            raise WeightLoadError(f"{path} changed since its index was saved")
+        mm = np.memmap(path, np.uint8, mode="r")
+        self.fields = {"general.architecture": table["arch"]}
+        self.tensors = []
+        for name, type_name, dims, offset, nbytes in table["tensors"]:
+            qtype = gguf.GGMLQuantizationType[type_name]
+            rows = math.prod(dims[1:])
+            self.tensors.append(IndexedTensor(name, qtype, np.asarray(dims, np.int64),
+                                              mm[offset:offset + nbytes].reshape(rows, -1)))
+
+    @staticmethod
+    def table(path: str, reader: Any) -> dict[str, Any]:
+        """The index of an open GGUFReader, as JSON-able data."""
+        return {"size": os.path.getsize(path), "arch": _field(reader, "general.architecture"),
+                "tensors": [(t.name, t.tensor_type.name, [int(d) for d in t.shape.tolist()],
+                             int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]}
 
 
 def _tensor(reader: Any, t: Any) -> np.ndarray:
@@ -193,9 +247,22 @@ def _tensor(reader: Any, t: Any) -> np.ndarray:
         raise WeightLoadError(f"GGUF tensor {t.name!r}: {e}") from None
 
 
-def read_gguf_tensors(reader: Any, arch: ModelArch,
-                      hf_names: set[str] | None = None) -> dict[str, np.ndarray]:
-    """All tensors as float32 numpy arrays in HF names and HF layout ([out, in] for linears).
+# HF tensors that may stay in their blocks: the dense linear weights and the embedding / head
+_KEEPABLE = re.compile(r"(\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj\.weight|^model\.embed_tokens\.weight|"
+                       r"^lm_head\.weight)$")
+
+
+def keeps_blocks(t: Any, hf_name: str) -> bool:
+    """Whether GGUF tensor `t` (named `hf_name`) is held in its blocks rather than dequantised:
+    a 2-D tensor of a kept format that a linear weight, the embedding or the head reads."""
+    return (t.tensor_type.name in FORMATS and len(t.shape) == 2
+            and _KEEPABLE.search(hf_name) is not None)
+
+
+def read_gguf_tensors(reader: Any, arch: ModelArch, hf_names: set[str] | None = None,
+                      keep_blocks: bool = True) -> LazyTensors:
+    """Every tensor in HF names and HF layout ([out, in] for linears), read when taken:
+    `RawBlocks` where `keeps_blocks` (with `keep_blocks`), else float32 numpy arrays.
 
     `hf_names`: the names the model expects (default: `expected_hf_names(arch)` and lm_head);
     a tensor with no HF name keeps its GGUF name, for `assemble_params` to report."""
@@ -203,20 +270,47 @@ def read_gguf_tensors(reader: Any, arch: ModelArch,
     if hf_names is None:
         hf_names = expected_hf_names(arch) | {"lm_head.weight"}
     names = gguf_to_hf_names(gguf_arch, arch.num_layers, hf_names)
-    out: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        if t.name == ROPE_FREQS:  # consumed by the config (load_gguf_config)
-            continue
-        w = _tensor(reader, t)
-        name = names.get(t.name, t.name)
+
+    def read(item: tuple[Any, str]) -> np.ndarray | RawBlocks:
+        t, name = item
+        w: np.ndarray | RawBlocks
+        if keep_blocks and keeps_blocks(t, name):
+            k, n = (int(d) for d in t.shape.tolist())  # ggml: inputs innermost
+            rows = np.asarray(t.data).reshape(n, -1)
+            if rows.shape[1] != row_bytes(t.tensor_type.name, k):
+                raise WeightLoadError(f"GGUF tensor {t.name!r}: {rows.shape[1]} bytes per row, "
+                                      f"{row_bytes(t.tensor_type.name, k)} expected")
+            w = RawBlocks(t.tensor_type.name, rows, k)
+        else:
+            w = _tensor(reader, t)
         if gguf_arch in _PERMUTED_ARCHS and ".self_attn.q_proj." in name:
-            w = unpermute_rows(w, arch.num_heads)
+            w = _unpermute(w, arch.num_heads)
         elif gguf_arch in _PERMUTED_ARCHS and ".self_attn.k_proj." in name:
-            w = unpermute_rows(w, arch.num_kv_heads)
+            w = _unpermute(w, arch.num_kv_heads)
         elif gguf_arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            assert isinstance(w, np.ndarray)
             w = w - 1.0
-        out[name] = w
-    return out
+        return w
+
+    items = {names.get(t.name, t.name): (t, names.get(t.name, t.name)) for t in reader.tensors
+             if t.name != ROPE_FREQS}  # rope_freqs is consumed by the config (load_gguf_config)
+    return LazyTensors(items, read)
+
+
+def _unpermute(w: np.ndarray | RawBlocks, n_head: int) -> np.ndarray | RawBlocks:
+    """`unpermute_rows` of a float tensor, or of a quantised one's rows (rows are output
+    features, each its own blocks: the permutation moves whole rows)."""
+    if isinstance(w, RawBlocks):
+        return RawBlocks(w.fmt, unpermute_rows(w.rows, n_head), w.k)
+    return unpermute_rows(w, n_head)
+
+
+def has_kept_blocks(reader: Any, arch: ModelArch) -> bool:
+    """The file holds a tensor the engine keeps in its blocks (see `keeps_blocks`)."""
+    gguf_arch = _field(reader, "general.architecture")
+    hf_names = expected_hf_names(arch) | {"lm_head.weight"}
+    names = gguf_to_hf_names(gguf_arch, arch.num_layers, hf_names)
+    return any(keeps_blocks(t, names.get(t.name, t.name)) for t in reader.tensors)
 
 
 def load_gguf_config(path: str, reader: Any | None = None) -> Any:
@@ -265,10 +359,12 @@ def load_gguf_tokenizer(path: str) -> Any:
         raise WeightLoadError(f"cannot build a tokenizer from {path}: {e}") from e
 
 
-def load_gguf(path: str, dtype: Any) -> tuple[ModelArch, dict, Any]:
-    """-> (arch, params in `dtype`, HF config)."""
-    reader = open_gguf(path)
-    cfg = load_gguf_config(path, reader)
+def load_gguf(path: str, dtype: Any, keep_blocks: bool = True, cfg: Any = None,
+              reader: Any = None) -> tuple[ModelArch, dict, Any]:
+    """-> (arch, params in `dtype` with kept formats as QuantWeights, HF config); `cfg`: the
+    file's HF config when already known (cached), else derived from its metadata."""
+    reader = reader if reader is not None else open_gguf(path)
+    cfg = cfg if cfg is not None else load_gguf_config(path, reader)
     arch = ModelArch.from_hf_config(cfg)
-    tensors = read_gguf_tensors(reader, arch)
+    tensors = read_gguf_tensors(reader, arch, keep_blocks=keep_blocks)
     return arch, assemble_params(arch, tensors, dtype), cfg

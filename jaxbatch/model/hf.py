@@ -9,12 +9,13 @@ from typing import Any
 import numpy as np
 
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.weights import WeightLoadError, assemble_params
+from jaxbatch.model.weights import LazyTensors, WeightLoadError, assemble_params
 
 
-def read_safetensors_dir(path: str) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+def read_safetensors_dir(path: str) -> LazyTensors:
+    """Every tensor of the directory's safetensors files (single or sharded), read when taken:
+    each is memory-mapped and copied out in its stored dtype (bf16 stays bf16), one at a time."""
+    from safetensors import SafetensorError, safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -24,30 +25,39 @@ def read_safetensors_dir(path: str) -> dict[str, np.ndarray]:
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise WeightLoadError(f"no .safetensors files in {path}")
-    tensors: dict[str, np.ndarray] = {}
+    where: dict[str, str] = {}
     for fname in files:
         fpath = os.path.join(path, fname)
         try:
-            part = _load_any_dtype(fpath, load_file)
+            with safe_open(fpath, framework="numpy") as f:
+                keys = list(f.keys())
         except (SafetensorError, OSError, ValueError) as e:
             raise WeightLoadError(f"cannot read {fpath}: {e}") from e
-        dup = tensors.keys() & part.keys()
+        dup = where.keys() & set(keys)
         if dup:
             raise WeightLoadError(f"tensors {sorted(dup)[:4]} appear in more than one shard")
-        tensors.update(part)
-    return tensors
+        where.update(dict.fromkeys(keys, fpath))
+
+    def read(item: tuple[str, str]) -> np.ndarray:
+        name, fpath = item
+        try:
+            return _read_tensor(fpath, name, safe_open)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise WeightLoadError(f"cannot read {name} from {fpath}: {e}") from e
+
+    return LazyTensors({name: (name, fpath) for name, fpath in where.items()}, read)
 
 
-def _load_any_dtype(fpath: str, load_file) -> dict[str, np.ndarray]:
-    # numpy has no bfloat16: read those through the torch-free flax/ml_dtypes path.
+def _read_tensor(fpath: str, name: str, safe_open) -> np.ndarray:
+    # numpy has no bfloat16: read those through the flax path (ml_dtypes' bfloat16 arrays)
     try:
-        return load_file(fpath)
+        with safe_open(fpath, framework="numpy") as f:
+            return f.get_tensor(name)
     except (TypeError, ValueError) as e:
         if "bfloat16" not in str(e) and "bf16" not in str(e).lower():
             raise
-    from safetensors.flax import load_file as load_flax
-
-    return {k: np.asarray(v.astype("float32")) for k, v in load_flax(fpath).items()}
+    with safe_open(fpath, framework="flax") as f:
+        return np.asarray(f.get_tensor(name))
 
 
 def load_hf_config(path: str) -> Any:

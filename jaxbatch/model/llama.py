@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxbatch.model import moe
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.quantize import LINEAR_WEIGHTS, Int8Weight, int8_matmul
+from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight, quant_matmul
 from pallas_kernels.matmul import small_bf16
 
 Params = dict
@@ -154,13 +154,13 @@ def value_dtype(w: jax.Array):
     return jnp.dtype(jnp.bfloat16) if w.dtype == jnp.uint16 else w.dtype
 
 
-def _mm(x: jax.Array, w: jax.Array | Int8Weight) -> jax.Array:
+def _mm(x: jax.Array, w: jax.Array | QuantWeight | OutInWeight) -> jax.Array:
     """x @ w accumulated in float32, rounded to x's dtype: what torch does for a bf16 matmul, and
     what XLA:CPU runs fast (a bf16 x bf16 -> bf16 dot took 91 GFLOP/s at M=64 on an AMX Xeon;
-    the same dot with f32 accumulation 428, f32 x f32 131). Bitwise x @ w for f32. An int8
-    weight (`quantization: int8`) is converted inside the step (model/quantize.py)."""
-    if isinstance(w, Int8Weight):
-        return int8_matmul(x, w)
+    the same dot with f32 accumulation 428, f32 x f32 131). Bitwise x @ w for f32. A quantised
+    weight (GGUF blocks, `quantization: int8`) is dequantised inside the dot (model/quantize.py)."""
+    if isinstance(w, QuantWeight):
+        return quant_matmul(x, w)
     if isinstance(w, OutInWeight):
         if w.packed is not None and w.packed.takes(x):
             return w.packed(x)  # the same sums, rounded the same (bitwise)
@@ -217,7 +217,11 @@ def forward(
     """
     L, N_pages, P, K, D = kv_cache["k"].shape
     N, T = arch.num_heads, token_ids.shape[0]
-    x = values(params["embed"][token_ids])  # [T, H]
+    embed = params["embed"]
+    if isinstance(embed, QuantWeight):  # the step's rows, dequantised in the compute dtype
+        x = embed.rows(token_ids).astype(value_dtype(params["final_norm"]))
+    else:
+        x = values(embed[token_ids])  # [T, H]
     if arch.scale_embeddings:  # HF: sqrt(H) as a float32 tensor cast to the weights' dtype
         x = x * jnp.asarray(np.float32(math.sqrt(arch.hidden_size))).astype(x.dtype)
     cos, sin = rope_tables(arch, positions)
@@ -237,8 +241,10 @@ def forward(
     layers = params["layers"]
     packs = {name: w.packed for name, w in layers.items()
              if isinstance(w, OutInWeight) and w.packed is not None}  # whole [L, ...] stacks
+    # quantised weights likewise: the kernel (or the jnp path) takes the stack and the index
+    quants = {name: w for name, w in layers.items() if isinstance(w, QuantWeight)}
     scanned = {name: dataclasses.replace(w, packed=None) if name in packs else w
-               for name, w in layers.items()}
+               for name, w in layers.items() if name not in quants}
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry
@@ -246,6 +252,8 @@ def forward(
         lp = jax.tree.map(values, lp)
         for name, pack in packs.items():
             lp[name] = dataclasses.replace(lp[name], packed=dataclasses.replace(pack, layer=li))
+        for name, qw in quants.items():
+            lp[name] = dataclasses.replace(qw, layer=li)
         h = norm(x, lp["attn_norm"])
         q = _mm(h, lp["wq"])
         k = _mm(h, lp["wk"])
@@ -308,8 +316,13 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
                  plus_one=arch.gemma_norms)
     head = params.get("lm_head")
     packed = params.get("head_packed")  # the head for the small matmul (as_run_on_cpu)
+    embed = params["embed"]
     if packed is not None and packed.takes(h):
         logits = packed(h)
+    elif isinstance(head, QuantWeight):
+        logits = quant_matmul(h, head)
+    elif head is None and isinstance(embed, QuantWeight):  # tied: the embedding's rows [V, H]
+        logits = quant_matmul(h, embed)
     elif isinstance(head, OutInWeight):
         logits = jax.lax.dot_general(h, values(head.wt).astype(hidden.dtype),
                                      (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -342,25 +355,41 @@ def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
     Unchanged on other backends and in float32. The runner (`out_in` off under tensor
     parallelism, whose shardings are laid out for [in, out]) and the scripts that run the
     forward directly use this."""
-    if jax.default_backend() != "cpu" or params["embed"].dtype != jnp.bfloat16:
+    if jax.default_backend() != "cpu":
+        return params
+    params = _quant_on_kernel(params)
+    if value_dtype(params["final_norm"]) != jnp.bfloat16:
         return params
     layers = dict(params["layers"])
     if out_in:
         for name in LINEAR_WEIGHTS:
             w = layers.get(name)
-            if w is not None and not isinstance(w, Int8Weight):
+            if w is not None and not isinstance(w, QuantWeight):
                 wt = jnp.swapaxes(w, -1, -2)
                 layers[name] = OutInWeight(wt, _packed(wt, small_matmul_rows))
     out = {**params, "layers": store_bf16_as_bits(layers)}
     head = params.get("lm_head")
-    if out_in and head is not None and not isinstance(head, Int8Weight):
+    if out_in and head is not None and not isinstance(head, QuantWeight):
         out["lm_head"] = OutInWeight(jnp.array(head.T))
-    head_wt = params["embed"] if head is None else (None if isinstance(head, Int8Weight)
-                                                    else head.T)
+    tied = params["embed"]
+    head_wt = (None if isinstance(tied, QuantWeight) else tied) if head is None else (
+        None if isinstance(head, QuantWeight) else head.T)
     head_packed = _packed(head_wt, small_matmul_rows) if out_in and head_wt is not None else None
     if head_packed is not None:
         out["head_packed"] = head_packed
     return out
+
+
+def _quant_on_kernel(params: Params) -> Params:
+    """Quantised weights run through the CPU kernel where it is built for the compute dtype
+    (pallas_kernels/matmul/quant.py), else through the jnp path (dequantise, then dot)."""
+    from pallas_kernels.matmul import quant
+
+    if not quant.available(value_dtype(params["final_norm"])):
+        return params
+    return jax.tree.map(lambda w: dataclasses.replace(w, kernel=True)
+                        if isinstance(w, QuantWeight) else w, params,
+                        is_leaf=lambda w: isinstance(w, QuantWeight))
 
 
 def _packed(wt: jax.Array, max_rows: int) -> PackedWeight | None:

@@ -22,8 +22,8 @@ from jaxbatch.config import DTYPES, canonical_dtype
 from jaxbatch.config import cache_dir as default_cache_dir
 from jaxbatch.model import param_cache, registry
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.hf import load_hf_dir
-from jaxbatch.model.quantize import Int8Weight, quantize_params
+from jaxbatch.model.hf import load_hf_config, load_hf_dir
+from jaxbatch.model.quantize import QuantWeight, quantize_params
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,12 @@ class LoadedModel:
 
     def with_dtype(self, dtype: str | Any) -> LoadedModel:
         """The same model with its params converted to `dtype` (a no-op when they already are);
-        int8 weights stay int8 (their f32 scales too)."""
+        quantised weights stay in their blocks."""
         dt = resolve_dtype(dtype)
-        if self.params["embed"].dtype == dt:
+        if self.params["final_norm"].dtype == dt:
             return self
-        params = jax.tree.map(lambda p: p if isinstance(p, Int8Weight) else p.astype(dt),
-                              self.params, is_leaf=lambda p: isinstance(p, Int8Weight))
+        params = jax.tree.map(lambda p: p if isinstance(p, QuantWeight) else p.astype(dt),
+                              self.params, is_leaf=lambda p: isinstance(p, QuantWeight))
         return dataclasses.replace(self, params=params)
 
     def quantized(self, quantization: str | None) -> LoadedModel:
@@ -88,10 +88,7 @@ def load_model(model: str, dtype: str | Any, cache_dir: str | None = None,
     elif model.endswith(".gguf") and os.path.isfile(model):
         arch, params, tok, hit = _load_gguf_cached(model, dt, cache_dir)
     else:
-        raise FileNotFoundError(
-            f"model {model!r} is neither a built-in name "
-            f"({', '.join(sorted(registry.BUILTIN_MODELS))}), an existing .gguf file nor a local "
-            f"HF directory with config.json")
+        raise FileNotFoundError(_not_a_model(model))
     if tokenizer is not None:
         tok = _dir_tokenizer(tokenizer)
         if tok is None:
@@ -100,6 +97,35 @@ def load_model(model: str, dtype: str | Any, cache_dir: str | None = None,
     eos = _eos_token_ids(tok, gen_config_dir)
     return LoadedModel(arch, params, tok, model, time.perf_counter() - t0, from_cache=hit,
                        eos_token_ids=eos)
+
+
+def load_arch(model: str, cache_dir: str | None = None) -> ModelArch:
+    """The model's architecture without its weights (config.json, or the GGUF's metadata,
+    cached), so that the compute dtype can be chosen before the weights are read."""
+    cache_dir = default_cache_dir(cache_dir)
+    if registry.is_builtin(model):
+        model = registry.builtin_model_path(model, cache_dir)
+    if os.path.isdir(model):
+        return ModelArch.from_hf_config(load_hf_config(model))
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from jaxbatch.model.gguf import TensorIndex, open_gguf
+
+        entry = param_cache.entry_dir(cache_dir, param_cache.cache_key(model, "float32",
+                                                                       kind="hf"))
+        cfg, _, _ = _cached_hf(entry)
+        if cfg is None:
+            reader = open_gguf(model)
+            cfg, tok = _gguf_config_and_tokenizer(model, reader)
+            param_cache.save_entry(entry, None, _hf_writer(cfg, tok, TensorIndex.table(model,
+                                                                                    reader)))
+        return ModelArch.from_hf_config(cfg)
+    raise FileNotFoundError(_not_a_model(model))
+
+
+def _not_a_model(model: str) -> str:
+    return (f"model {model!r} is neither a built-in name "
+            f"({', '.join(sorted(registry.BUILTIN_MODELS))}), an existing .gguf file nor a local "
+            f"HF directory with config.json")
 
 
 def _dir_tokenizer(path: str) -> Any:
@@ -124,30 +150,81 @@ def _eos_token_ids(tokenizer: Any, model_dir: str | None) -> tuple[int, ...]:
 
 
 def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch, dict, Any, bool]:
-    """-> (arch, params, tokenizer, from_cache). A miss converts and then fills the cache."""
+    """-> (arch, params, tokenizer, from_cache). A file with weights in kept formats loads them
+    from the file every time (mmap'd, no conversion) and caches only its HF config and
+    tokenizer; other files are dequantised once into the orbax param cache."""
+    from jaxbatch.model.gguf import TensorIndex, has_kept_blocks, load_gguf, open_gguf
+
+    # the file's HF config, tokenizer and tensor table (whatever the dtype): parsing its
+    # metadata takes seconds, which a restart skips
+    entry = param_cache.entry_dir(cache_dir, param_cache.cache_key(path, "float32", kind="hf"))
+    cfg, tok, hit = _cached_hf(entry)
+    reader: Any = _saved_index(path, entry) if hit else None
+    if reader is None:
+        reader = open_gguf(path)
+        if not hit:
+            cfg, tok = _gguf_config_and_tokenizer(path, reader)
+            param_cache.save_entry(entry, None, _hf_writer(cfg, tok, TensorIndex.table(path,
+                                                                                    reader)))
+    if has_kept_blocks(reader, ModelArch.from_hf_config(cfg)):
+        arch, params, _ = load_gguf(path, dtype, cfg=cfg, reader=reader)
+        return arch, params, tok, hit
+    entry = param_cache.entry_dir(cache_dir, param_cache.cache_key(path, dtype))
+    cfg_p, tok_p, hit = _cached_hf(entry)
+    if hit:
+        arch = ModelArch.from_hf_config(cfg_p)
+        restored = param_cache.restore_params(entry, arch, dtype)
+        if restored is not None:
+            return arch, restored, tok_p, True
+    arch, params, cfg = load_gguf(path, dtype, keep_blocks=False, cfg=cfg, reader=reader)
+    param_cache.save_entry(entry, params, _hf_writer(cfg, tok))
+    return arch, params, tok, False
+
+
+def _gguf_config_and_tokenizer(path: str, reader: Any) -> tuple[Any, Any]:
+    from jaxbatch.model.gguf import load_gguf_config, load_gguf_tokenizer
+
+    return load_gguf_config(path, reader), load_gguf_tokenizer(path)
+
+
+def _cached_hf(entry: str) -> tuple[Any, Any, bool]:
+    """(config, tokenizer, True) from a complete cache entry's hf/ folder, else (None, None,
+    False); a damaged entry is removed."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from jaxbatch.model.gguf import load_gguf, load_gguf_tokenizer
+    if not param_cache.is_complete(entry):
+        return None, None, False
+    hf = param_cache.hf_dir(entry)
+    try:
+        return AutoConfig.from_pretrained(hf), AutoTokenizer.from_pretrained(hf), True
+    except (OSError, ValueError) as e:  # damaged config/tokenizer files: rebuild the entry
+        log.warning("param cache entry %s is unreadable (%s); rebuilding it", entry, e)
+        param_cache.remove_entry(entry)
+        return None, None, False
 
-    entry = param_cache.entry_dir(cache_dir, param_cache.cache_key(path, dtype))
-    if param_cache.is_complete(entry):
-        hf = param_cache.hf_dir(entry)
-        try:
-            arch = ModelArch.from_hf_config(AutoConfig.from_pretrained(hf))
-            tok = AutoTokenizer.from_pretrained(hf)
-        except (OSError, ValueError) as e:  # damaged config/tokenizer files: rebuild the entry
-            log.warning("param cache entry %s is unreadable (%s); rebuilding it", entry, e)
-            param_cache.remove_entry(entry)
-        else:
-            params = param_cache.restore_params(entry, arch, dtype)
-            if params is not None:
-                return arch, params, tok, True
-    arch, params, cfg = load_gguf(path, dtype)
-    tok = load_gguf_tokenizer(path)
 
+_INDEX = "gguf_tensors.json"
+
+
+def _hf_writer(cfg: Any, tok: Any, index: dict | None = None) -> Any:
     def write_hf(d: str) -> None:
         cfg.save_pretrained(d)
         tok.save_pretrained(d)
+        if index is not None:
+            with open(os.path.join(d, _INDEX), "w") as f:
+                json.dump(index, f)
 
-    param_cache.save_entry(entry, params, write_hf)
-    return arch, params, tok, False
+    return write_hf
+
+
+def _saved_index(path: str, entry: str) -> Any:
+    """The GGUF's tensor table saved in its cache entry, over the mapped file; None if absent
+    or unusable (then the file is parsed)."""
+    from jaxbatch.model.gguf import TensorIndex
+
+    try:
+        with open(os.path.join(param_cache.hf_dir(entry), _INDEX)) as f:
+            return TensorIndex(path, json.load(f))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.info("GGUF tensor index unusable (%s); parsing %s", e, path)
+        return None

@@ -1,7 +1,8 @@
 """A disk cache of converted params (orbax): a second start skips GGUF parsing and dequantisation.
 
 One entry per (source file, size, mtime, dtype) under `<cache>/params/<key>/`:
-    params/        orbax StandardCheckpointer tree of the params pytree
+    params/        orbax StandardCheckpointer tree of the params pytree (absent for a GGUF
+                   whose weights stay in their blocks: those load from the file itself)
     hf/            HF config.json + tokenizer files (save_pretrained), to skip the GGUF metadata
     COMPLETE       written last; an entry without it is never read
 The entry is built in a hidden temporary directory and renamed into place in one step, so a
@@ -30,12 +31,13 @@ FORMAT_VERSION = 1
 _DONE = "COMPLETE"
 
 
-def cache_key(source: str, dtype: Any) -> str:
-    """Hash of the source file's absolute path, size and mtime, the dtype and the format version."""
+def cache_key(source: str, dtype: Any, kind: str = "params") -> str:
+    """Hash of the source file's absolute path, size and mtime, the dtype, what the entry holds
+    (`params`, or `hf` only) and the format version."""
     st = os.stat(source)
     ident = "|".join(
         [os.path.abspath(source), str(st.st_size), str(st.st_mtime_ns), jnp.dtype(dtype).name,
-         str(FORMAT_VERSION)]
+         str(FORMAT_VERSION)] + ([] if kind == "params" else [kind])
     )
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
@@ -74,8 +76,9 @@ def restore_params(entry: str, arch: ModelArch, dtype: Any) -> dict | None:
         return None
 
 
-def save_entry(entry: str, params: dict, write_extra: Callable[[str], None] | None = None) -> None:
-    """Write params (and whatever `write_extra(hf_dir)` adds) atomically to `entry`.
+def save_entry(entry: str, params: dict | None,
+               write_extra: Callable[[str], None] | None = None) -> None:
+    """Write params (unless None) and whatever `write_extra(hf_dir)` adds atomically to `entry`.
 
     Failures are logged, not raised: the model is already loaded, the cache only saves time.
     """
@@ -85,9 +88,10 @@ def save_entry(entry: str, params: dict, write_extra: Callable[[str], None] | No
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".tmp-{os.path.basename(entry)}-")
     try:
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(os.path.join(tmp, "params"), params)
-            ckptr.wait_until_finished()
+        if params is not None:
+            with ocp.StandardCheckpointer() as ckptr:
+                ckptr.save(os.path.join(tmp, "params"), params)
+                ckptr.wait_until_finished()
         if write_extra is not None:
             os.makedirs(os.path.join(tmp, "hf"))
             write_extra(os.path.join(tmp, "hf"))

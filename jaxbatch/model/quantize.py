@@ -1,40 +1,26 @@
-"""int8 weight-only quantisation: linear weights stored int8 with one scale per output column.
+"""Quantised linear weights: GGUF blocks held as the file stores them, dequantised inside the dot.
 
-`quantize_params(params, "int8")` replaces each dense linear weight W [L, in, out] of the layers
-(wq wk wv wo w_gate w_up w_down) by an `Int8Weight`: q = round(W / s) in [-127, 127] and
-s [L, out] = max_in |W| / 127 (symmetric, per output channel, f32). Everything else (embedding,
-head, norms, biases, MoE experts, the KV cache) keeps the compute dtype.
+A `QuantWeight` is a linear weight [..., in, out] held as GGUF blocks (pallas_kernels/matmul/
+quant_formats.py: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K): uint8 [..., out, row_bytes], one row of blocks
+along `in` per output feature, the bits per weight of the format (4.5 for Q4_K, 8.5 for Q8_0).
+A GGUF file's tensors of those types load this way (model/gguf.py), and `quantization: int8`
+quantises a float checkpoint's linear weights to Q8_0 blocks (one f16 scale per 32 inputs).
 
-Inside the step `int8_matmul` computes (x @ convert(q)) * s: equal to x @ (q * s) because s is
-per output column, and the form XLA:CPU runs well. Measured on this machine (JAX 0.10.2, 30
-layers of SmolLM2's [576, 1536] + [1536, 576], HLO dumped): XLA:CPU does not fuse the int8
-convert into the dot (the dot is a YNNPACK custom fusion whose operands are bf16/f32), but it
-fuses the convert into the dynamic-slice that takes each layer's weights out of the stacked
-array inside the scan. That slice is a copy the bf16 path makes too (bitcast uint16 -> bf16), so
-the big stacked array is read once per step at 1 byte per weight instead of 2 (bf16) or 4
-(f32), and the converted layer (~1.8 MB) is written and re-read in cache. Scaling the weight
-before the dot (q * s, then dot) measured the same but does per-weight work; scaling the
-output is [T, out] work. Times of that stack, medians of 7 (noisy: shared 2-vCPU machine):
-    M=1:   f32 47 ms, bf16 22, int8->f32 20, int8->bf16 21
-    M=64:  f32 71 ms, bf16 26, int8->f32 63, int8->bf16 24
-    M=512: f32 342 ms, bf16 78, int8->f32 337, int8->bf16 78
-In the whole SmolLM2 step it is another matter (interleaved decode steps, medians of 10, no
-attention, 2026-12-01): f32 -> f32+int8 44 -> 32 ms at 1 row, 307 -> 295 ms at 64; bf16 ->
-bf16+int8 66 -> 85 ms at 1 row, 164 -> 223 ms at 64, but the lower quartiles are equal (63
-vs 63 ms, 160 vs 166 ms): no gain measured with bf16 compute. Both bf16 paths copy each layer's
-weights per step in the step's HLO (slice + bitcast, slice + convert), so the int8 path saves
-only the read of the stacked array, and the 2 bytes written and re-read per weight stay: with
-bf16 compute int8 is a memory-capacity feature on XLA:CPU until the convert happens inside the
-dot (a kernel of our own); with f32 compute it is also faster.
-A Q8_0 GGUF's own blocks (one scale per 32 inputs) are not kept: a per-block scale sits inside
-the dot's reduction and cannot be applied to the output, so the file is dequantised and
-re-quantised per output channel (the per-channel error is at most half a step of the column's
-largest weight, against half a step of the block's).
+Layers of one leaf may come in different formats (a Q4_K_M file keeps about half the layers'
+attn_v and ffn_down in Q6_K): the stack is then one array per format, and `part_of_layer` /
+`index_in_part` say where each layer's weight is; the step switches on the layer (lax.switch).
+
+Inside the step (`quant_matmul`) the CPU kernel (pallas_kernels/matmul/quant.py) dequantises in
+registers and dots, reading the whole stack with the layer index (slicing the stack in the layer
+scan made XLA copy each layer's weights per step); elsewhere (GPU, or without the kernel) the
+layer's blocks are dequantised with jnp (quant_formats.dequantize) and dotted in x's dtype with
+f32 sums. Everything else (norms, biases, MoE experts, the KV cache) stays in the compute dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -42,26 +28,101 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.config import QUANTIZATIONS
+from pallas_kernels.matmul import quant_formats
 
 # the dense linear weights of a layer, each [L, in, out]; all are used through llama._mm
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+@dataclasses.dataclass(frozen=True)
+class RawBlocks:
+    """One 2-D tensor's GGUF blocks as read from a file (host memory or a memory map):
+    rows uint8 [n, row_bytes(fmt, k)]; the weight is [n, k] (HF's [out, in])."""
+
+    fmt: str
+    rows: np.ndarray
+    k: int
+
+    @property
+    def n(self) -> int:
+        return int(self.rows.shape[0])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Int8Weight:
-    """A linear weight [..., in, out] as int8 values and per-output-column scales."""
+class QuantWeight:
+    """A linear weight [..., in, out] (or an embedding [V, H]: `k` = H) in GGUF blocks."""
 
-    q: jax.Array  # int8 [..., in, out]
-    scale: jax.Array  # f32 [..., out]
+    parts: tuple[jax.Array, ...]  # per format: uint8 [L_f, n, row_bytes] (no L axis unstacked)
+    part_of_layer: jax.Array | None  # i32 [L]: which part holds layer l (None: one part)
+    index_in_part: jax.Array | None  # i32 [L]: its index there
+    fmts: tuple[str, ...] = dataclasses.field(metadata={"static": True})
+    k: int = dataclasses.field(metadata={"static": True})  # inputs (dot axis)
+    n: int = dataclasses.field(metadata={"static": True})  # outputs
+    stacked: bool = dataclasses.field(metadata={"static": True})
+    # run through the CPU kernel (set by llama.as_run_on_cpu where it is built), else jnp
+    kernel: bool = dataclasses.field(default=False, metadata={"static": True})
+    # inside the layer scan: the parts are the whole stacks and this i32 scalar picks the layer
+    layer: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
+        lead = (self.num_layers,) if self.stacked else ()
+        return (*lead, self.k, self.n)
+
+    @property
+    def num_layers(self) -> int:
+        if self.part_of_layer is not None:
+            return int(self.part_of_layer.shape[0])
+        return int(self.parts[0].shape[0])
 
     def dequantized(self) -> jax.Array:
-        """f32 [..., in, out]: the weight the int8 forward computes with."""
-        return self.q.astype(jnp.float32) * self.scale[..., None, :]
+        """f32 [..., in, out]: the weight the quantised forward computes with (tests)."""
+        if not self.stacked:
+            return quant_formats.dequantize(self.parts[0], self.fmts[0], self.k).T
+        layers = []
+        for li in range(self.num_layers):
+            p, i = self._where(li)
+            layers.append(quant_formats.dequantize(self.parts[p][i], self.fmts[p], self.k).T)
+        return jnp.stack(layers)
+
+    def _where(self, li: int) -> tuple[int, int]:
+        if self.part_of_layer is None:
+            return 0, li
+        return int(self.part_of_layer[li]), int(self.index_in_part[li])  # type: ignore[index]
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """An unstacked weight's rows `ids` dequantised, f32 [len(ids), k] (embedding lookup)."""
+        return quant_formats.dequantize(self.parts[0][ids], self.fmts[0], self.k)
+
+
+def from_raw(raw: RawBlocks | Sequence[RawBlocks]) -> QuantWeight:
+    """One tensor's blocks, or one per layer (a stack, grouped by format), as a QuantWeight
+    (copied once into device memory; the file's pages are not kept)."""
+    if isinstance(raw, RawBlocks):
+        return QuantWeight((jnp.asarray(raw.rows),), None, None, (raw.fmt,), raw.k, raw.n,
+                           stacked=False)
+    fmts = tuple(dict.fromkeys(r.fmt for r in raw))
+    k, n = raw[0].k, raw[0].n
+    if any(r.k != k or r.n != n for r in raw):
+        raise ValueError("the layers of one weight have different shapes")
+    parts, part_of, index_of = [], [], []
+    for fmt in fmts:
+        members = [r for r in raw if r.fmt == fmt]
+        buf = np.empty((len(members), n, quant_formats.row_bytes(fmt, k)), np.uint8)
+        for i, r in enumerate(members):
+            buf[i] = r.rows
+        parts.append(jnp.asarray(buf))
+        del buf
+    counters = dict.fromkeys(fmts, 0)
+    for r in raw:
+        part_of.append(fmts.index(r.fmt))
+        index_of.append(counters[r.fmt])
+        counters[r.fmt] += 1
+    one = len(fmts) == 1
+    return QuantWeight(tuple(parts), None if one else jnp.asarray(part_of, jnp.int32),
+                       None if one else jnp.asarray(index_of, jnp.int32), fmts, k, n,
+                       stacked=True)
 
 
 def check_quantization(name: str | None) -> str | None:
@@ -70,38 +131,65 @@ def check_quantization(name: str | None) -> str | None:
     return name
 
 
-def quantize_int8(w: np.ndarray | jax.Array) -> tuple[np.ndarray, np.ndarray]:
-    """w [..., in, out] -> (q int8 [..., in, out], scale f32 [..., out]); w ~ q * scale.
-
-    Symmetric per output column: scale = max |w| over `in` / 127, q = round(w / scale) (half to
-    even, as numpy rounds), so |q| <= 127. An all-zero column gets scale 1 and q = 0."""
-    w = np.asarray(w, np.float32)
-    amax = np.abs(w).max(axis=-2)
-    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale[..., None, :]), -127, 127).astype(np.int8)
-    return q, scale
+def quantize_q8_0(w_out_in: np.ndarray) -> np.ndarray:
+    """w [..., n, k] (k % 32 == 0) -> Q8_0 rows uint8 [..., n, k / 32 * 34], as ggml's
+    quantize_row_q8_0: per 32 inputs d = max|w| / 127 (as f16), q = round(w / d)."""
+    w = np.asarray(w_out_in, np.float32)
+    *lead, n, k = w.shape
+    b = w.reshape(*lead, n, k // 32, 32)
+    d = np.abs(b).max(axis=-1) / 127.0
+    inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0), 0.0)
+    q = np.clip(np.rint(b * inv[..., None]), -127, 127).astype(np.int8)
+    out = np.empty((*lead, n, k // 32, 34), np.uint8)
+    out[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
+    out[..., 2:] = q.view(np.uint8)
+    return out.reshape(*lead, n, k // 32 * 34)
 
 
 def quantize_params(params: dict, quantization: str | None) -> dict:
-    """The params with each layer's dense linear weights as `Int8Weight` (no-op for None or
-    already quantised params)."""
+    """The params with each layer's dense linear weights as Q8_0 `QuantWeight`s (`int8`; no-op
+    for None, for weights already quantised, and for weights whose inputs are not whole blocks
+    of 32). One layer at a time, so that memory holds one float layer beside the blocks."""
     if check_quantization(quantization) is None:
         return params
     layers = dict(params["layers"])
     for name in LINEAR_WEIGHTS:
         w = layers.get(name)
-        if w is None or isinstance(w, Int8Weight):
+        if w is None or not isinstance(w, jax.Array) or w.shape[-2] % 32:
             continue
-        q, scale = quantize_int8(jax.device_get(w).astype(np.float32))
-        layers[name] = Int8Weight(jnp.asarray(q), jnp.asarray(scale))
+        k, n = w.shape[-2:]
+        raws = [RawBlocks("Q8_0", quantize_q8_0(np.asarray(jax.device_get(w[i]), np.float32).T),
+                          k) for i in range(w.shape[0])]
+        layers[name] = from_raw(raws)
     return {**params, "layers": layers}
 
 
-def int8_matmul(x: jax.Array, w: Int8Weight) -> jax.Array:
-    """x [T, in] @ w -> [T, out] in x's dtype: the int8 values converted to x's dtype (exact for
-    f32 and bf16), the dot accumulated in f32, then each output column scaled."""
-    y = jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (y * w.scale).astype(x.dtype)
+def quant_matmul(x: jax.Array, w: QuantWeight) -> jax.Array:
+    """x [T, in] @ w -> [T, out] in x's dtype, f32 sums."""
+    li = w.layer if w.stacked else None
+    if w.stacked and li is None:
+        raise ValueError("a stacked QuantWeight needs its layer index (set in the layer scan)")
+
+    def one(part: int, index: Any) -> jax.Array:
+        blocks, fmt = w.parts[part], w.fmts[part]
+        if w.kernel:
+            from pallas_kernels.matmul import quant
+
+            stack = blocks if w.stacked else blocks[None]
+            return quant.quant_matmul(x, stack, 0 if index is None else index, fmt=fmt, k=w.k)
+        rows = blocks if index is None else blocks[index]
+        wf = quant_formats.dequantize(rows, fmt, w.k).astype(x.dtype)  # [n, k]
+        return jax.lax.dot_general(x, wf, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32).astype(x.dtype)
+
+    if not w.stacked:
+        return one(0, None)
+    if w.part_of_layer is None:
+        return one(0, li)
+    assert w.index_in_part is not None
+    idx = w.index_in_part[li]
+    return jax.lax.switch(w.part_of_layer[li], [lambda p=p: one(p, idx)
+                                                for p in range(len(w.parts))])
 
 
 def _nbytes(tree: Any) -> int:

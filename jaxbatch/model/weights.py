@@ -1,7 +1,12 @@
 """Hugging Face tensor names -> the params pytree, with strict checks.
 
-Every loader (safetensors directory, GGUF file) produces a flat {hf_name: numpy array} dict and
-calls `assemble_params`, which raises on any missing, unexpected or mis-shaped tensor.
+Every loader (safetensors directory, GGUF file) produces a flat {hf_name: tensor} mapping and
+calls `assemble_params`, which raises on any missing, unexpected or mis-shaped tensor. The
+mapping may be lazy (`LazyTensors`: each tensor read from its memory-mapped file when taken):
+each tensor is converted to the params' dtype as it is taken and written straight into its
+layer stack, so loading holds the final params plus one tensor, never a float32 copy of the
+model. A `RawBlocks` (a GGUF tensor in a format the engine keeps quantised) becomes a
+`QuantWeight` (model/quantize.py).
 Linear weights are stored [in, out] (x @ W), i.e. HF's [out, in] transposed. Which HF tensor
 feeds which leaf is per family (model/hf_names.py): fused tensors are split, per-expert tensors
 stacked.
@@ -10,6 +15,7 @@ stacked.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -17,6 +23,7 @@ import numpy as np
 
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.hf_names import TOP_SOURCES, Source, layer_sources, layer_tensor_names
+from jaxbatch.model.quantize import RawBlocks, from_raw
 
 
 class WeightLoadError(ValueError):
@@ -25,6 +32,22 @@ class WeightLoadError(ValueError):
 
 # Tensors some checkpoints carry that hold nothing we need.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+class LazyTensors(Mapping):
+    """{name: tensor} whose values are read when taken (`read(name)`), once per access."""
+
+    def __init__(self, names: dict[str, Any], read: Callable[[Any], Any]) -> None:
+        self._names, self._read = names, read  # name -> what `read` needs to load it
+
+    def __getitem__(self, name: str) -> Any:
+        return self._read(self._names[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def expected_hf_names(arch: ModelArch) -> set[str]:
@@ -36,14 +59,15 @@ def expected_hf_names(arch: ModelArch) -> set[str]:
     return names
 
 
-def assemble_params(arch: ModelArch, tensors: dict[str, Any], dtype: Any) -> dict:
-    """Flat HF-named arrays -> stacked params pytree of jnp arrays in `dtype`."""
-    tensors = {k: v for k, v in tensors.items() if not _IGNORED.search(k)}
-    if arch.tie_word_embeddings and "lm_head.weight" in tensors:
-        tensors.pop("lm_head.weight")  # tied: the embedding is the head
+def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any) -> dict:
+    """Flat HF-named tensors -> stacked params pytree of jnp arrays in `dtype` (and
+    `QuantWeight`s for `RawBlocks`)."""
+    names = {k for k in tensors.keys() if not _IGNORED.search(k)}
+    if arch.tie_word_embeddings and "lm_head.weight" in names:
+        names.discard("lm_head.weight")  # tied: the embedding is the head
     expected = expected_hf_names(arch)
-    missing = sorted(expected - tensors.keys())
-    unexpected = sorted(tensors.keys() - expected)
+    missing = sorted(expected - names)
+    unexpected = sorted(names - expected)
     if missing or unexpected:
         raise WeightLoadError(
             f"checkpoint does not match the {arch.model_type} architecture: "
@@ -52,9 +76,13 @@ def assemble_params(arch: ModelArch, tensors: dict[str, Any], dtype: Any) -> dic
             f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
         )
     shapes = arch.param_shapes()
+    np_dtype = np.dtype(jnp.dtype(dtype))
 
-    def take(name: str, src: Source, want: tuple[int, ...]) -> np.ndarray:
-        a = np.asarray(tensors[name])
+    def take(name: str, src: Source, want: tuple[int, ...]) -> np.ndarray | RawBlocks:
+        a = tensors[name]
+        if isinstance(a, RawBlocks):
+            return _take_blocks(name, a, src, want)
+        a = np.asarray(a)
         if src.rows is not None:  # one part of a fused tensor (HF layout: parts are rows)
             start, stop, total = src.rows
             if a.shape[0] != total:
@@ -62,28 +90,65 @@ def assemble_params(arch: ModelArch, tensors: dict[str, Any], dtype: Any) -> dic
                     f"fused tensor {name!r} has {a.shape[0]} rows, expected {total}")
             a = a[start:stop]
         a = a.T if src.transpose else a
-        if tuple(a.shape) != tuple(want):
-            raise WeightLoadError(
-                f"tensor {name!r} has shape {tuple(a.shape)} (as [in, out] if a linear weight), "
-                f"expected {tuple(want)}"
-            )
+        _check_shape(name, a.shape, want)
+        return a.astype(np_dtype, copy=False)
+
+    def as_float(a: np.ndarray | RawBlocks) -> np.ndarray:
+        if isinstance(a, RawBlocks):  # a leaf quantised in only some of its tensors
+            from pallas_kernels.matmul.quant_formats import dequantize
+
+            return np.asarray(dequantize(jnp.asarray(a.rows), a.fmt, a.k)).T.astype(np_dtype)
         return a
 
     params: dict[str, Any] = {}
     for key, want in shapes.items():
         if key == "layers":
             continue
-        params[key] = jnp.asarray(take(TOP_SOURCES[key].name, TOP_SOURCES[key], want), dtype=dtype)
+        a = take(TOP_SOURCES[key].name, TOP_SOURCES[key], want)
+        params[key] = from_raw(a) if isinstance(a, RawBlocks) else jnp.asarray(a)
     layers = {}
     for key, src in layer_sources(arch).items():
         want = shapes["layers"][key][1:]
-        per_layer = []
+        stack: np.ndarray | None = None  # [L, ...] in the final dtype, filled layer by layer
+        raws: list[RawBlocks] = []
         for i in range(arch.num_layers):
-            names = layer_tensor_names(arch, i, src)
+            tnames = layer_tensor_names(arch, i, src)
             if "{e}" in src.name:  # one tensor per expert -> [E, ...]
-                per_layer.append(np.stack([take(n, src, want[1:]) for n in names]))
+                one: np.ndarray | RawBlocks = np.stack(
+                    [as_float(take(n, src, want[1:])) for n in tnames])
             else:
-                per_layer.append(take(names[0], src, want))
-        layers[key] = jnp.asarray(np.stack(per_layer), dtype=dtype)
+                one = take(tnames[0], src, want)
+            if isinstance(one, RawBlocks) and stack is None:
+                raws.append(one)
+                continue
+            if stack is None:
+                stack = np.empty((arch.num_layers, *want), np_dtype)
+                for j, r in enumerate(raws):  # earlier layers were blocks: dequantise them
+                    stack[j] = as_float(r)
+                raws = []
+            stack[i] = as_float(one)
+        layers[key] = from_raw(raws) if stack is None else jnp.asarray(stack)
+        del stack
     params["layers"] = layers
     return params
+
+
+def _check_shape(name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if tuple(shape) != tuple(want):
+        raise WeightLoadError(
+            f"tensor {name!r} has shape {tuple(shape)} (as [in, out] if a linear weight), "
+            f"expected {tuple(want)}")
+
+
+def _take_blocks(name: str, a: RawBlocks, src: Source, want: tuple[int, ...]) -> RawBlocks:
+    """A quantised tensor's rows (output features; a fused tensor's part is a row range)."""
+    rows = a.rows
+    if src.rows is not None:
+        start, stop, total = src.rows
+        if rows.shape[0] != total:
+            raise WeightLoadError(f"fused tensor {name!r} has {rows.shape[0]} rows, expected "
+                                  f"{total}")
+        rows = rows[start:stop]
+    n = int(rows.shape[0])
+    _check_shape(name, (a.k, n) if src.transpose else (n, a.k), want)
+    return RawBlocks(a.fmt, rows, a.k)

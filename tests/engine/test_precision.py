@@ -8,6 +8,7 @@ import pytest
 
 from jaxbatch import LLM
 from jaxbatch.engine import precision
+from jaxbatch.model import llama
 from tests.helpers.tiny_models import make_tiny_model
 
 
@@ -48,7 +49,7 @@ def test_engine_with_dtype_auto_computes_in_the_chosen_dtype(tmp_path, monkeypat
               attention_backend="reference", progress=False)
     eng = llm.engine
     assert eng.config.model.dtype == "bfloat16" and eng.precision is not None
-    assert eng.model.params["layers"]["wq"].dtype == jnp.bfloat16
+    assert llama.value_dtype(eng.runner.params["final_norm"]) == jnp.bfloat16
     assert eng.runner.kv_dtype == jnp.bfloat16  # kv_cache_dtype auto follows the compute dtype
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 16

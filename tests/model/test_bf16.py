@@ -28,7 +28,9 @@ def bf16_logits(arch, params, ids) -> np.ndarray:
 def jax_bf16(params):
     import jax
 
-    return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    # float leaves only: a GGUF's kept blocks (uint8) and their layer tables stay as they are
+    return jax.tree.map(lambda p: p.astype(jnp.bfloat16)
+                        if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
 
 
 def hf(model, ids, dtype) -> np.ndarray:

@@ -16,8 +16,12 @@ import transformers
 from gguf import GGMLQuantizationType as QT
 
 from jaxbatch.model import gguf as model_gguf
+from jaxbatch.model import llama
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.quantize import QuantWeight, RawBlocks
 from jaxbatch.model.weights import WeightLoadError
+from pallas_kernels import cpu_library
+from pallas_kernels.matmul import quant
 from tests.helpers import gguf_files
 from tests.helpers.prefill import prefill_logits
 from tests.helpers.tiny_models import make_hf_config
@@ -144,6 +148,31 @@ def test_k_quant_gguf_matches_transformers_gguf_loader(tmp_path, mix):
     ref = _hf_logits(_transformers_gguf(path))
     diff = _assert_close(prefill_logits(arch, params, IDS, jnp.float32), ref)
     print(f"\n{mix}: max|logit diff| {diff:.3g} (max|logit| {np.abs(ref).max():.3g})")
+    # the same weights through the CPU kernel (dequantised inside the dot), where it is built:
+    # another summation order, same result within f32 rounding
+    cpu_library.available(str(tmp_path / "kernels"))
+    if not quant.available(jnp.float32):
+        pytest.skip("the quantised matmul kernel is not built on this CPU")
+    on_cpu = llama.as_run_on_cpu(params, arch)
+    kept = [w for w in on_cpu["layers"].values() if isinstance(w, QuantWeight)]
+    assert kept and all(w.kernel for w in kept)
+    _assert_close(prefill_logits(arch, on_cpu, IDS, jnp.float32), ref)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
+def test_bf16_kernel_and_jnp_paths_agree(tmp_path, fmt):
+    """bf16 compute over kept blocks: the CPU kernel and the jnp path (dequantise, round the
+    weights to bf16, dot with f32 sums) differ only in summation order and where bf16 rounds."""
+    model = _tiny(transformers.LlamaConfig(**_K_COMMON, rope_theta=10000.0,
+                                           tie_word_embeddings=True))
+    path = gguf_files.write_gguf(str(tmp_path / "m.gguf"), model, qtype=lambda n, w: QT[fmt])
+    arch, params, _ = model_gguf.load_gguf(path, jnp.bfloat16)
+    cpu_library.available(str(tmp_path / "kernels"))
+    if not quant.available(jnp.bfloat16):
+        pytest.skip("the bf16 quantised matmul needs AVX512-BF16 (not on this CPU)")
+    a = prefill_logits(arch, params, IDS, jnp.uint16)
+    b = prefill_logits(arch, llama.as_run_on_cpu(params, arch), IDS, jnp.uint16)
+    np.testing.assert_allclose(b, a, atol=0.05 * np.abs(a).max())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,10 +284,19 @@ def test_arch_tensor_names_match_transformers_gguf_loader(tmp_path, kind):
     shape = types.SimpleNamespace(num_layers=model.config.num_hidden_layers,
                                   num_heads=model.config.num_attention_heads,
                                   num_kv_heads=model.config.num_key_value_heads)
-    ours = model_gguf.read_gguf_tensors(model_gguf.open_gguf(path), shape, hf_names)
+    reader = model_gguf.open_gguf(path)
+    ours = model_gguf.read_gguf_tensors(reader, shape, hf_names, keep_blocks=False)
     assert set(ours) == set(ref) and set(ours) <= hf_names, sorted(set(ours) ^ set(ref))
     for name, w in ours.items():
         np.testing.assert_array_equal(w, ref[name].numpy(), err_msg=name)
+    # the same tensors kept in their blocks (linear weights, embedding, head) dequantise to them
+    kept = 0
+    for name, w in model_gguf.read_gguf_tensors(reader, shape, hf_names).items():
+        if isinstance(w, RawBlocks):
+            kept += 1
+            w = gguf.quants.dequantize(w.rows, gguf.GGMLQuantizationType[w.fmt])
+        np.testing.assert_array_equal(w, ref[name].numpy(), err_msg=name)
+    assert kept >= 4 * model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma2", "gemma3", "phi3"])

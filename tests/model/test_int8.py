@@ -1,6 +1,7 @@
-"""int8 weight-only quantisation: the quantiser against a per-column numpy oracle, the int8
-forward against the f32 forward of the same (dequantised) weights, and the engine end to end
-(greedy equal to transformers running the dequantised weights; nothing compiles after warm-up)."""
+"""`quantization: int8` (linear weights as GGUF Q8_0 blocks, model/quantize.py): the quantiser
+against ggml's reference (the `gguf` package), the quantised forward against the f32 forward of
+the same (dequantised) weights, and the engine end to end (greedy equal to transformers running
+the dequantised weights; nothing compiles after warm-up)."""
 
 from __future__ import annotations
 
@@ -21,35 +22,26 @@ from tests.helpers.tiny_models import make_tiny_model
 IDS = np.random.RandomState(0).randint(3, 256, size=29)
 
 
-def _oracle(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Column by column: scale = max|column| / 127, q = the nearest integer to w / scale."""
-    q = np.zeros(w.shape, np.int8)
-    s = np.zeros(w.shape[1], np.float32)
-    for j in range(w.shape[1]):
-        col = w[:, j].astype(np.float64)
-        m = np.abs(col).max()
-        s[j] = np.float32(m / 127) if m > 0 else 1.0
-        q[:, j] = [int(np.round(v / np.float64(s[j]))) for v in col]
-    return q, s
-
-
-def test_quantiser_matches_numpy_oracle():
+def test_quantiser_matches_ggml_reference():
+    """Q8_0 blocks as ggml's quantize_row_q8_0 (gguf.quants.quantize): d = max|w| / 127 per 32
+    inputs as f16, q = round(w / d); equal up to the rounding of exact halves (ggml rounds them
+    away from zero, numpy to even): at most one step of q, in a few values."""
+    gguf = pytest.importorskip("gguf")
     rng = np.random.default_rng(0)
-    w = (rng.standard_normal((96, 40)) * rng.uniform(1e-3, 3, size=(1, 40))).astype(np.float32)
-    w[:, 7] = 0.0  # an all-zero column
-    w[5, 9] = -50.0  # an outlier sets its column's scale
-    q, s = quantize.quantize_int8(w)
-    q_ref, s_ref = _oracle(w)
-    np.testing.assert_allclose(s, s_ref, rtol=1e-7)
-    assert q.dtype == np.int8 and s.dtype == np.float32
-    # the float32 division may round a value lying on .5 the other way: at most one step apart
-    assert np.abs(q.astype(int) - q_ref).max() <= 1 and (q != q_ref).mean() < 1e-3
-    assert np.abs(q).max() == 127 and q[5, 9] == -127 and not q[:, 7].any() and s[7] == 1.0
-    err = np.abs(q * s[None, :] - w)
-    assert (err <= s[None, :] / 2 * (1 + 1e-5)).all()  # within half a step of its column
-    stacked, st = quantize.quantize_int8(np.stack([w, 2 * w]))  # [L, in, out]: per layer
-    np.testing.assert_array_equal(stacked[0], q)
-    np.testing.assert_allclose(st[1], np.where(s == 1.0, 1.0, 2 * s), rtol=1e-6)
+    w = (rng.standard_normal((40, 96)) * rng.uniform(1e-3, 3, size=(40, 1))).astype(np.float32)
+    w[7] = 0.0  # an all-zero row
+    w[9, 5] = -50.0  # an outlier sets its block's scale
+    ours = quantize.quantize_q8_0(w)
+    ref = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    assert ours.shape == ref.shape == (40, 96 // 32 * 34)
+    b_ours, b_ref = ours.reshape(40, 3, 34), ref.reshape(40, 3, 34)
+    np.testing.assert_array_equal(b_ours[..., :2], b_ref[..., :2])  # the scales
+    dq = b_ours[..., 2:].view(np.int8).astype(int) - b_ref[..., 2:].view(np.int8).astype(int)
+    assert np.abs(dq).max() <= 1 and np.mean(dq != 0) < 0.01
+    deq = gguf.quants.dequantize(ours, gguf.GGMLQuantizationType.Q8_0)
+    d = np.abs(w).reshape(40, 3, 32).max(-1) / 127
+    # half a step of q, plus d's rounding to f16 (2^-11 relative) times |q| <= 127
+    assert np.all(np.abs(deq - w).reshape(40, 3, 32) <= d[..., None] * (0.5 + 127 * 2.0**-11))
 
 
 def test_config_and_flag():
@@ -69,8 +61,8 @@ def test_config_and_flag():
 
 
 def _dequantised(params: dict) -> dict:
-    return jax.tree.map(lambda w: w.dequantized() if isinstance(w, quantize.Int8Weight) else w,
-                        params, is_leaf=lambda w: isinstance(w, quantize.Int8Weight))
+    return jax.tree.map(lambda w: w.dequantized() if isinstance(w, quantize.QuantWeight) else w,
+                        params, is_leaf=lambda w: isinstance(w, quantize.QuantWeight))
 
 
 @pytest.mark.parametrize("kind", ["qwen2"])
@@ -80,7 +72,7 @@ def test_int8_forward_equals_f32_forward_of_dequantised_weights(tmp_path, kind):
     qm = m.quantized("int8")
     layers = qm.params["layers"]
     for name in quantize.LINEAR_WEIGHTS:
-        assert layers[name].q.dtype == jnp.int8 and layers[name].scale.dtype == jnp.float32
+        assert layers[name].fmts == ("Q8_0",) and layers[name].parts[0].dtype == jnp.uint8
     assert qm.params["embed"].dtype == jnp.float32 and layers["mlp_norm"].dtype == jnp.float32
     ours = prefill_logits(qm.arch, qm.params, IDS, jnp.float32)
     ref = prefill_logits(qm.arch, _dequantised(qm.params), IDS, jnp.float32)
@@ -90,9 +82,9 @@ def test_int8_forward_equals_f32_forward_of_dequantised_weights(tmp_path, kind):
     assert np.abs(full - ref).max() > 100 * diff  # the weights really changed
     bytes_f32, bytes_i8 = (quantize.weight_bytes(p)["layers"] for p in (m.params, qm.params))
     assert bytes_i8 < 0.3 * bytes_f32
-    # with_dtype after quantising keeps the int8 weights (and their f32 scales)
+    # with_dtype after quantising keeps the blocks
     bf = qm.with_dtype("bfloat16").params
-    assert bf["layers"]["wq"].q.dtype == jnp.int8 and bf["embed"].dtype == jnp.bfloat16
+    assert bf["layers"]["wq"].parts[0].dtype == jnp.uint8 and bf["embed"].dtype == jnp.bfloat16
 
 
 def test_int8_engine_greedy_equals_hf_with_dequantised_weights(tmp_path):
@@ -113,7 +105,7 @@ def test_int8_engine_greedy_equals_hf_with_dequantised_weights(tmp_path):
     llm = LLM(path, dtype="float32", quantization="int8", page_size=16, num_pages=64,
               max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
               planner="fixed:[(8,4),(32,4)]", compile_guard=True, progress=False)
-    assert isinstance(llm.engine.runner.params["layers"]["w_up"], quantize.Int8Weight)
+    assert isinstance(llm.engine.runner.params["layers"]["w_up"], quantize.QuantWeight)
     rs = np.random.RandomState(3)
     prompts = [list(map(int, rs.randint(3, 256, size=n))) for n in (5, 45, 17, 1)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

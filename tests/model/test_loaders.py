@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as QT
 from jaxbatch.model import gguf as model_gguf
 from jaxbatch.model import param_cache, registry
 from jaxbatch.model.loader import load_model
+from jaxbatch.model.quantize import QuantWeight
 from jaxbatch.model.weights import WeightLoadError
 from tests.helpers import gguf_files
 from tests.helpers.prefill import prefill_logits
@@ -118,9 +119,29 @@ def test_gguf_errors_are_clear(tiny, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # load_model: GGUF with the param cache, HF directories, built-in names
 # ---------------------------------------------------------------------------------------------
-def test_load_model_gguf_then_from_cache(tiny, tmp_path):
+def test_load_model_gguf_kept_blocks(tiny, tmp_path):
+    """A file whose linear weights are in a kept format (Q8_0 here) loads them as their blocks
+    every time (from the file; only its config and tokenizer are cached), equal to the file's
+    own dequantisation; norms come in the compute dtype."""
     _, model = tiny["llama_tied"]
     path = write_gguf(str(tmp_path / "m.gguf"), model, "llama_tied", qtype=lambda n, w: QT.Q8_0)
+    cache = str(tmp_path / "cache")
+    first = load_model(path, "bfloat16", cache_dir=cache)
+    second = load_model(path, "bfloat16", cache_dir=cache)
+    assert (first.from_cache, second.from_cache) == (False, True)
+    wq = first.params["layers"]["wq"]
+    assert isinstance(wq, QuantWeight) and wq.fmts == ("Q8_0",) and wq.parts[0].dtype == jnp.uint8
+    assert isinstance(first.params["embed"], QuantWeight)  # tied: the head too
+    assert first.params["final_norm"].dtype == jnp.bfloat16
+    jax.tree.map(np.testing.assert_array_equal, first.params, second.params)
+    floats = model_gguf.load_gguf(path, jnp.float32, keep_blocks=False)[1]
+    np.testing.assert_array_equal(np.asarray(wq.dequantized()), np.asarray(floats["layers"]["wq"]))
+
+
+def test_load_model_gguf_then_from_cache(tiny, tmp_path):
+    _, model = tiny["llama_tied"]
+    # Q4_1 is dequantised (not a kept format): the converted params are cached
+    path = write_gguf(str(tmp_path / "m.gguf"), model, "llama_tied", qtype=lambda n, w: QT.Q4_1)
     cache = str(tmp_path / "cache")
     first = load_model(path, "float32", cache_dir=cache)
     second = load_model(path, jnp.float32, cache_dir=cache)
@@ -134,7 +155,7 @@ def test_load_model_gguf_then_from_cache(tiny, tmp_path):
 
     bf16 = load_model(path, "bfloat16", cache_dir=cache)  # its own entry
     assert not bf16.from_cache and bf16.params["embed"].dtype == jnp.bfloat16
-    assert len(os.listdir(os.path.join(cache, "params"))) == 2
+    assert len(os.listdir(os.path.join(cache, "params"))) == 3  # f32, bf16, the file's config
 
     # A damaged entry is a miss that gets rebuilt, never a crash or a silent wrong answer.
     entry = param_cache.entry_dir(cache, param_cache.cache_key(path, jnp.float32))

@@ -1,0 +1,788 @@
+// GGUF-quantised matmul for XLA:CPU as an XLA FFI custom call (registered by
+// pallas_kernels/cpu_library.py, called through quant.py): out[M, N] = x[M, K] @ W^T where W is
+// a llama.cpp GGUF weight (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K blocks) dequantised inside the dot.
+//
+// Why: a GGUF model's weights stay in their blocks (Q4_K: 4.5 bits a weight, 3.6x fewer bytes
+// than bf16), so a memory-bound decode step streams 3-4x fewer bytes; dequantising the whole
+// model to bf16 at load time would give that up (and the memory).
+//
+// Layout: w uint8 [L, N, RB]: per layer and output feature n, the .gguf row of a 2-D tensor of
+// ggml shape [K, N] (ne0 = K innermost): K / QK blocks of BYTES each (ggml-common.h's
+// block_q8_0 etc.), RB = K / QK * BYTES. `layer` picks one of the L layers (a layer scan passes
+// the whole stack: slicing it in the scan makes XLA copy each layer's weights).
+//
+// Numerics ("dot form", batch invariant): each output out[m, n] has one f32 accumulator, a zmm of
+// 16 lane partial sums over K in order (bf16 x: VDPBF16PS on 32-weight vectors; f32 x: FMA on
+// 16-weight vectors), reduced at the end by one fixed tree (reduce16) and rounded once to x's
+// dtype (nearest even). A weight is dequantised in f32 exactly as ggml's dequantize_row_* does
+// ((d * sc) * q - dmin * m; the gguf package's numpy dequantisers give the same f32 bits), then,
+// for bf16 x, rounded to bf16 (nearest even). Tiles differ only in how many accumulators run side
+// by side, never in the sequence of operations of one output, so an output's bits do not depend
+// on M, on the tile its row falls in, or on the thread count.
+//
+// Dequantisation: the K-quants and Q4_0 have 16 or 32 possible values per 32-weight sub-block,
+// so a sub-block's values are computed once into a table (one zmm of f32 or bf16) and the
+// weights are looked up with VPERMW / VPERMPS / VPERMT2PS by their 4-5 bit codes; Q8_0 and Q6_K
+// convert the codes (cvt + mul).
+// Two paths. M <= 8 (decode; fused_tile): a tile of all M rows x C columns walks K block by
+// block; each block is dequantised once and used for every row: in registers, straight into the
+// dot, for M = 1 (6 columns side by side), through a few KB of L1 for M = 2..8 (then an M x C
+// register tile). The tile's C rows are C streams, so the next tile's bytes are prefetched
+// (without it Q6_K and Q8_0 read ~3x slower from memory). M > 8 (prefill; dot_tile): a block of
+// >= 16 columns is dequantised into a per-thread buffer (bf16 or f32, ~L2-sized), then 4x4
+// register tiles run over it, K in L1-sized chunks, so dequantisation is paid once per column.
+// Threads (XLA's intra-op pool) claim chunks of output features (and, when there are few,
+// segments of rows); neither changes any output's operations.
+//
+// Measured (python -m tests.kernels.test_quant_matmul; medians of 7 repeats, the weight stack
+// > 200 MB so every call reads its layer from memory) on an AMD EPYC Zen 5 VM, 2 vCPUs, whose
+// plain 2-thread read ran at 30-40 GB/s at the time (the VM's second vCPU was at times shared:
+// then everything here runs at about one core's speed):
+//   M = 1, GB/s of weight bytes, [N=8192, K=2048] / [N=2048, K=8192], bf16 x | f32 x:
+//     Q4_K 21.4 / 19.7 | 17.5 / 20.4;  Q6_K 19.8 / 24.8 | 23.1 / 26.9;
+//     Q8_0 25.5 / 36.6 | 26.5 / 38.1
+//   one thread (weights > L3): Q4_K 17.8 | 15.0, Q5_K 17.0 | 13.5, Q6_K 18.4 | 18.3,
+//     Q8_0 33 | 34, Q4_0 17.2 | 21.5 GB/s (Q4_K and Q5_K are compute-bound on one core)
+//   M = 8: Q4_K 12.2 GB/s (350 GFLOP/s) bf16, 7.4 GB/s f32; Q8_0 18-21 | 12; Q6_K 16 | 11
+//   M = 512 (prefill), GFLOP/s: bf16 430-520 (Q4_K), 580-600 (Q8_0), 580-700 (Q6_K);
+//     f32 160-250 (Q4_K), 230-300 (Q8_0), 240-320 (Q6_K)
+// The VNNI scheme (x quantised to int8 blocks, integer dots) was not tried.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#define JB_INLINE inline __attribute__((always_inline))
+
+// the format codes quant.py passes (its FORMATS order)
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
+constexpr int64_t kBlockWeights[] = {32, 32, 256, 256, 256};
+constexpr int64_t kBlockBytes[] = {34, 18, 144, 176, 210};
+
+struct Job {
+  const void* x;
+  const void* xi;  // fused path: x's rows interleaved by weight vector ([K / VW][M][VW])
+  const uint8_t* w;  // the layer's [N, RB]
+  void* out;
+  int64_t M, N, K, rb;
+  // work items: fused: chunks of `chunk` columns; buffered: (column block, row segment) pairs
+  int64_t items, chunk, ncb, segrows;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+#if defined(__AVX512F__)
+
+JB_INLINE float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+JB_INLINE __m512 iota16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+JB_INLINE __m128i load128(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+JB_INLINE __m256i load256(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Q4_K / Q5_K scales (ggml's get_scale_min_k4 for j = 0..7): s[j] = d * sc_j, s[8 + j] =
+// dmin * m_j (exact: 11 x 6 bits). The 12 bytes q: sc_j = q[j] & 63 and m_j = q[j + 4] & 63 for
+// j < 4; sc_j = (q[j + 4] & 15) | (q[j - 4] >> 6) << 4 and m_j = (q[j + 4] >> 4) | (q[j] >> 6) << 4
+// for j >= 4.
+JB_INLINE void k4_scales(const uint8_t* p, float* s) {
+  const __m128i q = load128(p + 4);  // the 12 bytes and 4 of qs
+  const __m128i a =
+      _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i h =
+      _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i lo = _mm_and_si128(_mm_blend_epi32(a, _mm_srli_epi16(a, 4), 0x8),
+                                   _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i b = _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
+  // [d, dmin] as f32, each over 8 lanes
+  int ddm;
+  std::memcpy(&ddm, p, 4);
+  const __m512 dd = _mm512_permutexvar_ps(
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+      _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(ddm))));
+  _mm512_store_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), dd));
+}
+
+// s (the scales just stored) as the compiler cannot see through, so that set1(s[j]) is a
+// broadcast load rather than a permute of the register the scales were computed in
+JB_INLINE const float* opaque(const float* s) {
+  __asm__("" : "+r"(s));
+  return s;
+}
+
+// Each format: QK weights in BYTES bytes; f32(p, f) calls f(v, w) with the block's 16-weight
+// f32 vectors w in K order (v = 0..QK/16-1), bf16(p, f) with its 32-weight bf16 vectors.
+struct Q8_0 {
+  static constexpr int QK = 32, BYTES = 34;
+  static JB_INLINE void f32v(const uint8_t* p, __m512& a, __m512& b) {
+    const __m512 d = _mm512_set1_ps(f16(p));
+    a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 2))), d);
+    b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 18))), d);
+  }
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    __m512 a, b;
+    f32v(p, a, b);
+    f(0, a);
+    f(1, b);
+  }
+#if defined(__AVX512BF16__)
+  template <class F>
+  static JB_INLINE void bf16(const uint8_t* p, F&& f) {
+    __m512 a, b;
+    f32v(p, a, b);
+    f(0, _mm512_cvtne2ps_pbh(b, a));
+  }
+#endif
+};
+
+struct Q4_0 {
+  static constexpr int QK = 32, BYTES = 18;
+  // the 16 values d * (q - 8)
+  static JB_INLINE __m512 table(const uint8_t* p) {
+    return _mm512_mul_ps(_mm512_set1_ps(f16(p)), _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)));
+  }
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    const __m512 t = table(p);
+    const __m512i q = _mm512_cvtepu8_epi32(load128(p + 2));  // VPERMPS reads the low 4 bits
+    f(0, _mm512_permutexvar_ps(q, t));
+    f(1, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t));
+  }
+#if defined(__AVX512BF16__)
+  template <class F>
+  static JB_INLINE void bf16(const uint8_t* p, F&& f) {
+    const __m512 t = table(p);
+    // the table twice (VPERMW reads 5 bits: bit 4 of a low nibble's byte picks the copy)
+    const __m512i t2 = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+    const __m256i q = _mm256_cvtepu8_epi16(load128(p + 2));
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+    f(0, (__m512bh)_mm512_permutexvar_epi16(idx, t2));
+  }
+#endif
+};
+
+struct Q4_K {
+  static constexpr int QK = 256, BYTES = 144;
+  // sub-block j's 16 values d * sc_j * q - dmin * m_j (one rounding: the product is exact)
+  static JB_INLINE __m512 table(const float* s, int j) {
+    return _mm512_fmsub_ps(_mm512_set1_ps(s[j]), iota16(), _mm512_set1_ps(s[8 + j]));
+  }
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    alignas(64) float sb[16];
+    k4_scales(p, sb);
+    const float* s = opaque(sb);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {  // 64 weights: sub-blocks 2g (low nibbles), 2g+1 (high)
+      const __m512 tl = table(s, 2 * g), th = table(s, 2 * g + 1);
+      const __m512i q0 = _mm512_cvtepu8_epi32(load128(p + 16 + 32 * g));
+      const __m512i q1 = _mm512_cvtepu8_epi32(load128(p + 32 + 32 * g));
+      f(4 * g + 0, _mm512_permutexvar_ps(q0, tl));
+      f(4 * g + 1, _mm512_permutexvar_ps(q1, tl));
+      f(4 * g + 2, _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), th));
+      f(4 * g + 3, _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), th));
+    }
+  }
+#if defined(__AVX512BF16__)
+  template <class F>
+  static JB_INLINE void bf16(const uint8_t* p, F&& f) {
+    alignas(64) float sb[16];
+    k4_scales(p, sb);
+    const float* s = opaque(sb);
+    const __m512i lo4 = _mm512_set1_epi16(0x0F), hi = _mm512_set1_epi16(0x10);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      // words 0..15: sub-block 2g's table, 16..31: 2g+1's
+      const __m512i t = (__m512i)_mm512_cvtne2ps_pbh(table(s, 2 * g + 1), table(s, 2 * g));
+      const __m512i q = _mm512_cvtepu8_epi16(load256(p + 16 + 32 * g));
+      f(2 * g, (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(q, lo4), t));
+      f(2 * g + 1,
+        (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(q, 4), hi), t));
+    }
+  }
+#endif
+};
+
+struct Q5_K {
+  static constexpr int QK = 256, BYTES = 176;
+  // sub-block j's 32 values d * sc_j * q - dmin * m_j, q = 0..15 and 16..31
+  static JB_INLINE void table(const float* s, int j, __m512& a, __m512& b) {
+    const __m512 d = _mm512_set1_ps(s[j]), m = _mm512_set1_ps(s[8 + j]);
+    a = _mm512_fmsub_ps(d, iota16(), m);
+    b = _mm512_fmsub_ps(d, _mm512_add_ps(iota16(), _mm512_set1_ps(16.0f)), m);
+  }
+  // the code's bit 4 is bit j of qh: move it to bit 4 (in 32-bit lanes; 16-bit for bf16)
+  template <int j>
+  static JB_INLINE __m512i bit_to_4(__m512i qh) {
+    if constexpr (j < 4) return _mm512_slli_epi32(qh, 4 - j);
+    else if constexpr (j == 4) return qh;
+    else return _mm512_srli_epi32(qh, j - 4);
+  }
+#if defined(__AVX512BF16__)
+  template <int j>
+  static JB_INLINE __m512i bit_to_4_words(__m512i qh) {
+    if constexpr (j < 4) return _mm512_slli_epi16(qh, 4 - j);
+    else if constexpr (j == 4) return qh;
+    else return _mm512_srli_epi16(qh, j - 4);
+  }
+#endif
+  template <int g, class F>
+  static JB_INLINE void f32_group(const uint8_t* p, const float* s, __m512i h0, __m512i h1,
+                                  F&& f) {
+    const __m512i nib = _mm512_set1_epi32(0x0F);
+    const __m512i q0 = _mm512_cvtepu8_epi32(load128(p + 48 + 32 * g));
+    const __m512i q1 = _mm512_cvtepu8_epi32(load128(p + 64 + 32 * g));
+    __m512 a, b;
+    table(s, 2 * g, a, b);
+    // bits 0..3 from the nibble, bit 4 from qh (VPERMT2PS reads 5 bits)
+    f(4 * g + 0, _mm512_permutex2var_ps(
+                     a, _mm512_ternarylogic_epi32(nib, q0, bit_to_4<2 * g>(h0), 0xCA), b));
+    f(4 * g + 1, _mm512_permutex2var_ps(
+                     a, _mm512_ternarylogic_epi32(nib, q1, bit_to_4<2 * g>(h1), 0xCA), b));
+    table(s, 2 * g + 1, a, b);
+    f(4 * g + 2, _mm512_permutex2var_ps(
+                     a, _mm512_ternarylogic_epi32(nib, _mm512_srli_epi32(q0, 4),
+                                                  bit_to_4<2 * g + 1>(h0), 0xCA), b));
+    f(4 * g + 3, _mm512_permutex2var_ps(
+                     a, _mm512_ternarylogic_epi32(nib, _mm512_srli_epi32(q1, 4),
+                                                  bit_to_4<2 * g + 1>(h1), 0xCA), b));
+  }
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    alignas(64) float sb[16];
+    k4_scales(p, sb);
+    const float* s = opaque(sb);
+    const __m512i h0 = _mm512_cvtepu8_epi32(load128(p + 16));
+    const __m512i h1 = _mm512_cvtepu8_epi32(load128(p + 32));
+    f32_group<0>(p, s, h0, h1, f);
+    f32_group<1>(p, s, h0, h1, f);
+    f32_group<2>(p, s, h0, h1, f);
+    f32_group<3>(p, s, h0, h1, f);
+  }
+#if defined(__AVX512BF16__)
+  template <int g, class F>
+  static JB_INLINE void bf16_group(const uint8_t* p, const float* s, __m512i h, F&& f) {
+    const __m512i nib = _mm512_set1_epi16(0x0F);
+    const __m512i q = _mm512_cvtepu8_epi16(load256(p + 48 + 32 * g));
+    __m512 a, b;
+    table(s, 2 * g, a, b);
+    f(2 * g, (__m512bh)_mm512_permutexvar_epi16(
+                 _mm512_ternarylogic_epi32(nib, q, bit_to_4_words<2 * g>(h), 0xCA),
+                 (__m512i)_mm512_cvtne2ps_pbh(b, a)));
+    table(s, 2 * g + 1, a, b);
+    f(2 * g + 1, (__m512bh)_mm512_permutexvar_epi16(
+                     _mm512_ternarylogic_epi32(nib, _mm512_srli_epi16(q, 4),
+                                               bit_to_4_words<2 * g + 1>(h), 0xCA),
+                     (__m512i)_mm512_cvtne2ps_pbh(b, a)));
+  }
+  template <class F>
+  static JB_INLINE void bf16(const uint8_t* p, F&& f) {
+    alignas(64) float sb[16];
+    k4_scales(p, sb);
+    const float* s = opaque(sb);
+    const __m512i h = _mm512_cvtepu8_epi16(load256(p + 16));
+    bf16_group<0>(p, s, h, f);
+    bf16_group<1>(p, s, h, f);
+    bf16_group<2>(p, s, h, f);
+    bf16_group<3>(p, s, h, f);
+  }
+#endif
+};
+
+struct Q6_K {
+  static constexpr int QK = 256, BYTES = 210;
+  // weights 128h + 32v + 0..31: ql[64h + 32(v&1) + l] (low nibble for v < 2, else high),
+  // bits 2v, 2v+1 of qh[32h + l]; scales: one per 16 weights
+  template <int h, int v>
+  static JB_INLINE void pair(const uint8_t* p, const float* s, __m512& a, __m512& b) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    const __m256i ql = load256(p + 64 * h + 32 * (v & 1));
+    const __m256i qh = load256(p + 128 + 32 * h);
+    const __m256i lo = v < 2 ? ql : _mm256_srli_epi16(ql, 4);
+    __m256i hb;
+    if constexpr (v == 0) hb = _mm256_slli_epi16(qh, 4);
+    else if constexpr (v == 1) hb = _mm256_slli_epi16(qh, 2);
+    else if constexpr (v == 2) hb = qh;
+    else hb = _mm256_srli_epi16(qh, 2);
+    const __m256i q = _mm256_sub_epi8(
+        _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(hb, m2)), _mm256_set1_epi8(32));
+    a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+                      _mm512_set1_ps(s[8 * h + 2 * v]));
+    b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                      _mm512_set1_ps(s[8 * h + 2 * v + 1]));
+  }
+  static JB_INLINE void scales(const uint8_t* p, float* s) {  // d * sc_j
+    _mm512_store_ps(s, _mm512_mul_ps(_mm512_set1_ps(f16(p + 208)),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load128(p + 192)))));
+  }
+  template <int h, int v, class F>
+  static JB_INLINE void f32_pair(const uint8_t* p, const float* s, F&& f) {
+    __m512 a, b;
+    pair<h, v>(p, s, a, b);
+    f(8 * h + 2 * v, a);
+    f(8 * h + 2 * v + 1, b);
+  }
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    alignas(64) float sb[16];
+    scales(p, sb);
+    const float* s = opaque(sb);
+    f32_pair<0, 0>(p, s, f);
+    f32_pair<0, 1>(p, s, f);
+    f32_pair<0, 2>(p, s, f);
+    f32_pair<0, 3>(p, s, f);
+    f32_pair<1, 0>(p, s, f);
+    f32_pair<1, 1>(p, s, f);
+    f32_pair<1, 2>(p, s, f);
+    f32_pair<1, 3>(p, s, f);
+  }
+#if defined(__AVX512BF16__)
+  template <int h, int v, class F>
+  static JB_INLINE void bf16_pair(const uint8_t* p, const float* s, F&& f) {
+    __m512 a, b;
+    pair<h, v>(p, s, a, b);
+    f(4 * h + v, _mm512_cvtne2ps_pbh(b, a));
+  }
+  template <class F>
+  static JB_INLINE void bf16(const uint8_t* p, F&& f) {
+    alignas(64) float sb[16];
+    scales(p, sb);
+    const float* s = opaque(sb);
+    bf16_pair<0, 0>(p, s, f);
+    bf16_pair<0, 1>(p, s, f);
+    bf16_pair<0, 2>(p, s, f);
+    bf16_pair<0, 3>(p, s, f);
+    bf16_pair<1, 0>(p, s, f);
+    bf16_pair<1, 1>(p, s, f);
+    bf16_pair<1, 2>(p, s, f);
+    bf16_pair<1, 3>(p, s, f);
+  }
+#endif
+};
+
+// v in a register: the compiler would otherwise fold a vector used by several FMAs into each
+// as a memory operand, one load per FMA
+template <class V>
+JB_INLINE V pin(V v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
+
+// The x dtype's path: V a weight vector (VW weights), dot the accumulate step, sums the rounding
+struct PathF32 {
+  using X = float;
+  using V = __m512;
+  static constexpr int VW = 16;
+  static JB_INLINE V load(const X* p) { return _mm512_loadu_ps(p); }
+  static JB_INLINE void store(X* p, V v) { _mm512_storeu_ps(p, v); }
+  static JB_INLINE __m512 dot(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+  template <class D, class F>
+  static JB_INLINE void decode(const uint8_t* p, F&& f) { D::f32(p, f); }
+  static JB_INLINE void sums(__m512 e, X* s) { _mm512_store_ps(s, e); }
+};
+
+#if defined(__AVX512BF16__)
+struct PathBF16 {
+  using X = uint16_t;
+  using V = __m512bh;
+  static constexpr int VW = 32;
+  static JB_INLINE V load(const X* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static JB_INLINE void store(X* p, V v) { _mm512_storeu_si512(p, (__m512i)v); }
+  static JB_INLINE __m512 dot(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, x, w); }
+  template <class D, class F>
+  static JB_INLINE void decode(const uint8_t* p, F&& f) { D::bf16(p, f); }
+  static JB_INLINE void sums(__m512 e, X* s) {  // round to nearest even
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+};
+#endif
+
+// The 16 accumulators' sums, by one fixed tree for every accumulator: lanes i + i+8, then
+// + i+4, + i+2, + i+1 (whatever its neighbours, so an output's bits do not depend on its tile).
+// Accumulator 4s + t's sum lands in lane 4t + s.
+JB_INLINE __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// the R x C tile's sums into out[m0.., n0..]
+template <class P, int R, int C>
+JB_INLINE void finish(const Job& j, __m512 (&acc)[R][C], int64_t m0, int64_t n0) {
+  static_assert(R * C <= 16, "one reduction per tile");
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = i < R * C ? acc[i / C][i % C] : _mm512_setzero_ps();
+  alignas(64) typename P::X s[16];
+  P::sums(reduce16(a), s);
+  auto* out = static_cast<typename P::X*>(j.out);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const int i = r * C + c;
+      out[(m0 + r) * j.N + n0 + c] = s[4 * (i % 4) + i / 4];
+    }
+}
+
+// Decode (M <= 8): tiles of all M rows x C columns, each block dequantised once for all rows
+constexpr int kFusedMaxRows = 8;
+// columns side by side for r rows: r * C <= 16 accumulators (one reduction)
+constexpr int fused_cols(int r) {
+  return r == 1 ? 6 : r == 2 ? 8 : r == 3 ? 5 : r == 4 ? 4 : r == 5 ? 3 : 2;
+}
+
+template <class P, class D, int R, int C>
+void fused_tile(const Job& j, int64_t n0) {
+  using X = typename P::X;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  // x interleaved: the R rows' vector v of block b at xi + ((b * QK / VW + v) * R + r) * VW
+  const X* x = static_cast<const X*>(j.xi);
+  const int64_t rb = j.rb, nb = j.K / D::QK;
+  const uint8_t* w = j.w + n0 * rb;
+  const uint8_t* next = w + C * rb;  // (past the end: prefetches do not fault)
+  for (int64_t b = 0; b < nb; ++b, x += D::QK * R, w += D::BYTES) {
+    // the next tile's C rows (contiguous) a block's share at a time: C rows read side by side
+    // are C streams, which the hardware prefetcher follows badly (Q6_K and Q8_0 read 2.5-3x
+    // slower from memory than one stream without this)
+    for (int64_t l = b * C * D::BYTES / 64; l < (b + 1) * C * D::BYTES / 64; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T0);
+    if constexpr (R == 1) {
+      // one row: the block is dequantised into registers and used at once; the block's x
+      // vectors stay in registers for all C columns
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        P::template decode<D>(w + c * rb, [&](int v, typename P::V wv)
+                                              __attribute__((always_inline)) {
+          acc[0][c] = P::dot(acc[0][c], P::load(x + v * P::VW), wv);
+        });
+    } else {
+      // more rows: the C columns' blocks are dequantised into L1 (registers would spill), then
+      // an R x C register tile runs over them, vector by vector
+      alignas(64) X wb[C][D::QK];
+#pragma GCC unroll 1
+      for (int c = 0; c < C; ++c)
+        P::template decode<D>(w + c * rb, [&](int v, typename P::V wv)
+                                              __attribute__((always_inline)) {
+          P::store(wb[c] + v * P::VW, wv);
+        });
+      for (int v = 0; v < D::QK / P::VW; ++v) {
+        typename P::V wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = pin(P::load(wb[c] + v * P::VW));
+        for (int r = 0; r < R; ++r) {
+          const typename P::V xv = pin(P::load(x + (v * R + r) * P::VW));
+          for (int c = 0; c < C; ++c) acc[r][c] = P::dot(acc[r][c], xv, wv[c]);
+        }
+      }
+    }
+  }
+  finish<P, R, C>(j, acc, 0, n0);
+}
+
+// x [M, K] -> [K / VW][M][VW] (M <= 8: a few KB)
+template <class X>
+void interleave(const X* x, int64_t M, int64_t K, int64_t vw, X* xi) {
+  for (int64_t v = 0; v < K / vw; ++v)
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(xi + (v * M + m) * vw, x + m * K + v * vw, vw * sizeof(X));
+}
+
+template <class P, class D, int R>
+void drain_fused(Job& j) {
+  constexpr int C = fused_cols(R);
+  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
+    const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
+    int64_t n = lo;
+    for (; n + C <= hi; n += C) fused_tile<P, D, R, C>(j, n);
+    for (; n < hi; ++n) fused_tile<P, D, R, 1>(j, n);
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Prefill (M > 8): a block of columns dequantised into a per-thread buffer, then 4x4 tiles
+struct Scratch {
+  void* p = nullptr;
+  size_t n = 0;
+  ~Scratch() { std::free(p); }
+  void* get(size_t bytes) {
+    if (bytes > n) {
+      std::free(p);
+      n = (bytes + 4095) & ~size_t(4095);
+      p = std::aligned_alloc(64, n);
+    }
+    return p;
+  }
+};
+// this thread's: the dequantised column block (buffered path), x interleaved (fused path: the
+// calling thread's, which the helpers read until the call returns)
+Scratch& weight_scratch() {
+  thread_local Scratch s;
+  return s;
+}
+Scratch& x_scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+constexpr int kTileRows = 4, kTileCols = 4;
+
+template <class P, class D>
+void dequant_cols(const Job& j, int64_t n0, int64_t cols, typename P::X* buf) {
+  const int64_t K = j.K, nb = K / D::QK;
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* w = j.w + (n0 + c) * j.rb;
+    typename P::X* br = buf + c * K;
+    for (int64_t b = 0; b < nb; ++b)
+      P::template decode<D>(w + b * D::BYTES, [&](int v, typename P::V wv)
+                                                  __attribute__((always_inline)) {
+        P::store(br + b * D::QK + v * P::VW, wv);
+      });
+  }
+}
+
+// K in chunks of kChunkBytes of each x row (the R rows' chunk stays in L1 while the tiles of a
+// column block pass over it); between chunks a tile's accumulators wait in `saved` (exact: the
+// same f32 values, so each output's sequence of operations is unchanged)
+constexpr int64_t kChunkBytes = 4096;
+
+template <class P, int R, int C>
+void dot_tile(const Job& j, const typename P::X* wb, int64_t m0, int64_t n0, int64_t k0,
+              int64_t k1, __m512* saved) {
+  using X = typename P::X;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      acc[r][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(saved + r * C + c);
+  const int64_t K = j.K;
+  const X* x = static_cast<const X*>(j.x) + m0 * K;
+  for (int64_t k = k0; k < k1; k += P::VW) {
+    typename P::V wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = pin(P::load(wb + c * K + k));
+    for (int r = 0; r < R; ++r) {
+      const typename P::V xv = pin(P::load(x + r * K + k));
+      for (int c = 0; c < C; ++c) acc[r][c] = P::dot(acc[r][c], xv, wv[c]);
+    }
+  }
+  if (k1 == K) {
+    finish<P, R, C>(j, acc, m0, n0);
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) _mm512_store_ps(saved + r * C + c, acc[r][c]);
+  }
+}
+
+// rows m0.. (R of them) x the block's `cols` columns; `saved` holds cols * R accumulators
+template <class P, int R>
+void dot_rows(const Job& j, const typename P::X* buf, int64_t m0, int64_t n0, int64_t cols,
+              __m512* saved) {
+  const int64_t kc = kChunkBytes / sizeof(typename P::X);
+  for (int64_t k0 = 0; k0 < j.K; k0 += kc) {
+    const int64_t k1 = std::min(j.K, k0 + kc);
+    int64_t c = 0;
+    for (; c + kTileCols <= cols; c += kTileCols)
+      dot_tile<P, R, kTileCols>(j, buf + c * j.K, m0, n0 + c, k0, k1, saved + c * R);
+    for (; c < cols; ++c) dot_tile<P, R, 1>(j, buf + c * j.K, m0, n0 + c, k0, k1, saved + c * R);
+  }
+}
+
+// columns per block: the block's dequantised rows fill about 384 KB (L2), and at least 16 of
+// them (x's rows are read once per block, so fewer would make x's traffic the limit)
+int64_t block_cols(int64_t K, int64_t elt) {
+  const int64_t c = (384 * 1024) / (K * elt) / kTileCols * kTileCols;
+  return std::max<int64_t>(16, std::min<int64_t>(64, c));
+}
+
+template <class P, class D>
+void drain_buffered(Job& j) {
+  using X = typename P::X;
+  const int64_t nc = block_cols(j.K, sizeof(X));
+  X* buf = static_cast<X*>(weight_scratch().get(nc * j.K * sizeof(X) + nc * kTileRows * 64));
+  __m512* saved = reinterpret_cast<__m512*>(buf + nc * j.K);
+  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
+    const int64_t cb = it % j.ncb, seg = it / j.ncb;
+    const int64_t n0 = cb * nc, cols = std::min(nc, j.N - n0);
+    const int64_t m_lo = seg * j.segrows, m_hi = std::min(j.M, m_lo + j.segrows);
+    dequant_cols<P, D>(j, n0, cols, buf);
+    for (int64_t m = m_lo; m < m_hi; m += kTileRows) {
+      switch (std::min<int64_t>(kTileRows, m_hi - m)) {
+        case 1: dot_rows<P, 1>(j, buf, m, n0, cols, saved); break;
+        case 2: dot_rows<P, 2>(j, buf, m, n0, cols, saved); break;
+        case 3: dot_rows<P, 3>(j, buf, m, n0, cols, saved); break;
+        default: dot_rows<P, 4>(j, buf, m, n0, cols, saved); break;
+      }
+    }
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+using Drain = void (*)(Job&);
+
+template <class P, class D>
+Drain pick_rows(int64_t M) {
+  switch (M) {
+    case 1: return drain_fused<P, D, 1>;
+    case 2: return drain_fused<P, D, 2>;
+    case 3: return drain_fused<P, D, 3>;
+    case 4: return drain_fused<P, D, 4>;
+    case 5: return drain_fused<P, D, 5>;
+    case 6: return drain_fused<P, D, 6>;
+    case 7: return drain_fused<P, D, 7>;
+    case 8: return drain_fused<P, D, 8>;
+    default: return drain_buffered<P, D>;
+  }
+}
+
+template <class P>
+Drain pick(int64_t fmt, int64_t M) {
+  switch (fmt) {
+    case kQ8_0: return pick_rows<P, Q8_0>(M);
+    case kQ4_0: return pick_rows<P, Q4_0>(M);
+    case kQ4_K: return pick_rows<P, Q4_K>(M);
+    case kQ5_K: return pick_rows<P, Q5_K>(M);
+    default: return pick_rows<P, Q6_K>(M);
+  }
+}
+
+// split the work into items and run them on the calling thread and the pool's
+template <class P>
+void run(ffi::ThreadPool& pool, std::shared_ptr<Job> j, Drain drain) {
+  using X = typename P::X;
+  constexpr int64_t elt = sizeof(X);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (j->M <= kFusedMaxRows) {
+    if (j->M == 1) {
+      j->xi = j->x;
+    } else {
+      X* xi = static_cast<X*>(x_scratch().get(j->M * j->K * elt));
+      interleave(static_cast<const X*>(j->x), j->M, j->K, P::VW, xi);
+      j->xi = xi;
+    }
+    const int64_t c = fused_cols(static_cast<int>(j->M));
+    // claims of up to 64 columns, fewer where that would leave a thread idle
+    const int64_t tiles = (j->N + c - 1) / c;
+    j->chunk = c * std::max<int64_t>(1, std::min<int64_t>(64 / c, tiles / (4 * threads)));
+    j->items = (j->N + j->chunk - 1) / j->chunk;
+  } else {
+    const int64_t nc = block_cols(j->K, elt);
+    j->ncb = (j->N + nc - 1) / nc;
+    // few column blocks: also split the rows (whole tiles), so that every thread has work
+    const int64_t want = 2 * threads;
+    const int64_t nseg = j->ncb >= want ? 1 : std::min<int64_t>((want + j->ncb - 1) / j->ncb,
+                                                               (j->M + 15) / 16);
+    j->segrows = ((j->M + nseg - 1) / nseg + kTileRows - 1) / kTileRows * kTileRows;
+    j->items = j->ncb * ((j->M + j->segrows - 1) / j->segrows);
+  }
+  const int64_t helpers = std::min<int64_t>(threads, j->items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([j, drain] { drain(*j); });
+  drain(*j);
+  while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
+}
+
+#endif  // __AVX512F__
+
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, int64_t fmt,
+                       int64_t k) {
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const bool bf16 =
+      x.element_type() == ffi::DataType::U16 || x.element_type() == ffi::DataType::BF16;
+  const bool f32 = x.element_type() == ffi::DataType::F32;
+  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || layer.element_count() != 1 ||
+      !(bf16 || f32) || w.element_type() != ffi::DataType::U8 ||
+      (bf16 && !(out->element_type() == ffi::DataType::U16 ||
+                 out->element_type() == ffi::DataType::BF16)) ||
+      (f32 && out->element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument(
+        "quant_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, N, RB], one layer index, out [M, N] "
+        "in x's dtype");
+  if (fmt < 0 || fmt > kQ6_K) return ffi::Error::InvalidArgument("quant_matmul: unknown format");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (K != k || K % kBlockWeights[fmt] != 0 || wd[2] != K / kBlockWeights[fmt] * kBlockBytes[fmt] ||
+      od[0] != M || od[1] != N)
+    return ffi::Error::InvalidArgument("quant_matmul: bad shapes");
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= wd[0]) return ffi::Error::InvalidArgument("quant_matmul: layer out of range");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+#if defined(__AVX512F__)
+  auto j = std::make_shared<Job>();
+  j->x = x.untyped_data();
+  j->out = out->untyped_data();
+  j->M = M;
+  j->N = N;
+  j->K = K;
+  j->rb = wd[2];
+  j->w = static_cast<const uint8_t*>(w.untyped_data()) + li * N * j->rb;
+  if (f32) {
+    run<PathF32>(pool, j, pick<PathF32>(fmt, M));
+    return ffi::Error::Success();
+  }
+#if defined(__AVX512BF16__)
+  run<PathBF16>(pool, j, pick<PathBF16>(fmt, M));
+  return ffi::Error::Success();
+#endif
+#endif
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    bf16 ? "quant_matmul: bf16 x needs AVX512-BF16"
+                         : "quant_matmul: f32 x needs AVX512F");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] (bf16 as u16, or f32)
+                                  .Arg<ffi::AnyBuffer>()  // w u8 [L, N, RB]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Ret<ffi::AnyBuffer>()  // out [M, N]
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("k"));
+
+// 1 when this build has the bf16-x path (AVX512-BF16), the f32-x path (AVX512F)
+extern "C" int JaxbatchQuantMatmulBf16() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+extern "C" int JaxbatchQuantMatmulF32() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -1,0 +1,124 @@
+"""GGUF block formats the engine keeps quantised, in one place (ggml's `ggml-common.h` layouts):
+their block sizes, and a jnp dequantiser per format, the plain-JAX path on every device (the
+step dequantises the weights it reads, then dots) and the reference the CPU kernel (quant.cc) is
+tested against beside the `gguf` package's own numpy dequantisers.
+
+A quantised 2-D weight of ggml shape [K, N] (K innermost) is held as the file stores it: uint8
+[N, K / block * block_bytes], each output feature's row of blocks along K.
+
+| format | weights / block | bytes / block | bits / weight | one block |
+|---|---|---|---|---|
+| Q8_0 | 32 | 34 | 8.5 | f16 d; int8 q[32]; w = d q |
+| Q4_0 | 32 | 18 | 4.5 | f16 d; 16 bytes of nibbles (j: low = w j, high = w j+16); w = d (q - 8) |
+| Q4_K | 256 | 144 | 4.5 | f16 d, dmin; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles; w = d sc q - dmin m |
+| Q5_K | 256 | 176 | 5.5 | as Q4_K, plus 32 bytes of fifth bits |
+| Q6_K | 256 | 210 | 6.5625 | 128 bytes low 4 bits, 64 bytes high 2 bits, int8 scales[16], f16 d; w = d sc (q - 32) |
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# name -> (weights per block, bytes per block)
+FORMATS: dict[str, tuple[int, int]] = {
+    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
+FORMAT_IDS = {name: i for i, name in enumerate(FORMATS)}  # the kernel's `fmt` attribute
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one output feature's blocks (k inputs)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown GGUF format {fmt!r}; one of {list(FORMATS)}")
+    per, nbytes = FORMATS[fmt]
+    if k % per:
+        raise ValueError(f"{fmt} needs K % {per} == 0 (whole blocks), got K = {k}")
+    return k // per * nbytes
+
+
+def _f16(b: jax.Array) -> jax.Array:
+    """[..., 2] uint8 (little endian) -> f32 [...]."""
+    bits = b[..., 0].astype(jnp.uint16) | (b[..., 1].astype(jnp.uint16) << 8)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+def _i8(b: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(b, jnp.int8).astype(jnp.int32)
+
+
+def _scale_min_k4(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Q4_K / Q5_K: 12 bytes [..., 12] -> the 8 six-bit scales and mins [..., 8] (as f32);
+    ggml's get_scale_min_k4."""
+    s = s.astype(jnp.int32)
+    lo_sc, lo_m = s[..., 0:4] & 63, s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    hi_m = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    sc = jnp.concatenate([lo_sc, hi_sc], axis=-1).astype(jnp.float32)
+    m = jnp.concatenate([lo_m, hi_m], axis=-1).astype(jnp.float32)
+    return sc, m
+
+
+def _q8_0(b: jax.Array) -> jax.Array:
+    return _f16(b[..., 0:2])[..., None] * _i8(b[..., 2:34]).astype(jnp.float32)
+
+
+def _q4_0(b: jax.Array) -> jax.Array:
+    qs = b[..., 2:18].astype(jnp.int32)
+    q = jnp.concatenate([qs & 0xF, qs >> 4], axis=-1) - 8
+    return _f16(b[..., 0:2])[..., None] * q.astype(jnp.float32)
+
+
+def _k_nibbles(qs: jax.Array) -> jax.Array:
+    """128 bytes -> 256 values: group g's 32 bytes hold sub-block 2g (low nibbles) and 2g+1
+    (high nibbles)."""
+    qs = qs.astype(jnp.int32).reshape(*qs.shape[:-1], 4, 32)
+    return jnp.stack([qs & 0xF, qs >> 4], axis=-2).reshape(*qs.shape[:-2], 8, 32)
+
+
+def _q4_k(b: jax.Array) -> jax.Array:
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, m = _scale_min_k4(b[..., 4:16])
+    q = _k_nibbles(b[..., 16:144]).astype(jnp.float32)  # [..., 8, 32]
+    w = (d[..., None] * sc)[..., None] * q - (dmin[..., None] * m)[..., None]
+    return w.reshape(*b.shape[:-1], 256)
+
+
+def _q5_k(b: jax.Array) -> jax.Array:
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, m = _scale_min_k4(b[..., 4:16])
+    qh = b[..., 16:48].astype(jnp.int32)  # bit j of byte l: sub-block j's weight l
+    high = (qh[..., None, :] >> jnp.arange(8)[:, None]) & 1  # [..., 8, 32]
+    q = (_k_nibbles(b[..., 48:176]) + 16 * high).astype(jnp.float32)
+    w = (d[..., None] * sc)[..., None] * q - (dmin[..., None] * m)[..., None]
+    return w.reshape(*b.shape[:-1], 256)
+
+
+def _q6_k(b: jax.Array) -> jax.Array:
+    ql = b[..., 0:128].astype(jnp.int32).reshape(*b.shape[:-1], 2, 64)
+    qh = b[..., 128:192].astype(jnp.int32).reshape(*b.shape[:-1], 2, 32)
+    sc = _i8(b[..., 192:208]).astype(jnp.float32).reshape(*b.shape[:-1], 2, 8)
+    d = _f16(b[..., 208:210])
+    lo, hi = ql[..., :32], ql[..., 32:]
+    q = jnp.stack([(lo & 0xF) | ((qh & 3) << 4), (hi & 0xF) | (((qh >> 2) & 3) << 4),
+                   (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)],
+                  axis=-2) - 32  # [..., 2, 4, 32]: half, quarter, l
+    # the scale of weight (half, quarter, l) is scales[half * 8 + quarter * 2 + l // 16]
+    s = sc.reshape(*sc.shape[:-1], 4, 2)  # [..., 2, 4, 2]
+    scale = jnp.repeat(s, 16, axis=-1)  # [..., 2, 4, 32]
+    w = (d[..., None, None, None] * scale) * q.astype(jnp.float32)
+    return w.reshape(*b.shape[:-1], 256)
+
+
+_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def dequantize(rows: jax.Array, fmt: str, k: int) -> jax.Array:
+    """uint8 [..., row_bytes(fmt, k)] -> f32 [..., k]."""
+    per, nbytes = FORMATS[fmt]
+    if rows.shape[-1] != row_bytes(fmt, k):
+        raise ValueError(f"{fmt} rows of {k} inputs are {row_bytes(fmt, k)} bytes, "
+                         f"got {rows.shape[-1]}")
+    blocks = rows.reshape(*rows.shape[:-1], k // per, nbytes)
+    return _DEQUANT[fmt](blocks).reshape(*rows.shape[:-1], k)

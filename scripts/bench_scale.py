@@ -1,0 +1,449 @@
+#!/usr/bin/env python
+"""jaxbatch at the sizes users run, next to llama.cpp on the same file, in one invocation.
+
+    python scripts/bench_scale.py MODEL [MODEL ...] [--llamacpp DIR] [--bench64] [--out DIR]
+        [--threads 2] [--prompt 512] [--decode 128] [--repeat 3] [--engine-kwargs JSON]
+
+Each MODEL is a .gguf file or an HF directory, made outside the repo. The shapes come from
+../shared/peers/make_scale_model.py (llama-1b, llama-8b: random weights, SmolLM2's vocabulary, so
+bench64's token ids are valid prompts), the GGUF files from llama.cpp's converter and quantiser;
+../shared/peers/README.md ("Models at the sizes users run", "llama.cpp") gives the commands:
+
+    python ../shared/peers/make_scale_model.py llama-1b $MODELS/llama-1b --tokenizer-gguf ...
+    $PEERS/llamacpp/convert_hf_to_gguf.sh $MODELS/llama-1b $MODELS/llama-1b-bf16.gguf bf16
+    $PEERS/llamacpp/bin/llama-quantize $MODELS/llama-1b-bf16.gguf $MODELS/llama-1b-Q4_K_M.gguf Q4_K_M
+
+Per MODEL, every measurement in its own child process (so its peak RSS, from wait4, is its own):
+  1. first start: jaxbatch with a fresh, empty cache_dir (inside --out): process start -> `LLM(...)`
+     ready (C++ kernel build, dtype measurement, weight conversion, compiles, step timing all
+     included); then a warm restart: a second child on the same cache_dir.
+  2. single-stream prompt tok/s (in the warm child): one request of --prompt tokens (bench64's
+     prompts concatenated, cut), max_tokens=1; one warm-up, then --repeat timed runs; median.
+  3. single-stream decode tok/s (same child): a 16-token prompt generating --decode tokens
+     (ignore_eos); per repeat (decode - 1) / (t(max_tokens=decode) - t(max_tokens=1)) on the
+     same prompt; median. Prefix caching is off in this child (the same prompt is run again:
+     a cache hit would time the cache, and llama-bench computes every prompt from scratch).
+  4. --llamacpp DIR and a .gguf MODEL: `llama-bench -p PROMPT -n DECODE -t THREADS -r REPEAT -o json`
+     with --repack 0 and the default, with DIR/bin and DIR/bin-noamx when it exists; the best pp
+     and tg over those (the peers README: quote llama.cpp's best build per figure), the median of
+     its samples (avg_ts is recorded too). jaxbatch / llama.cpp ratios.
+  5. --bench64: jaxbatch bench64 steady throughput (one warm-up pass, one timed pass of all 64
+     requests through LLM.generate, greedy, ignore_eos; (prompt + output tokens) / s, as
+     bench_throughput.py; prefix caching at its default, on). With --llamacpp and a .gguf:
+     `llama-server -np 16 -c 32768` on the same file (the build and repack that gave the best tg
+     in 4), the same 64 requests, 16 in flight, to /v1/completions as token-id prompts (its
+     prompt cache at its default, on), one warm-up pass and one timed pass; the ratio.
+     vLLM-CPU bf16 is not run here: the command for bench_throughput.py --peer vllm is printed.
+
+Engine options for every jaxbatch child: max_model_len 2048, max_num_seqs 16,
+max_num_batched_tokens 512, dtype auto; --engine-kwargs JSON adds or overrides. jaxbatch uses the
+cores XLA sees; llama.cpp uses --threads (on a 2-vCPU machine both use 2).
+
+Prints a table (one row per MODEL) and appends one JSON line per measurement to
+--out/results.jsonl; child logs go to --out/logs/. Nothing about speed is assumed: every figure
+is measured in this run, on this machine; each JSON line carries the 1-minute load average when
+it was written, so a figure taken on a busy machine can be told apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKLOAD = os.path.join(REPO, "benchmarks", "workloads", "bench64.jsonl")
+ENGINE_DEFAULTS = {"max_model_len": 2048, "max_num_seqs": 16, "max_num_batched_tokens": 512,
+                   "dtype": "auto"}
+SHORT_PROMPT = 16  # tokens of the decode test's prompt
+SERVER_SLOTS = 16
+
+
+# ---- children --------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    """Runs inside a child: one engine; READY / RESULT JSON lines on stdout."""
+    t_proc = float(os.environ["BENCH_T0"])
+    from jaxbatch import LLM, SamplingParams
+
+    llm = LLM(model=args.model, progress=False, **json.loads(args.engine_kwargs))
+    eng = llm.engine
+    emit("READY", {"startup_s": round(time.time() - t_proc, 2), "dtype": eng.config.model.dtype,
+                   "warmup_s": getattr(eng, "warmup_seconds", None),
+                   "engine_startup_s": getattr(eng, "startup_seconds", None)})
+    rows = [json.loads(line) for line in open(WORKLOAD)]
+
+    def run(prompts: list[list[int]], max_tokens: list[int]) -> float:
+        sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+        dt = time.perf_counter() - t
+        got = [len(o.outputs[0].token_ids) for o in outs]
+        if got != max_tokens:
+            raise RuntimeError(f"generated {sum(got)} tokens, asked {sum(max_tokens)}")
+        return dt
+
+    if args.worker == "single":
+        corpus = [t for r in rows for t in r["prompt_token_ids"]]
+        P, D = args.prompt, args.decode
+        times = [run([cut(corpus, i * P, P)], [1]) for i in range(args.repeat + 1)][1:]
+        emit("RESULT", {"measure": "prompt", "tokens": P, "times_s": times,
+                        "tok_s": statistics.median(P / t for t in times)})
+        rates, pairs = [], []
+        for i in range(args.repeat + 1):  # pair 0 is the warm-up
+            short = cut(corpus, len(corpus) - (i + 1) * SHORT_PROMPT, SHORT_PROMPT)
+            t1, tD = run([short], [1]), run([short], [D])
+            pairs.append([t1, tD])
+            if i:
+                rates.append((D - 1) / (tD - t1))
+        emit("RESULT", {"measure": "decode", "tokens": D, "pairs_s": pairs[1:],
+                        "tok_s": statistics.median(rates)})
+    elif args.worker == "bench64":
+        prompts = [r["prompt_token_ids"] for r in rows]
+        outs = [r["max_tokens"] for r in rows]
+        run(prompts, outs)  # warm-up pass
+        wall = run(prompts, outs)
+        n_in, n_out = sum(map(len, prompts)), sum(outs)
+        emit("RESULT", {"measure": "bench64", "wall_s": wall, "tok_s": (n_in + n_out) / wall,
+                        "out_tok_s": n_out / wall})
+
+
+def cut(corpus: list[int], start: int, n: int) -> list[int]:
+    """n token ids from `start` on, wrapping around the corpus."""
+    return [corpus[(start + k) % len(corpus)] for k in range(n)]
+
+
+def emit(tag: str, obj: dict) -> None:
+    print(f"{tag} {json.dumps(obj)}", flush=True)
+
+
+def wait_rusage(proc: subprocess.Popen) -> float:
+    """Reap `proc` with wait4 and return its peak RSS in GB (this child and its descendants)."""
+    _, status, ru = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return ru.ru_maxrss * 1024 / 1e9  # Linux: KiB
+
+
+def run_child(cmd: list[str], log: str) -> dict:
+    """Run one child to its end: its tagged JSON lines, exit code, peak RSS, wall time."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "BENCH_T0": repr(t0)})
+    tagged: dict[str, list] = {}
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        tag, _, rest = line.partition(" ")
+        if tag in ("READY", "RESULT"):
+            tagged.setdefault(tag, []).append(json.loads(rest))
+    rss = wait_rusage(proc)
+    with open(log, "w") as f:
+        f.writelines(lines)
+    out = {"rc": proc.returncode, "peak_rss_gb": round(rss, 3), "wall_s": time.time() - t0,
+           "ready": (tagged.get("READY") or [None])[0], "results": tagged.get("RESULT", [])}
+    if proc.returncode != 0:
+        out["error_tail"] = "".join(lines[-30:])
+        sys.stderr.write(f"child failed ({proc.returncode}), log {log}:\n{out['error_tail']}\n")
+    return out
+
+
+def jaxbatch_child(mode: str, model: str, kwargs: dict, args: argparse.Namespace,
+                   log: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--model", model,
+           "--engine-kwargs", json.dumps(kwargs), "--prompt", str(args.prompt),
+           "--decode", str(args.decode), "--repeat", str(args.repeat)]
+    return run_child(cmd, log)
+
+
+# ---- llama.cpp -------------------------------------------------------------------------------
+def llama_bench(llamacpp: str, model: str, args: argparse.Namespace, logs: str) -> list[dict]:
+    """One llama-bench process per (build, repack): a crash of one leaves the others."""
+    out = []
+    for build in ("bin", "bin-noamx"):
+        exe = os.path.join(llamacpp, build, "llama-bench")
+        if not os.path.exists(exe):
+            continue
+        for repack in ("0", "default"):
+            cmd = [exe, "-m", model, "-p", str(args.prompt), "-n", str(args.decode),
+                   "-t", str(args.threads), "-r", str(args.repeat), "-o", "json"] + \
+                (["--repack", "0"] if repack == "0" else [])
+            base = os.path.join(logs, f"llama-bench-{build}-repack{repack}")
+            t0 = time.time()
+            with open(base + ".json", "w") as fo, open(base + ".log", "w") as fe:
+                fe.write(" ".join(cmd) + "\n")
+                fe.flush()
+                proc = subprocess.Popen(cmd, stdout=fo, stderr=fe)
+                rss = wait_rusage(proc)
+            stdout, stderr = open(base + ".json").read(), open(base + ".log").read()
+            row = {"build": build, "repack": repack, "rc": proc.returncode,
+                   "wall_s": round(time.time() - t0, 2), "peak_rss_gb": round(rss, 3)}
+            try:
+                for test in json.loads(stdout):
+                    kind = "pp" if test["n_gen"] == 0 else "tg"
+                    samples = test.get("samples_ts") or [test["avg_ts"]]
+                    row[kind] = statistics.median(samples)
+                    row[kind + "_avg_ts"] = test["avg_ts"]
+            except (ValueError, KeyError, TypeError):
+                row["error_tail"] = stderr[-2000:]
+                sys.stderr.write(f"llama-bench {build} repack {repack} failed ({proc.returncode})"
+                                 f":\n{stderr[-2000:]}\n")
+            out.append(row)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def send_all(url: str, rows: list[dict]) -> list[dict]:
+    """Every workload line to /v1/completions, SERVER_SLOTS in flight; the usage of each."""
+    import aiohttp
+
+    sem = asyncio.Semaphore(SERVER_SLOTS)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async def one(r: dict) -> dict:
+            body = {"prompt": r["prompt_token_ids"], "max_tokens": r["max_tokens"],
+                    "temperature": 0, "ignore_eos": True}
+            async with sem, session.post(url, json=body) as resp:
+                data = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"llama-server {resp.status}: {data}")
+                return data["usage"]
+        return await asyncio.gather(*(one(r) for r in rows))
+
+
+def llama_server_bench64(llamacpp: str, model: str, build: str, repack: str,
+                         args: argparse.Namespace, logs: str) -> dict:
+    port = free_port()
+    cmd = [os.path.join(llamacpp, build, "llama-server"), "-m", model, "--host", "127.0.0.1",
+           "--port", str(port), "-t", str(args.threads), "-np", str(SERVER_SLOTS),
+           "-c", "32768"] + (["--no-repack"] if repack == "0" else [])
+    log = open(os.path.join(logs, "llama-server.log"), "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    out: dict = {"build": build, "repack": repack}
+    try:
+        while True:  # /health: 503 while loading, 200 when ready
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({proc.returncode}); log {log.name}")
+            if time.time() - t0 > args.server_timeout:
+                raise RuntimeError(f"llama-server not ready after {args.server_timeout} s")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        out["startup_s"] = round(time.time() - t0, 2)
+        rows = [json.loads(line) for line in open(WORKLOAD)]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        asyncio.run(send_all(url, rows))  # warm-up pass
+        t = time.perf_counter()
+        usage = asyncio.run(send_all(url, rows))
+        wall = time.perf_counter() - t
+        n_in = sum(len(r["prompt_token_ids"]) for r in rows)
+        n_out = sum(u["completion_tokens"] for u in usage)
+        out.update(wall_s=wall, tok_s=(n_in + n_out) / wall, out_tok_s=n_out / wall,
+                   completion_tokens=n_out, asked_tokens=sum(r["max_tokens"] for r in rows))
+    except Exception as e:  # noqa: BLE001 - recorded in results.jsonl, the run goes on
+        out["error"] = repr(e)
+        sys.stderr.write(f"llama-server bench64 failed: {e!r}\n")
+    finally:
+        if proc.poll() is None:
+            out["peak_rss_gb"] = server_peak_rss_gb(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+    return out
+
+
+def server_peak_rss_gb(pid: int) -> float | None:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return None
+
+
+# ---- the model files -------------------------------------------------------------------------
+def describe(model: str) -> dict:
+    """Format (GGUF file type and tensor types, or the HF dir's dtype) and weight bytes on disk."""
+    if os.path.isdir(model):
+        size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
+                   if f.endswith((".safetensors", ".bin", ".pt")))
+        cfg = json.load(open(os.path.join(model, "config.json")))
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "?"
+        return {"format": f"hf-{dtype}", "size_gb": size / 1e9}
+    out = {"format": os.path.basename(model).rsplit(".", 1)[0].rsplit("-", 1)[-1],
+           "size_gb": os.path.getsize(model) / 1e9}
+    try:
+        import collections
+
+        import gguf
+
+        reader = gguf.GGUFReader(model)
+        field = reader.fields["general.file_type"]
+        out["format"] = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix(
+            "MOSTLY_")
+        out["tensor_types"] = dict(collections.Counter(t.tensor_type.name
+                                                       for t in reader.tensors))
+    except Exception as e:  # noqa: BLE001 - the file name's suffix stands in
+        out["format_note"] = f"GGUF metadata not read: {e!r}"
+    return out
+
+
+# ---- one model -------------------------------------------------------------------------------
+def bench_model(model: str, args: argparse.Namespace, record) -> dict:
+    model = os.path.abspath(model)
+    name = os.path.basename(model.rstrip("/"))
+    logs = os.path.join(args.out, "logs", name)
+    os.makedirs(logs, exist_ok=True)
+    row: dict = {"model": name, **describe(model)}
+    record("model", row)
+    cache = tempfile.mkdtemp(prefix=f"cache-{name}-", dir=args.out)
+    kw = {**ENGINE_DEFAULTS, **json.loads(args.engine_kwargs), "cache_dir": cache}
+    single_kw = {"enable_prefix_caching": False, **kw}
+    try:
+        first = jaxbatch_child("start", model, single_kw, args, os.path.join(logs, "first.log"))
+        record("first_start", first)
+        row["first_s"] = (first["ready"] or {}).get("startup_s")
+        row["first_rss_gb"] = first["peak_rss_gb"]
+        row["dtype"] = (first["ready"] or {}).get("dtype")
+        warm = jaxbatch_child("single", model, single_kw, args, os.path.join(logs, "warm.log"))
+        record("warm_restart_single_stream", warm)
+        row["warm_s"] = (warm["ready"] or {}).get("startup_s")
+        row["serve_rss_gb"] = warm["peak_rss_gb"]
+        for r in warm["results"]:
+            row[r["measure"] + "_tok_s"] = r["tok_s"]
+        if args.bench64:
+            b = jaxbatch_child("bench64", model, kw, args, os.path.join(logs, "bench64.log"))
+            record("bench64", b)
+            row["bench64_rss_gb"] = b["peak_rss_gb"]
+            for r in b["results"]:
+                row["bench64_tok_s"] = r["tok_s"]
+    finally:
+        if not args.keep_cache:
+            shutil.rmtree(cache, ignore_errors=True)
+    if args.llamacpp and model.endswith(".gguf"):
+        runs = llama_bench(args.llamacpp, model, args, logs)
+        for r in runs:
+            record("llama_bench", r)
+        for kind in ("pp", "tg"):
+            ok = [r for r in runs if kind in r]
+            if ok:
+                best = max(ok, key=lambda r: r[kind])
+                row[f"llama_{kind}"] = best[kind]
+                row[f"llama_{kind}_by"] = f"{best['build']} repack {best['repack']}"
+        if args.bench64:
+            best_tg = max((r for r in runs if "tg" in r), key=lambda r: r["tg"], default=None)
+            build, repack = (best_tg["build"], best_tg["repack"]) if best_tg else ("bin", "0")
+            srv = llama_server_bench64(args.llamacpp, model, build, repack, args, logs)
+            record("llama_server_bench64", srv)
+            row["server_tok_s"] = srv.get("tok_s")
+    for ours, theirs, ratio in (("prompt_tok_s", "llama_pp", "pp_ratio"),
+                                ("decode_tok_s", "llama_tg", "tg_ratio"),
+                                ("bench64_tok_s", "server_tok_s", "bench64_ratio")):
+        if row.get(ours) and row.get(theirs):
+            row[ratio] = row[ours] / row[theirs]
+    record("summary", row)
+    return row
+
+
+def fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    cols = [("model", "model", "s"), ("format", "format", "s"), ("size GB", "size_gb", ".2f"),
+            ("dtype", "dtype", "s"), ("first s", "first_s", ".1f"), ("warm s", "warm_s", ".1f"),
+            ("RSS GB first/serve", None, ""), ("prompt tok/s", "prompt_tok_s", ".1f"),
+            ("llama pp", "llama_pp", ".1f"), ("x", "pp_ratio", ".2f"),
+            ("decode tok/s", "decode_tok_s", ".2f"), ("llama tg", "llama_tg", ".2f"),
+            ("x", "tg_ratio", ".2f"), ("bench64 tok/s", "bench64_tok_s", ".1f"),
+            ("llama-server", "server_tok_s", ".1f"), ("x", "bench64_ratio", ".2f")]
+    print(f"\nprompt {args.prompt} / decode {args.decode} tokens, medians of {args.repeat}; "
+          f"llama.cpp -t {args.threads}, its best build per figure; x = jaxbatch / llama.cpp")
+    print(" | ".join(c[0] for c in cols))
+    for r in rows:
+        cells = []
+        for _, key, spec in cols:
+            if key is None:
+                cells.append(f"{fmt(r.get('first_rss_gb'), '.2f')}/"
+                             f"{fmt(r.get('serve_rss_gb'), '.2f')}")
+            else:
+                cells.append(fmt(r.get(key), spec))
+        print(" | ".join(cells))
+    for r in rows:
+        if r.get("llama_pp_by"):
+            print(f"{r['model']}: llama.cpp pp from {r['llama_pp_by']}, tg from {r['llama_tg_by']}")
+    hf = [r["model"] for r in rows if r["format"].startswith("hf-")]
+    print("\nvLLM-CPU bf16 on bench64 (not run here; ../shared/peers/README.md sets it up):")
+    for m in hf or ["HF_DIR"]:
+        print(f"  python scripts/bench_throughput.py --passes 3 --engine-kwargs "
+              f"'{json.dumps({'model': m, **ENGINE_DEFAULTS})}' --peer vllm --peer-dtypes bfloat16 "
+              f"--peer-python $PEERS/venv/bin/python --peer-model {m} --peer-env $PEERS/env.sh")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("models", nargs="*", help=".gguf files or HF directories")
+    p.add_argument("--llamacpp", default=None, help="llama.cpp folder with bin/ (and bin-noamx/)")
+    p.add_argument("--bench64", action="store_true", help="also bench64 throughput")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for results and logs")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--decode", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--engine-kwargs", default="{}", help="JSON of LLM(...) options (override)")
+    p.add_argument("--keep-cache", action="store_true", help="keep each model's cache_dir")
+    p.add_argument("--server-timeout", type=float, default=900, help="llama-server start, s")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if not args.models:
+        p.error("give at least one MODEL")
+    args.out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="bench_scale-"))
+    os.makedirs(args.out, exist_ok=True)
+    run_id = time.strftime("%Y-%m-%dT%H:%M:%S")
+    results = os.path.join(args.out, "results.jsonl")
+
+    def record(measure: str, obj: dict) -> None:
+        with open(results, "a") as f:
+            f.write(json.dumps({"run": run_id, "measure": measure, **obj,
+                                "loadavg_1m": os.getloadavg()[0]}) + "\n")
+
+    record("settings", {"args": {k: v for k, v in vars(args).items() if k not in ("worker",
+                                                                                  "model")},
+                        "cpus": os.cpu_count(), "engine": ENGINE_DEFAULTS})
+    rows = []
+    for m in args.models:
+        print(f"== {m}", file=sys.stderr, flush=True)
+        rows.append(bench_model(m, args, record))
+    print_table(rows, args)
+    print(f"\nresults: {results}; logs: {os.path.join(args.out, 'logs')}")
+
+
+if __name__ == "__main__":
+    main()

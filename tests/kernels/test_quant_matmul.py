@@ -1,0 +1,257 @@
+"""The GGUF-quantised matmul (pallas_kernels/matmul/quant: x @ W^T with W in llama.cpp's Q8_0,
+Q4_0, Q4_K, Q5_K, Q6_K blocks, dequantised inside the dot) against the exact product: x in
+float64 @ the gguf package's dequantised weights in float64 (for bf16 x, those weights rounded to
+bf16 first, as the kernel does). Bound: f32 sums over K are within K * 2^-24 * sum|x * w| of the
+exact sum, and the result is rounded once to x's dtype (2^-8 relative for bf16, 2^-24 for f32).
+Also exactly: one-hot rows read the kernel's dequantised weights back, bit for bit the gguf
+package's (f32) or their bf16 rounding; and each output row's bits do not depend on how many rows
+the call has. Never bitwise against XLA's dot (other libraries, other summation orders on other
+CPUs). Skipped where the CPU library did not build or this CPU lacks the instructions a path needs
+(bf16 x: AVX512-BF16; f32 x: AVX512F).
+
+Timing (not a test; the numbers quoted in quant.cc's header):
+  .venv/bin/python -m tests.kernels.test_quant_matmul
+"""
+
+from __future__ import annotations
+
+import time
+
+import gguf
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_library
+from pallas_kernels.matmul import quant
+
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built(tmp_path_factory):
+    why = cpu_library.available(str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+    if why is not None:
+        pytest.skip(f"the CPU kernel library did not build: {why}")
+
+
+def _need(dtype):
+    if not quant.available(dtype):
+        need = "AVX512-BF16" if jnp.dtype(dtype) == jnp.bfloat16 else "AVX512F"
+        pytest.skip(f"this CPU (or its build) has no {need}: no quant matmul for "
+                    f"{jnp.dtype(dtype).name} x")
+
+
+def _qtype(fmt):
+    return getattr(gguf.GGMLQuantizationType, fmt)
+
+
+def make_weight(fmt, n, k, rng):
+    """uint8 [N, RB]: N GGUF rows of K weights. Q8_0 / Q4_0 quantised from random floats with the
+    gguf package; the K-quants (which it cannot quantise) as random valid blocks: random codes
+    and 6-bit scales, small finite f16 d (and dmin)."""
+    qk, nbytes = quant.FORMATS[fmt]
+    if fmt in ("Q8_0", "Q4_0"):
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        return np.ascontiguousarray(gguf.quants.quantize(w, _qtype(fmt)))
+    nb = k // qk
+    raw = rng.integers(0, 256, size=(n, nb, nbytes), dtype=np.uint8)
+
+    def f16(scale):
+        v = (rng.standard_normal((n, nb, 1)) * scale).astype(np.float16)
+        return v.view(np.uint8)
+
+    if fmt in ("Q4_K", "Q5_K"):  # d, dmin, scales[12], (qh[32]), qs
+        raw[..., 0:2] = f16(0.002)
+        raw[..., 2:4] = f16(0.002)
+    else:  # Q6_K: ql[128], qh[64], scales[16], d
+        raw[..., 208:210] = f16(0.0005)
+    return raw.reshape(n, nb * nbytes)
+
+
+def dequant(fmt, w, dtype):
+    """The gguf package's dequantised weights [N, K] (float32), rounded to bf16 for bf16 x."""
+    wf = gguf.quants.dequantize(w, _qtype(fmt)).astype(np.float32)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        wf = wf.astype(ml_dtypes.bfloat16).astype(np.float32)
+    return wf
+
+
+_mm = jax.jit(quant.quant_matmul, static_argnames=("fmt", "k"))
+
+
+def _call(x, w, fmt, layer=0):
+    return _mm(x, w if w.ndim == 3 else w[None], layer, fmt=fmt, k=x.shape[1])
+
+
+@jax.jit(static_argnames=("fmt",))
+def _jit_calls(xs, w, *, fmt):
+    return [quant.quant_matmul(x, w[None], 0, fmt=fmt, k=x.shape[1]) for x in xs]
+
+
+def _calls(x, w, fmt, ms):
+    """One call per m in ms on x's (numpy) first m rows, in one program: one compile, not one
+    each (and no slicing kernels in it)."""
+    return _jit_calls([jnp.asarray(x[:m]) for m in ms], w, fmt=fmt)
+
+
+def _x(rng, m, k, dtype):
+    return rng.standard_normal((m, k)).astype(jnp.dtype(dtype))
+
+
+def test_formats_are_ggmls():
+    for fmt, size in quant.FORMATS.items():
+        assert gguf.GGML_QUANT_SIZES[_qtype(fmt)] == size
+    assert quant.row_bytes("Q4_K", 2048) == 8 * 144 and quant.row_bytes("Q8_0", 64) == 68
+    with pytest.raises(ValueError, match="K % 256"):
+        quant.row_bytes("Q6_K", 128)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_within_the_bound_of_the_exact_product(fmt, dt):
+    dtype = DTYPES[dt]
+    _need(dtype)
+    rng = np.random.default_rng(list(quant.FORMATS).index(fmt) * 10 + len(dt))
+    cases = [(256, 16, (1, 2, 3, 7, 8, 9, 16, 33, 100, 512)),
+             (512, 48, (4, 9)),
+             (2048, 1000, (1, 5, 512)),  # N not a multiple of 16
+             (512, 2048, (2, 64))]
+    u = 2.0**-8 if dt == "bf16" else 2.0**-24
+    for k, n, ms in cases:
+        w = make_weight(fmt, n, k, rng)
+        wf = dequant(fmt, w, dtype).astype(np.float64)
+        wj = jnp.asarray(w)
+        x_all = _x(rng, max(ms), k, dtype)
+        xf_all = x_all.astype(np.float64)
+        exact_all = xf_all @ wf.T
+        mag_all = np.abs(xf_all) @ np.abs(wf).T
+        for m, got in zip(ms, _calls(x_all, wj, fmt, ms)):
+            assert got.dtype == dtype and got.shape == (m, n)
+            sum_err = k * 2.0**-24 * mag_all[:m]
+            bound = sum_err + u * (np.abs(exact_all[:m]) + sum_err)
+            err = np.abs(np.asarray(got, np.float64) - exact_all[:m])
+            assert np.all(err <= bound), (fmt, dt, m, k, n, float(np.max(err - bound)))
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_one_hot_rows_read_the_weights_back_exactly(fmt, dt):
+    """x = rows of the identity: out[m, n] = w[n, k_m], one product and exact zeros, so the
+    kernel's dequantised weights (both paths: registers at M <= 8, the buffer above) are the gguf
+    package's, bit for bit (bf16 x: their round-to-nearest-even bf16)."""
+    dtype = DTYPES[dt]
+    _need(dtype)
+    rng = np.random.default_rng(5)
+    k, n = 512, 20
+    w = make_weight(fmt, n, k, rng)
+    want = dequant(fmt, w, dtype).T  # [K, N]
+    eye = np.eye(k, dtype=jnp.dtype(dtype))
+
+    @jax.jit
+    def read_back(w):
+        # all K rows in one call (the buffered path), and in calls of 1 and of 4 rows (the two
+        # register paths), every position of K
+        return [quant.quant_matmul(jnp.asarray(eye), w[None], 0, fmt=fmt, k=k)] + [
+            jax.lax.map(lambda e: quant.quant_matmul(e, w[None], 0, fmt=fmt, k=k),
+                        jnp.asarray(eye.reshape(k // m, m, k))).reshape(k, n)
+            for m in (1, 4)]
+
+    for got in read_back(jnp.asarray(w)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_rows_are_the_same_bits_whatever_the_row_count(fmt, dt):
+    """Row i of a call on rows [0, m) equals row i of a call on all 512 rows, for every m: tiles
+    group rows (and split work over threads) differently at each m, but each output's operations
+    are its own, in the same order."""
+    dtype = DTYPES[dt]
+    _need(dtype)
+    rng = np.random.default_rng(11)
+    k, n = (512, 40) if fmt in ("Q8_0", "Q4_0") else (768, 40)
+    w = jnp.asarray(make_weight(fmt, n, k, rng))
+    ms = (512, *range(1, 18), 31, 64, 100)
+    outs = [np.asarray(o).view(np.uint16 if dt == "bf16" else np.uint32)
+            for o in _calls(_x(rng, 512, k, dtype), w, fmt, ms)]
+    for m, got in zip(ms, outs):
+        np.testing.assert_array_equal(got, outs[0][:m], err_msg=f"m={m}")
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_stack_and_layer_index_inside_a_scan(dt):
+    """A layer scan passes the whole stack and the index: each layer's product is the
+    single-layer call's, bit for bit, and no copy of a layer's slice is made for the call."""
+    dtype = DTYPES[dt]
+    _need(dtype)
+    rng = np.random.default_rng(7)
+    fmt, k, n, L = "Q4_K", 512, 48, 3
+    stack = jnp.asarray(np.stack([make_weight(fmt, n, k, rng) for _ in range(L)]))
+    for m in (2, 12):
+        x = jnp.asarray(_x(rng, m, k, dtype))
+        f = jax.jit(lambda x, stack: jax.lax.scan(
+            lambda c, i: (c, quant.quant_matmul(x, stack, i, fmt=fmt, k=k)), 0,
+            jnp.arange(L))[1])
+        got = np.asarray(f(x, stack), np.float32)
+        for li in range(L):
+            one = _call(x, stack[li], fmt)
+            np.testing.assert_array_equal(got[li], np.asarray(one, np.float32))
+        hlo = f.lower(x, stack).compile().as_text()
+        assert f"u8[1,{n},{quant.row_bytes(fmt, k)}]" not in hlo
+        assert f"u8[{n},{quant.row_bytes(fmt, k)}]" not in hlo
+    for bad in (L, -1):
+        with pytest.raises(Exception, match="layer out of range"):
+            jax.block_until_ready(_call(x, stack, fmt, bad))
+
+
+def test_bad_arguments():
+    _need(jnp.float32)
+    x = jnp.zeros((2, 256), jnp.float32)
+    w = jnp.zeros((1, 4, quant.row_bytes("Q4_K", 256)), jnp.uint8)
+    with pytest.raises(ValueError, match="w must be uint8"):
+        quant.quant_matmul(x, w, 0, fmt="Q6_K", k=256)
+    with pytest.raises(ValueError, match="x must be"):
+        quant.quant_matmul(x, w, 0, fmt="Q4_K", k=512)
+    with pytest.raises(ValueError, match="unknown GGUF format"):
+        quant.quant_matmul(x, w, 0, fmt="Q3_K", k=256)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        quant.quant_matmul(x.astype(jnp.float16), w, 0, fmt="Q4_K", k=256)
+
+
+def _bench():
+    """GB/s of weight bytes at decode (M = 1, 8), GFLOP/s at prefill (M = 512): medians over
+    repeats; the weight stack spans > 200 MB so that each call reads its layer from memory."""
+    import tempfile
+
+    assert cpu_library.available(tempfile.gettempdir() + "/jaxbatch-quant-bench") is None
+    rng = np.random.default_rng(0)
+    for fmt in ("Q4_K", "Q8_0", "Q6_K"):
+        for n, k in ((8192, 2048), (2048, 8192)):
+            rb = quant.row_bytes(fmt, k)
+            L = max(2, -(-200_000_000 // (n * rb)))
+            stack = jnp.asarray(np.broadcast_to(make_weight(fmt, n, k, rng), (L, n, rb)).copy())
+            for m in (1, 8, 512):
+                for dt, dtype in DTYPES.items():
+                    if not quant.available(dtype):
+                        continue
+                    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+                    jax.block_until_ready(_call(x, stack, fmt))
+                    calls = 2 * L if m <= 8 else 2
+                    times = []
+                    for _ in range(7):
+                        t0 = time.perf_counter()
+                        for i in range(calls):
+                            out = _call(x, stack, fmt, i % L)
+                        jax.block_until_ready(out)
+                        times.append((time.perf_counter() - t0) / calls)
+                    t = float(np.median(times))
+                    print(f"{fmt} N={n} K={k} M={m:3d} {dt:4s} {t * 1e3:7.3f} ms "
+                          f"{n * rb / t / 1e9:5.1f} GB/s {2 * m * n * k / t / 1e9:6.1f} GFLOP/s",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    _bench()
