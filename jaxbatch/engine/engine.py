@@ -39,6 +39,7 @@ from jaxbatch.engine.runner import Runner
 from jaxbatch.engine.sharding import collective_gbps, engine_mesh
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
 from jaxbatch.model.loader import LoadedModel, load_arch, load_model
+from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
 from jaxbatch.planner import StepPlanner, StepTrace, SubStep, make_planner
 
 log = logging.getLogger("jaxbatch")
@@ -108,10 +109,15 @@ class Engine:
         mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
         arch = model.arch
         # bf16 on CPU, one device: the matmuls of steps up to as many tokens as the small-matmul
-        # kernel measures faster than XLA's dot run through it (engine/precision.py)
+        # kernel measures faster than XLA's dot run through it (engine/precision.py); not
+        # measured when every linear weight is quantised (the quantised kernel runs those): on a
+        # 1B GGUF the measurement's bf16 layer stacks were most of the first start's peak memory
+        float_linears = any(not isinstance(w, QuantWeight) for name, w in
+                            model.params["layers"].items() if name in LINEAR_WEIGHTS)
         small_rows = (choose_small_matmul(arch.hidden_size, arch.intermediate_size,
                                           arch.num_layers, root)
-                      if mesh is None and config.model.dtype == "bfloat16" else 0)
+                      if mesh is None and config.model.dtype == "bfloat16" and float_linears
+                      else 0)
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                         attention, mesh, small_matmul_rows=small_rows)
         # the runner holds the params in the forms it runs: the loaded copy goes (one resident
