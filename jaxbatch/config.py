@@ -158,6 +158,10 @@ class RunnerConfig:
     attention_backend: str = "auto"
     seed: int = 0
     compile_guard: bool = False  # raise if anything compiles after warm-up
+    # every row's numbers computed in an order that does not depend on the other rows of its step
+    # (the same request gives the same tokens alone or in any batch; engine/invariance.py);
+    # batch jobs turn it on unless told otherwise
+    batch_invariant: bool = False
     progress: bool = True
     # tensor parallelism over this many devices per engine (engine/sharding.py); data-parallel
     # replicas: that many engines, each on its own tensor_parallel_size devices (engine/replicas)

@@ -187,6 +187,10 @@ def main() -> None:
     p.add_argument("--engine-kwargs", default="{}", help="JSON of extra LLM(...) options")
     p.add_argument("--planners", default=None,
                    help="comma list (e.g. dp,pow2): run jaxbatch once per planner")
+    p.add_argument("--batch-invariant", default="off",
+                   help="comma list of off,on: run jaxbatch once per setting of batch_invariant "
+                        "(on: every row's numbers independent of its batch; engine/invariance.py)"
+                        " and print the steady throughput's cost")
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-python", default=None)
     p.add_argument("--peer-model", default=None, help="HF dir (fp32); -fp32 -> -bf16 for bf16")
@@ -206,9 +210,14 @@ def main() -> None:
     tps = [int(t) for t in args.tensor_parallel_size.split(",")]
     devices = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                              f"device_count={max(tps)}").strip()} if max(tps) > 1 else {}
-    for dtype, tp in [(d, t) for d in args.dtypes.split(",") for t in tps]:
+    modes = args.batch_invariant.split(",")
+    if set(modes) - {"off", "on"}:
+        p.error("--batch-invariant takes a comma list of off,on")
+    for dtype, tp, mode in [(d, t, m) for d in args.dtypes.split(",") for t in tps for m in modes]:
         for planner in (args.planners.split(",") if args.planners else [None]):
             kw = json.loads(args.engine_kwargs)
+            if mode == "on":
+                kw["batch_invariant"] = True
             if planner:
                 kw["planner"] = planner
             if tp > 1:
@@ -219,7 +228,7 @@ def main() -> None:
                    "--profile-steps", str(args.profile_steps)] + \
                 (["--profile"] if args.profile else [])
             name = f"jaxbatch {dtype}" + (f" {planner}" if planner else "") + \
-                (f" tp={tp}" if len(tps) > 1 else "")
+                (f" tp={tp}" if len(tps) > 1 else "") + (" invariant" if mode == "on" else "")
             log = os.path.join(args.out, name.replace(" ", "-") + ".log") if args.out else None
             rows.append(summarise(name, run_child(cmd, devices, log)))
     if args.peer:
@@ -268,6 +277,12 @@ def main() -> None:
             for other in base[1:]:
                 print(f"{dtype}: steady wall {base[0]['engine']} / {other['engine']} = "
                       f"{base[0]['steady_wall_s'] / other['steady_wall_s']:.2f}")
+    if len(modes) > 1:  # the batch-invariant mode's cost, and that it keeps the greedy tokens'
+        for r in [r for r in ours if r["engine"].endswith(" invariant")]:
+            base = next(b for b in ours if b["engine"] == r["engine"][: -len(" invariant")])
+            print(f"{r['engine']}: steady throughput {r['steady_total_tok_s'] / base['steady_total_tok_s']:.3f}x of "
+                  f"{base['engine']}; greedy output identical: "
+                  f"{r['out_ids_sha1'] == base['out_ids_sha1']}")
     if peers:
         best = min(peers, key=lambda r: r["steady_wall_s"])
         for a in ours:

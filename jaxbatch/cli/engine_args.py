@@ -55,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="raise if anything compiles after warm-up")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="reuse the KV pages of shared prompt prefixes (default on)")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="the same request gives the same tokens alone or in any batch: every "
+                        "matmul through one batch-invariant kernel (default: on for `jaxbatch "
+                        "batch`, off otherwise; README: Deterministic output)")
     g.add_argument("--live-replan", action=argparse.BooleanOptionalAction, default=None,
                    help="learn the bucket set from the traffic: compile a cheaper set in the "
                         "background and swap it in between steps (engine/replan.py)")
@@ -68,4 +72,5 @@ def engine_config_from_args(args: argparse.Namespace, prog: str = "jaxbatch") ->
     overrides["compile_guard"] = args.compile_guard
     overrides["enable_prefix_caching"] = args.enable_prefix_caching
     overrides["live_replan"] = args.live_replan
+    overrides["batch_invariant"] = args.batch_invariant
     return config_from_sources(args.config, **overrides)

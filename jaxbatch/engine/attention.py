@@ -50,10 +50,17 @@ def resolve_backend(backend: str, cache_dir: str) -> str:
     return backend
 
 
-def attention_fn(backend: str, cache_dir: str) -> Callable[..., jax.Array]:
+def attention_fn(backend: str, cache_dir: str, batch_invariant: bool = False
+                 ) -> Callable[..., jax.Array]:
+    """The step's attention; `batch_invariant`: one summation order per query row whatever its
+    chunk or item (engine/invariance.py), which only the native CPU kernel promises."""
     backend = resolve_backend(backend, cache_dir)
+    if batch_invariant and backend != "native":
+        raise ValueError(f"batch_invariant needs the native CPU attention kernel; attention "
+                         f"runs as {backend!r} here")
     if backend == "native":
-        return cpu_attention.ragged_paged_attention_cpu
+        return functools.partial(cpu_attention.ragged_paged_attention_cpu,
+                                 invariant=batch_invariant)
     if backend == "reference":
         # The engine's cache only ever holds finite values (zeros at start, then written KV), so
         # the reference may skip its NaN guard on the value side: one less pass over the blocks.

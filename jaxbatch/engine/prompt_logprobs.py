@@ -24,6 +24,7 @@ from jaxbatch.core.sampling_params import MAX_LOGPROBS
 from jaxbatch.core.scheduler import ScheduledSeq
 from jaxbatch.model import llama
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.fixed_order import row_log_softmax
 
 
 @jax.tree_util.register_dataclass
@@ -38,7 +39,7 @@ class PromptLogprobsOutput:
 def prompt_logprobs_fn(params, hidden: jax.Array, targets: jax.Array, *,
                        arch: ModelArch) -> PromptLogprobsOutput:
     """hidden [T, H] (before the final norm), targets i32[T] -> the raw model's logprobs."""
-    lp = jax.nn.log_softmax(llama.compute_logits(params, hidden, arch=arch), axis=-1)  # [T, V]
+    lp = row_log_softmax(llama.compute_logits(params, hidden, arch=arch))  # [T, V]
     target_lp = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)  # [T, 1]
     ranks = 1 + (lp > target_lp).sum(-1).astype(jnp.int32)
     top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)

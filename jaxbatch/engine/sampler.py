@@ -4,7 +4,9 @@ One batch mixes greedy, temperature, top-k, top-p and min-p rows, each with its 
 key of a row is fold_in(key(seed), output_index), so a request's draws do not depend on what it
 was batched with or on preemption. Expensive paths (sorting for top-k/top-p, the inverse-CDF draw,
 log-softmax for logprobs, penalties) sit behind `lax.cond` so an all-greedy batch pays for an
-argmax only.
+argmax only. A row's result does not depend on the other rows (batch invariance): its sums run
+in a fixed order (model/fixed_order.py) and a cond taken for the batch changes no other row's
+numbers.
 
 The order is vLLM's (v1 Sampler): logprobs of the raw model; the ids banned until min_tokens;
 logit_bias; repetition, frequency and presence penalties; greedy argmax; temperature; min-p;
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.core.sampling_params import MAX_LOGPROBS
+from jaxbatch.model.fixed_order import row_log_softmax, row_logsumexp
 
 
 @jax.tree_util.register_dataclass
@@ -99,7 +102,7 @@ def _filter_sorted(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
     kth = jnp.where((top_k > 0)[:, None], kth, _NEG_INF)
     # top-p runs on the distribution top-k left, renormalised (HF's warpers in sequence)
     kept_k = jnp.where(sorted_desc >= kth, sorted_desc, _NEG_INF)
-    lse = jnp.where(top_k > 0, jax.nn.logsumexp(kept_k, axis=-1), lse_all)[:, None]
+    lse = jnp.where(top_k > 0, row_logsumexp(kept_k), lse_all)[:, None]
     probs = jnp.exp(kept_k - lse)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
     # keep a sorted position while the mass before it is < top_p (always keeps the first)
@@ -114,21 +117,27 @@ def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     cheap); only if some row's cut (or a tie of its k-th value) may lie beyond them is the whole
     vocabulary sorted."""
     V = scaled.shape[-1]
-    lse_all = jax.nn.logsumexp(scaled, axis=-1)
+    lse_all = row_logsumexp(scaled)
     if V <= _CAND:
         return _filter_sorted(scaled, top_k, top_p, -jnp.sort(-scaled, axis=-1), lse_all)
     cand, _ = jax.lax.top_k(scaled, _CAND)
     kth = jnp.take_along_axis(cand, (jnp.clip(top_k, 1, _CAND) - 1)[:, None], axis=-1)[:, 0]
-    lse_k = jnp.where(top_k > 0, jax.nn.logsumexp(
-        jnp.where(cand >= kth[:, None], cand, _NEG_INF), axis=-1), lse_all)
-    cand_mass = jnp.exp(jax.nn.logsumexp(cand, axis=-1) - lse_k)
+    lse_k = jnp.where(top_k > 0, row_logsumexp(
+        jnp.where(cand >= kth[:, None], cand, _NEG_INF)), lse_all)
+    cand_mass = jnp.exp(row_logsumexp(cand) - lse_k)
     # the k-th value may go on past _CAND. (cand.min, not cand[:, -1]: slicing top_k's output
     # made XLA:CPU lower top_k as a full sort of the vocabulary, hoisted out of the cond: 10x)
     ties_beyond = (top_k > 0) & (cand.min(-1) >= kth)
     beyond = (top_k > _CAND) | ties_beyond | ((top_p < 1.0) & (cand_mass < top_p))
+    def full_sort(x: jax.Array) -> jax.Array:
+        # only the rows that need it take the full sort's cut: a row whose cut lies among the
+        # candidates gets the candidates' result either way (its sums run over the same 256
+        # values, not over V), so it does not depend on the other rows of the step
+        full = _filter_sorted(x, top_k, top_p, -jnp.sort(-x, axis=-1), lse_all)
+        return jnp.where(beyond[:, None], full, _filter_sorted(x, top_k, top_p, cand, lse_all))
+
     return jax.lax.cond(
-        jnp.any(beyond),
-        lambda x: _filter_sorted(x, top_k, top_p, -jnp.sort(-x, axis=-1), lse_all),
+        jnp.any(beyond), full_sort,
         lambda x: _filter_sorted(x, top_k, top_p, cand, lse_all),
         scaled,
     )
@@ -215,7 +224,7 @@ def sample(logits: jax.Array, s: SamplingInputs, raw: jax.Array | None = None) -
     ids = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_ids, draw, None)
 
     def with_logprobs(_):
-        lp = jax.nn.log_softmax(raw, axis=-1)  # the raw model's (vLLM's default)
+        lp = row_log_softmax(raw)  # the raw model's (vLLM's default)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
         return jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 

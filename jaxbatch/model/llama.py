@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxbatch.model import moe
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.fixed_order import row_sum
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight, quant_matmul
 from pallas_kernels.matmul import small_bf16
 
@@ -67,8 +68,8 @@ class PackedWeight:
     def takes(self, x: jax.Array) -> bool:
         return x.dtype == jnp.bfloat16 and x.shape[0] <= self.max_rows
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return small_bf16.small_matmul(x, self.w, self.layer)
+    def __call__(self, x: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:
+        return small_bf16.small_matmul(x, self.w, self.layer, out_dtype=out_dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -108,7 +109,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool = False) -> 
     """RMSNorm over the last axis. Llama rounds the normalised x to x's dtype, then scales by w;
     Gemma (`plus_one`) scales by (1 + w) in float32, then rounds (as HF does each)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    # the mean in a fixed order (model/fixed_order.py): XLA's reduce differed by the row count
+    mean_sq = row_sum(xf * xf, keepdims=True) / np.float32(x.shape[-1])
+    xf = xf * jax.lax.rsqrt(mean_sq + eps)
     if plus_one:
         return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
     return w * xf.astype(x.dtype)
@@ -308,7 +311,8 @@ def forward(
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax.Array:
-    """hidden [S, H] (rows that sample) -> float32 logits [S, V] (matmul in hidden's dtype).
+    """hidden [S, H] (rows that sample) -> float32 logits [S, V] (the matmul reads hidden's dtype,
+    sums and returns float32).
     The head is `lm_head` [H, V] when present ([V, H] as an `OutInWeight` on CPU in bf16; tensor
     parallelism adds one to a tied model, engine/sharding.py), else the embedding dotted over
     its last axis. Gemma's final soft cap applies last."""
@@ -318,11 +322,11 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
     packed = params.get("head_packed")  # the head for the small matmul (as_run_on_cpu)
     embed = params["embed"]
     if packed is not None and packed.takes(h):
-        logits = packed(h)
+        logits = packed(h, out_dtype=jnp.float32)
     elif isinstance(head, QuantWeight):
-        logits = quant_matmul(h, head)
+        logits = quant_matmul(h, head, out_dtype=jnp.float32)
     elif head is None and isinstance(embed, QuantWeight):  # tied: the embedding's rows [V, H]
-        logits = quant_matmul(h, embed)
+        logits = quant_matmul(h, embed, out_dtype=jnp.float32)
     elif isinstance(head, OutInWeight):
         logits = jax.lax.dot_general(h, values(head.wt).astype(hidden.dtype),
                                      (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -333,9 +337,9 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
         w = values(params["embed"]).astype(hidden.dtype)
         logits = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
-    # rounded to the compute dtype, as HF's bf16 head returns them (and vLLM's): greedy then
-    # breaks bf16 ties by the lowest token id as torch's argmax does; a no-op in f32
-    logits = logits.astype(hidden.dtype).astype(jnp.float32)
+    # the f32 sums stay f32 (not rounded to bf16 as HF's bf16 head returns them): a bf16 rounding
+    # ties the top logits at bf16's resolution (0.0625 at |logit| ~ 16), so top_k=1 kept two
+    # tokens where greedy chose one, and logprobs lost resolution
     if arch.final_soft_cap is not None:
         cap = float(arch.final_soft_cap)
         logits = cap * jnp.tanh(logits / cap)
@@ -395,7 +399,7 @@ def _quant_on_kernel(params: Params) -> Params:
 def _packed(wt: jax.Array, max_rows: int) -> PackedWeight | None:
     if max_rows <= 0 or not small_bf16.can_pack(wt):
         return None
-    return PackedWeight(small_bf16.pack(wt), min(max_rows, small_bf16.MAX_ROWS))
+    return PackedWeight(small_bf16.pack(wt), max_rows)
 
 
 def one_sequence_inputs(num_tokens: int, page_size: int) -> tuple[int, AttentionInputs]:

@@ -164,8 +164,10 @@ def quantize_params(params: dict, quantization: str | None) -> dict:
     return {**params, "layers": layers}
 
 
-def quant_matmul(x: jax.Array, w: QuantWeight) -> jax.Array:
-    """x [T, in] @ w -> [T, out] in x's dtype, f32 sums."""
+def quant_matmul(x: jax.Array, w: QuantWeight, out_dtype: Any = None) -> jax.Array:
+    """x [T, in] @ w -> [T, out] in x's dtype (or `out_dtype`: float32 for the head's logits),
+    f32 sums."""
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     li = w.layer if w.stacked else None
     if w.stacked and li is None:
         raise ValueError("a stacked QuantWeight needs its layer index (set in the layer scan)")
@@ -176,11 +178,12 @@ def quant_matmul(x: jax.Array, w: QuantWeight) -> jax.Array:
             from pallas_kernels.matmul import quant
 
             stack = blocks if w.stacked else blocks[None]
-            return quant.quant_matmul(x, stack, 0 if index is None else index, fmt=fmt, k=w.k)
+            return quant.quant_matmul(x, stack, 0 if index is None else index, fmt=fmt, k=w.k
+                                      ).astype(out_dtype)
         rows = blocks if index is None else blocks[index]
         wf = quant_formats.dequantize(rows, fmt, w.k).astype(x.dtype)  # [n, k]
         return jax.lax.dot_general(x, wf, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32).astype(x.dtype)
+                                   preferred_element_type=jnp.float32).astype(out_dtype)
 
     if not w.stacked:
         return one(0, None)

@@ -31,6 +31,7 @@ def ragged_paged_attention_cpu(
     kv_split: int = KV_SPLIT,
     q_block: int = Q_BLOCK,
     use_amx: bool = True,
+    invariant: bool = False,
 ) -> jax.Array:
     """reference.py's signature and result (up to f32 summation order); `register` first.
     With a bf16 cache (bf16, or uint16 bits) the probabilities are rounded to bf16 before the
@@ -38,7 +39,8 @@ def ragged_paged_attention_cpu(
     AVX512-BF16 dots on the pages in place, prefill rows AMX tiles, where the CPU has them;
     without AMX, prefill items run the bf16 path in GEMM-like blocks (K gathered transposed,
     V and probabilities packed in pairs) (`use_amx=False`: the f32 path for prefill rows, for
-    tests to compare)."""
+    tests to compare). `invariant`: bf16 rows of every item on the decode rows' path (one
+    summation order for a query row whatever its chunk: the engine's batch-invariant mode)."""
     if not cpu_library.registered():
         raise KernelUnavailable("cpu_library.register(cache_dir) first")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
@@ -50,4 +52,4 @@ def ragged_paged_attention_cpu(
                 sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
                 kv_split=np.int64(kv_split), round_p=bool(round_p), q_block=np.int64(q_block),
-                use_amx=bool(use_amx))
+                use_amx=bool(use_amx), invariant=bool(invariant))

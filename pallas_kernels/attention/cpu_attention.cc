@@ -198,6 +198,10 @@ struct Problem {
   int64_t kv_split;
   bool round_p;
   bool use_amx;  // prefill items on AMX tiles when the CPU and the OS allow (else f32 tiles)
+  // batch invariant: every bf16 item, whatever its rows, on the narrow path of run_decode_bf16
+  // (scores per key as the decode rows compute them), so a query row's result does not depend
+  // on how many rows share its item (a prefill chunk's length, where it starts)
+  bool invariant;
 };
 
 struct Item {
@@ -383,8 +387,13 @@ inline void softmax_split_row(const Problem& p, float* sr, int64_t n, int64_t a,
   const float alpha = std::exp(m - m_new);
   // masked scores are kNeg: exp(kNeg - m_new) is exactly 0
 #if defined(__AVX512F__)
-  const float sum = p.round_p ? exp_and_sum_torch(sr, n, a, j0, kv_len, p.kv_split, m_new)
-                              : exp_and_sum(sr, n, m_new);
+  // torch runs the keys past the split's last whole 16 of the sequence's keys through scalar
+  // exp: which keys those are depends on kv_len, i.e. on how much of the sequence this step
+  // holds; batch invariant: every key through the vector exp (masked lanes), whatever kv_len
+  const float sum =
+      p.round_p ? exp_and_sum_torch(sr, n, a, j0, p.invariant ? j0 + p.kv_split : kv_len,
+                                    p.kv_split, m_new)
+                : exp_and_sum(sr, n, m_new);
 #else
   const float sum = exp_and_sum(sr, n, m_new);
 #endif
@@ -776,7 +785,7 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   // score row (h, r) = query row r / G, head h * G + r % G; its bf16 query at qb[(h*R + r)*kD]
   // wide items compute score rows in blocks of kWideRows: the last block of the last head
   // reads (and writes) up to kWideRows rows past the end (other heads' are overwritten later)
-  const bool wide = R > kDecodeRows;
+  const bool wide = R > kDecodeRows && !p.invariant;
   const int64_t pad_rows = wide ? kWideRows : 0;
   sc.qb.resize((HR + pad_rows) * kD);
   reset_row_state(sc, HR, kD);
@@ -1059,7 +1068,7 @@ bool wide_items(const Problem& p) {
 void run_any(const Problem& p, const Item& it, Scratch& sc, const Item* next) {
 #if defined(__AVX512BF16__)
   if (p.q16 && p.kv16 && p.round_p &&
-      (it.rows * (p.Hq / p.Hkv) <= kDecodeRows || wide_items(p))) {
+      (it.rows * (p.Hq / p.Hkv) <= kDecodeRows || p.invariant || wide_items(p))) {
     switch (p.D) {
       case 64: return run_decode_bf16<64>(p, it, sc, next);
       case 128: return run_decode_bf16<128>(p, it, sc, next);
@@ -1117,7 +1126,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
                                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                                 ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out,
                                 float sm_scale, float soft_cap, int64_t kv_split, bool round_p,
-                                int64_t q_block, bool use_amx) {
+                                int64_t q_block, bool use_amx, bool invariant) {
   auto qd = q.dimensions(), kd = k.dimensions(), pd = page_indices.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
@@ -1152,6 +1161,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.kv_split = kv_split;
   p.round_p = round_p;
   p.use_amx = use_amx;
+  p.invariant = invariant;
   if (kd[3] != p.D || p.Hq % p.Hkv != 0 || p.D > 1024 || kv_split <= 0 || q_block <= 0)
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad shapes or settings");
   std::memset(p.out, 0, static_cast<size_t>(p.T * p.Hq * p.D) * (p.q16 ? 2 : 4));
@@ -1201,4 +1211,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchRaggedPagedAttention, RaggedPagedAttention
                                   .Attr<int64_t>("kv_split")
                                   .Attr<bool>("round_p")
                                   .Attr<int64_t>("q_block")
-                                  .Attr<bool>("use_amx"));
+                                  .Attr<bool>("use_amx")
+                                  .Attr<bool>("invariant"));

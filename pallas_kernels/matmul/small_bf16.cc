@@ -21,8 +21,8 @@ namespace {
 
 bool is16(ffi::DataType t) { return t == ffi::DataType::U16 || t == ffi::DataType::BF16; }
 
-// out[M, N] = x[M, K] @ W[N, K]^T in bf16 with f32 sums, rounded to bf16 (the model's _mm), for
-// M <= kMatmulMaxRows. The weight is packed once at load time as [N/16, K/2, 32] bf16: per block
+// out[M, N] = x[M, K] @ W[N, K]^T in bf16 with f32 sums, rounded to bf16 (the model's _mm), or
+// kept as f32 (the head's logits), for any M. The weight is packed once at load time as [N/16, K/2, 32] bf16: per block
 // of 16 output columns, per pair of K, the 16 columns' pairs, which is the operand layout of
 // VDPBF16PS, so a block's weights are one contiguous stream. XLA:CPU's dot (YNNPACK) repacks the
 // [N, K] weight into that layout on every call on a CPU without AMX
@@ -31,18 +31,20 @@ bool is16(ffi::DataType t) { return t == ffi::DataType::U16 || t == ffi::DataTyp
 // Work: threads claim chunks of column blocks; in a chunk, tiles of kB blocks x up to 8 rows
 // keep kR * kB <= 24 accumulators in registers (with the kB weight vectors and one broadcast
 // row: <= 28 of the 32 zmm registers) over the whole K, so each output's f32 sum runs over K
-// in order, as XLA's does. The row groups of a tile re-read its kB blocks' weights from L2
+// in order, as XLA's does. Batch invariant: an output's sequence of operations (one
+// accumulator, VDPBF16PS over K/2 pairs in order, one rounding) is the same whatever M, the row
+// group its row falls in, the tile width or the thread count. The row groups of a tile re-read its kB blocks' weights from L2
 // (kB * K/2 * 64 bytes: 192 KB at K = 1536), not from memory: a few rows stream the weights
 // at memory speed and more rows reuse them.
 struct MatmulJob {
   const uint16_t* x;
   const uint16_t* w;
-  uint16_t* out;
+  void* out;  // uint16 bf16 bits, or f32 when out_f32 (the model's head: f32 logits)
+  bool out_f32;
   int64_t M, K2, N, NB, chunk;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
-constexpr int64_t kMatmulMaxRows = 512;
 
 #if defined(__AVX512BF16__)
 template <int kR, int kB>
@@ -68,8 +70,13 @@ void matmul_tile(const MatmulJob& j, int64_t m0, int64_t nb0, bool prefetch) {
   }
   for (int m = 0; m < kR; ++m)
     for (int b = 0; b < kB; ++b) {
-      const __m256bh o = _mm512_cvtneps_pbh(acc[m][b]);  // round to nearest even
-      std::memcpy(j.out + (m0 + m) * j.N + (nb0 + b) * 16, &o, 32);
+      const int64_t at = (m0 + m) * j.N + (nb0 + b) * 16;
+      if (j.out_f32) {
+        _mm512_storeu_ps(static_cast<float*>(j.out) + at, acc[m][b]);
+      } else {
+        const __m256bh o = _mm512_cvtneps_pbh(acc[m][b]);  // round to nearest even
+        std::memcpy(static_cast<uint16_t*>(j.out) + at, &o, 32);
+      }
     }
 }
 
@@ -126,21 +133,25 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out) {
 #if defined(__AVX512BF16__)
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const bool out_f32 = out->element_type() == ffi::DataType::F32;
   if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || layer.element_count() != 1 ||
-      !is16(x.element_type()) || !is16(w.element_type()) || !is16(out->element_type()))
+      !is16(x.element_type()) || !is16(w.element_type()) ||
+      !(is16(out->element_type()) || out_f32))
     return ffi::Error::InvalidArgument(
-        "small_matmul: x [M, K], w [L, N/16, K/2, 32], 16-bit, one layer index");
+        "small_matmul: x [M, K], w [L, N/16, K/2, 32] 16-bit, out 16-bit or f32, one layer "
+        "index");
   const int64_t li = layer.typed_data()[0];
   if (li < 0 || li >= wd[0]) return ffi::Error::InvalidArgument("small_matmul: layer out of range");
   auto j = std::make_shared<MatmulJob>();
   j->x = static_cast<const uint16_t*>(x.untyped_data());
   j->w = static_cast<const uint16_t*>(w.untyped_data()) + li * wd[1] * wd[2] * wd[3];
-  j->out = static_cast<uint16_t*>(out->untyped_data());
+  j->out = out->untyped_data();
+  j->out_f32 = out_f32;
   j->M = xd[0];
   j->K2 = xd[1] / 2;
   j->NB = wd[1];
   j->N = wd[1] * 16;
-  if (j->M < 1 || j->M > kMatmulMaxRows || xd[1] % 2 != 0 || wd[2] != j->K2 || wd[3] != 32 ||
+  if (j->M < 1 || xd[1] % 2 != 0 || wd[2] != j->K2 || wd[3] != 32 ||
       od[0] != j->M || od[1] != j->N)
     return ffi::Error::InvalidArgument("small_matmul: bad shapes");
   // claims of 12 blocks (192 columns), fewer where that would leave a thread idle

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from pallas_kernels import cpu_library
 
 TARGET = "jaxbatch_small_matmul"
-MAX_ROWS = 512  # rows (tokens of a step) the kernel takes (kMatmulMaxRows in small_bf16.cc)
 
 
 def available() -> bool:
@@ -37,10 +36,11 @@ def can_pack(w_out_in: jax.Array) -> bool:
     return n % 16 == 0 and k % 2 == 0
 
 
-def small_matmul(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None
-                 ) -> jax.Array:
-    """x [M, K] bf16 (M <= MAX_ROWS) @ the packed weight's [K, N] -> [M, N] bf16: f32 sums over
-    K in order, rounded to nearest even. `packed` [N/16, K/2, 32], or a stack [L, N/16, K/2, 32]
+def small_matmul(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None = None,
+                 out_dtype=jnp.bfloat16) -> jax.Array:
+    """x [M, K] bf16 @ the packed weight's [K, N] -> [M, N] bf16: f32 sums over K in order,
+    rounded to nearest even (or kept, with `out_dtype` float32: the head's logits). A row's
+    bits do not depend on M or on the other rows (batch invariant). `packed` [N/16, K/2, 32], or a stack [L, N/16, K/2, 32]
     and `layer` (an i32 scalar, traced in a layer scan) picking one: pass the stack rather than
     slicing it in the scan, where XLA copies the slice into a temporary for the call."""
     if packed.ndim == 3:
@@ -48,7 +48,10 @@ def small_matmul(x: jax.Array, packed: jax.Array, layer: jax.Array | int | None 
     elif layer is None:
         raise ValueError("small_matmul: a stack of packed weights needs a layer index")
     m, n = x.shape[0], packed.shape[-3] * 16
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.uint16))
+    f32 = jnp.dtype(out_dtype) == jnp.float32
+    if not f32 and jnp.dtype(out_dtype) != jnp.bfloat16:
+        raise ValueError(f"small_matmul: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32 if f32 else jnp.uint16))
     out = call(jax.lax.bitcast_convert_type(x, jnp.uint16), packed,
                jnp.asarray(layer, jnp.int32).reshape(1))
-    return jax.lax.bitcast_convert_type(out, jnp.bfloat16)
+    return out if f32 else jax.lax.bitcast_convert_type(out, jnp.bfloat16)

@@ -52,16 +52,49 @@ def test_within_the_bound_of_the_exact_product(m, k, n):
 
 
 @pytest.mark.parametrize("k,n", [(576, 1536), (130, 48)])
-def test_rows_are_the_same_bits_whatever_the_row_count(k, n):
-    """Row i of a call on rows [0, m) equals row i of a call on all 512 rows, for every m:
-    tiles group rows differently at each m, but each output's sum is its own, over K in order."""
+@pytest.mark.parametrize("out", ["bf16", "f32"])
+def test_rows_are_the_same_bits_whatever_the_row_count(k, n, out):
+    """Row i of a call on rows [0, m) equals row i of a call on all 520 rows, for every m, and
+    for a row placed anywhere among others: tiles group rows differently at each m, but each
+    output's sum is its own, over K in order (batch invariance, which the engine's
+    batch-invariant mode rests on)."""
     rng = np.random.default_rng(k + n)
-    x = jnp.asarray(rng.standard_normal((small_bf16.MAX_ROWS, k)), jnp.bfloat16)
+    out_dtype = jnp.float32 if out == "f32" else jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((520, k)), jnp.bfloat16)
     packed = small_bf16.pack(jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16))
-    full = np.asarray(jax.jit(small_bf16.small_matmul)(x, packed)).view(np.uint16)
-    for m in [*range(1, 18), 23, 40, 64, 100, 255, 256, 257, 511]:
-        got = np.asarray(jax.jit(small_bf16.small_matmul)(x[:m], packed)).view(np.uint16)
-        np.testing.assert_array_equal(got, full[:m], err_msg=f"m={m}")
+    mm = jax.jit(small_bf16.small_matmul, static_argnames="out_dtype")
+    full = np.asarray(mm(x, packed, out_dtype=out_dtype))
+    assert full.dtype == out_dtype
+    for m in [*range(1, 18), 23, 40, 64, 100, 255, 256, 257, 511, 512]:
+        got = np.asarray(mm(x[:m], packed, out_dtype=out_dtype))
+        np.testing.assert_array_equal(got.view(np.uint8), full[:m].view(np.uint8),
+                                      err_msg=f"m={m}")
+    # row 7 alone, and moved to the end of another set of rows
+    perm = np.r_[np.arange(8, 300), 7]
+    got = np.asarray(mm(x[perm], packed, out_dtype=out_dtype))
+    np.testing.assert_array_equal(got[-1].view(np.uint8), full[7].view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(mm(x[7:8], packed, out_dtype=out_dtype))[0]
+                                  .view(np.uint8), full[7].view(np.uint8))
+
+
+def test_float32_out_is_the_unrounded_sum():
+    """out_dtype float32 keeps the f32 sums (the head's logits): within the f32 bound of the
+    exact product, and rounding them to bf16 gives the bf16 call's bits."""
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((5, 576)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((1536, 576)) * 0.05, jnp.bfloat16)
+    packed = small_bf16.pack(w)
+    f32 = np.asarray(small_bf16.small_matmul(x, packed, out_dtype=jnp.float32))
+    b16 = np.asarray(small_bf16.small_matmul(x, packed))
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(f32).astype(jnp.bfloat16)).view(
+        np.uint16), b16.view(np.uint16))
+    xf, wf = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    exact = xf @ wf.T
+    # f32 sums of exact bf16 products over K = 576: |error| <= K * 2^-24 * sum |x * w|
+    bound = 576 * 2.0 ** -24 * (np.abs(xf) @ np.abs(wf).T)
+    assert np.all(np.abs(f32 - exact) <= bound)
+    with pytest.raises(ValueError, match="out_dtype"):
+        small_bf16.small_matmul(x, packed, out_dtype=jnp.float16)
 
 
 def test_stack_and_layer_index_inside_a_scan():
