@@ -159,9 +159,10 @@ class RunnerConfig:
     seed: int = 0
     compile_guard: bool = False  # raise if anything compiles after warm-up
     # every row's numbers computed in an order that does not depend on the other rows of its step
-    # (the same request gives the same tokens alone or in any batch; engine/invariance.py);
-    # batch jobs turn it on unless told otherwise
-    batch_invariant: bool = False
+    # (the same request gives the same tokens alone or in any batch; engine/invariance.py).
+    # True: an error where this engine cannot promise it; "auto": on where it can, else off with
+    # a warning saying why (what `jaxbatch batch` runs unless told otherwise)
+    batch_invariant: bool | str = False
     progress: bool = True
     # tensor parallelism over this many devices per engine (engine/sharding.py); data-parallel
     # replicas: that many engines, each on its own tensor_parallel_size devices (engine/replicas)
@@ -171,6 +172,9 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+        if self.batch_invariant not in (True, False, "auto"):
+            raise ValueError(f"batch_invariant must be true, false or auto, got "
+                             f"{self.batch_invariant!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                              f"{self.attention_backend!r}")

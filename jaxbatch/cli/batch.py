@@ -92,10 +92,11 @@ def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
     try:
         config = engine_config_from_args(args, "jaxbatch batch")
         # a batch job's outputs must not depend on what it was batched with (a resumed job
-        # equals a fresh one): invariant unless the flag or the preset says otherwise
+        # equals a fresh one): invariant where the engine can be, unless the flag or the
+        # preset says otherwise
         if args.batch_invariant is None and not (
                 args.config and "batch_invariant" in load_yaml(args.config)):
-            config = config.replace(batch_invariant=True)
+            config = config.replace(batch_invariant="auto")
         scan = scan_input(args.input)
         scan.check_unique()
         writer = ResultWriter(args.output, args.fsync_every, args.fsync_seconds)

@@ -29,11 +29,10 @@ from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from jaxbatch.engine import compile_guard, multihost, prompt_logprobs
+from jaxbatch.engine import compile_guard, invariance, multihost, prompt_logprobs
 from jaxbatch.engine.attention import attention_fn, resolve_backend
 from jaxbatch.engine.calibration import calibrate, calibration_ident, calibration_path
 from jaxbatch.engine.client import EngineStats
-from jaxbatch.engine.invariance import invariant_matmul_rows
 from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype, choose_small_matmul
 from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
 from jaxbatch.engine.runner import Runner
@@ -106,8 +105,6 @@ class Engine:
         config = dataclasses.replace(
             config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
         assert config.model.max_model_len is not None
-        attention = attention_fn(config.runner.attention_backend, root,  # builds the CPU kernels
-                                 config.runner.batch_invariant)
         mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
         arch = model.arch
         # bf16 on CPU, one device: the matmuls of steps up to as many tokens as the small-matmul
@@ -116,16 +113,23 @@ class Engine:
         # 1B GGUF the measurement's bf16 layer stacks were most of the first start's peak memory
         float_linears = any(not isinstance(w, QuantWeight) for name, w in
                             model.params["layers"].items() if name in LINEAR_WEIGHTS)
-        if config.runner.batch_invariant:  # one kernel for every step (engine/invariance.py)
-            small_rows = invariant_matmul_rows(config.model.dtype, mesh is not None,
-                                               float_linears)
+        quantised = any(isinstance(w, QuantWeight) for name, w in
+                        model.params["layers"].items() if name in LINEAR_WEIGHTS)
+        invariant = invariance.resolve(config.runner.batch_invariant, invariance.obstacle(
+            config.model.dtype, mesh is not None, float_linears, quantised,
+            resolve_backend(config.runner.attention_backend, root)))
+        if invariant:  # one kernel for every step (engine/invariance.py)
+            small_rows = invariance.ALL_ROWS if float_linears else 0
         else:
             small_rows = (choose_small_matmul(arch.hidden_size, arch.intermediate_size,
                                               arch.num_layers, root)
                           if mesh is None and config.model.dtype == "bfloat16" and float_linears
                           else 0)
+        attention = attention_fn(config.runner.attention_backend, root,  # builds the kernels
+                                 batch_invariant=invariant)
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                         attention, mesh, small_matmul_rows=small_rows)
+        runner.batch_invariant = invariant
         # the runner holds the params in the forms it runs: the loaded copy goes (one resident
         # copy of each weight; the LoadedModel keeps its arch, tokenizer and EOS ids), unless
         # more replicas are built from it (`keep_loaded_params`)

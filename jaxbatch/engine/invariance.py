@@ -21,24 +21,48 @@ tests/engine/test_batch_invariance.py checks the whole step on bench64.
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger("jaxbatch")
+
 ALL_ROWS = 1 << 30  # "every step": the small matmul's row limit when invariance is on
 
 
-def invariant_matmul_rows(dtype: str, sharded: bool, float_linears: bool) -> int:
-    """The small bf16 matmul's row limit for a batch-invariant engine (every step), or 0 where
-    no float weight needs it; a clear error where the mode cannot hold."""
+def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
+             attention: str) -> str | None:
+    """Why this engine cannot run batch invariant, or None: `dtype` the compute dtype,
+    `float_linears` / `quantised`: some linear weight is a float array / GGUF or int8 blocks,
+    `attention` the resolved attention backend."""
     import jax
 
-    from pallas_kernels.matmul import small_bf16
+    from pallas_kernels.matmul import quant, small_bf16
 
     if jax.default_backend() != "cpu":
-        raise ValueError(f"batch_invariant runs on CPU only (this backend: "
-                         f"{jax.default_backend()})")
+        return f"it runs on CPU only (this backend: {jax.default_backend()})"
     if sharded:
-        raise ValueError("batch_invariant does not run with tensor parallelism yet")
-    if dtype == "bfloat16" and float_linears:
-        if not small_bf16.available():
-            raise ValueError("batch_invariant with bfloat16 weights needs the small bf16 matmul "
-                             "(a CPU with AVX512-BF16 and the C++ kernel library built)")
-        return ALL_ROWS
-    return 0
+        return "it does not run with tensor parallelism yet"
+    if attention != "native":
+        return f"it needs the native CPU attention kernel (attention runs as {attention!r})"
+    if float_linears and dtype != "bfloat16":
+        return (f"{dtype} weights run through XLA's dot, whose sums depend on the step's shape "
+                "(the invariant matmul is bfloat16; use dtype bfloat16)")
+    if float_linears and not small_bf16.available():
+        return ("bfloat16 weights need the small bf16 matmul (a CPU with AVX512-BF16 and the "
+                "C++ kernel library built)")
+    if quantised and not quant.available(dtype):
+        return f"quantised weights need the quantised matmul kernel for {dtype} on this CPU"
+    return None
+
+
+def resolve(setting: bool | str, why_not: str | None) -> bool:
+    """Whether the engine runs batch invariant: `setting` False, True (an error where it cannot)
+    or "auto" (off with a warning where it cannot)."""
+    if setting is False:
+        return False
+    if why_not is None:
+        return True
+    if setting is True:
+        raise ValueError(f"batch_invariant: {why_not}")
+    log.warning("batch_invariant auto: off, because %s; a request's tokens may depend on what "
+                "it is batched with", why_not)
+    return False

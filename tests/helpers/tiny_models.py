@@ -117,14 +117,22 @@ def smollm2_tokenizer(cache_dir: str | None = None):
     return load_model("smollm2-135m-instruct", "float32", cache_dir=cache_dir).tokenizer
 
 
-def make_tiny_chat_model(path: str, seed: int = 0):
+# SmolLM2-135M's layer shapes (576 wide, 9 query and 3 KV heads of 64, MLP 1536), fewer layers
+SMOLLM2_LAYER_SHAPES = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3)
+
+
+def make_tiny_chat_model(path: str, seed: int = 0, hidden: int = 64, intermediate: int = 128,
+                         layers: int = 2, heads: int = 4, kv_heads: int = 2):
     """A tiny random Llama with SmolLM2's vocabulary, saved with SmolLM2's tokenizer and chat
-    template: for server, batch and text tests that need real text in and out, fast."""
+    template: for server, batch and text tests that need real text in and out, fast. The sizes
+    default to tiny; SMOLLM2_LAYER_SHAPES gives SmolLM2's own layer shapes (head dim 64: the
+    kernels' bf16 paths)."""
     tok = smollm2_tokenizer()
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )
