@@ -238,6 +238,38 @@ def test_kill9_at_random_points_then_resume(llm, model_dir, tmp_path, ordered):
     """`python -m jaxbatch.cli batch` stopped at 5 random points, run again each time: SIGKILL
     five times (--ordered: four times, then SIGTERM, a clean stop with status 130 that is
     resumable too). Every line ends up exactly once, with an uninterrupted run's results."""
+    kill_and_resume(llm, model_dir, tmp_path, ordered, [])
+
+
+@pytest.fixture(scope="module")
+def smol_shaped_dir(tmp_path_factory):
+    """A random chat model with SmolLM2's layer shapes (2 layers): wide enough that XLA's bf16
+    dot and the attention kernel's prefill path give a row other bits than a decode step does
+    (the tiny model's 64-wide layers did not show it)."""
+    from tests.helpers.tiny_models import SMOLLM2_LAYER_SHAPES, make_tiny_chat_model
+
+    path = str(tmp_path_factory.mktemp("smol_shaped_chat"))
+    make_tiny_chat_model(path, layers=2, **SMOLLM2_LAYER_SHAPES)
+    return path
+
+
+def test_kill9_then_resume_in_bf16_equals_a_fresh_run(smol_shaped_dir, tmp_path):
+    """The same in bfloat16, where a request's tokens would depend on its batch: the job runs
+    batch invariant by default (engine/invariance.py), so the resumed job's texts equal an
+    uninterrupted run's, every one. (With --no-batch-invariant the resumed job's results
+    differed from the fresh run's on this model, on an AMD Zen 5.)"""
+    from jaxbatch import LLM
+
+    bf16 = ["--dtype", "bfloat16", "--attention-backend", "native"]
+    try:
+        ref_llm = LLM(smol_shaped_dir, config=CONFIG, dtype="bfloat16",
+                      attention_backend="native", batch_invariant=True)
+    except (ValueError, RuntimeError) as e:
+        pytest.skip(f"batch invariance cannot run here: {e}")
+    kill_and_resume(ref_llm, smol_shaped_dir, tmp_path, False, bf16)
+
+
+def kill_and_resume(llm, model_dir, tmp_path, ordered, extra):
     lines = mixed_lines(150, seed=3 + ordered)
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
     ref_path = tmp_path / "ref.jsonl"
@@ -247,7 +279,7 @@ def test_kill9_at_random_points_then_resume(llm, model_dir, tmp_path, ordered):
     out = str(tmp_path / "out.jsonl")
     cmd = [sys.executable, "-m", "jaxbatch.cli", "batch", "-i", inp, "-o", out,
            "--config", CONFIG, "--model", model_dir, "--no-progress", "--fsync-every", "8",
-           "--max-in-flight", "12", *(["--ordered"] if ordered else [])]
+           "--max-in-flight", "12", *extra, *(["--ordered"] if ordered else [])]
     rs = random.Random(10 + ordered)
     targets = sorted(rs.sample(range(5, len(lines) - 10), 5))
     signals = [signal.SIGKILL] * 4 + [signal.SIGTERM if ordered else signal.SIGKILL]

@@ -43,3 +43,20 @@ def test_engine_greedy_equals_hf(smol, hf_smol, prompts, page_size):
                                                           skip_special_tokens=True)
     assert llm.engine.compiles_since_warmup == 0
     assert max(len(p) for p in prompts) > 64  # the long prompt really was chunked
+
+
+def test_top_k_1_equals_greedy(prompts):
+    """The head's sums stay float32 through the sampler: `top_k=1` keeps one token (exact f32
+    ties aside), so any temperature, top_p and seed then give greedy's tokens. With the logits
+    rounded to bf16 the top two tied on one of two of these prompts (dtype auto: bf16 here)."""
+    llm = LLM("smollm2-135m-instruct", dtype="auto", max_num_batched_tokens=64, max_num_seqs=8,
+              max_model_len=512, planner="fixed:[(8,8),(64,8)]", progress=False)
+    greedy = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                          SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                          use_tqdm=False)
+    for seed in (0, 1):
+        top1 = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=1.0, top_k=1, top_p=0.5, seed=seed,
+                                           max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+        for g, t in zip(greedy, top1):
+            assert t.outputs[0].token_ids == g.outputs[0].token_ids
