@@ -2,12 +2,12 @@
 use, loaded once a process, each kernel registered as an XLA FFI custom call for the CPU platform.
 
 Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the
-small bf16 matmul) and `matmul/quant.cc` (matmuls over GGUF blocks); one `.so`, one FFI target
-each (TARGETS). The build is cached by everything
-that changes the binary: the sources, the compiler's version, the CPU's instruction set flags (it
-is built with -march=native, so a library built on one CPU model is never loaded on another) and
-jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when there is no
-compiler or the build fails; callers fall back to jnp and say so.
+small bf16 matmul) and `matmul/quant.cc` with `matmul/quant_int8.cc` (matmuls over GGUF blocks,
+float and int8 activations); one `.so`, one FFI target each (TARGETS). The build is cached by
+everything that changes the binary: the sources, the compiler's version, the CPU's instruction
+set flags (it is built with -march=native, so a library built on one CPU model is never loaded on
+another) and jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when
+there is no compiler or the build fails; callers fall back to jnp and say so.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import jax
 _HERE = os.path.dirname(__file__)
 SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "small_bf16.cc"),
-           os.path.join(_HERE, "matmul", "quant.cc"))
+           os.path.join(_HERE, "matmul", "quant.cc"),
+           os.path.join(_HERE, "matmul", "quant_int8.cc"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512",
          "-std=c++17", "-shared", "-fPIC"]
 # FFI target name -> the handler symbol the library exports
@@ -39,7 +40,8 @@ TARGETS = {
 # instruction set allowed the compiler to emit)
 FEATURES = {"small_matmul": "JaxbatchSmallMatmulSupported",
             "quant_matmul_bf16": "JaxbatchQuantMatmulBf16",
-            "quant_matmul_f32": "JaxbatchQuantMatmulF32"}
+            "quant_matmul_f32": "JaxbatchQuantMatmulF32",
+            "quant_matmul_int8": "JaxbatchQuantMatmulInt8"}
 
 _lock = threading.Lock()
 _registered: str | None = None

@@ -18,7 +18,12 @@
 // ((d * sc) * q - dmin * m; the gguf package's numpy dequantisers give the same f32 bits), then,
 // for bf16 x, rounded to bf16 (nearest even). Tiles differ only in how many accumulators run side
 // by side, never in the sequence of operations of one output, so an output's bits do not depend
-// on M, on the tile its row falls in, or on the thread count.
+// on M, on the tile its row falls in, or on the thread count. An f32 output from bf16 x (the
+// model's float32 logits) is the same sum without the final rounding.
+//
+// This file is the float activation mode (act = 0); act = 1 is quant_int8.cc's int8 mode (x
+// quantised per row to int8 blocks, integer dots on the codes: llama.cpp's CPU scheme), also
+// batch invariant, with its own, equally fixed, sequence of operations per output.
 //
 // Dequantisation: the K-quants and Q4_0 have 16 or 32 possible values per 32-weight sub-block,
 // so a sub-block's values are computed once into a table (one zmm of f32 or bf16) and the
@@ -46,7 +51,28 @@
 //   M = 8: Q4_K 12.2 GB/s (350 GFLOP/s) bf16, 7.4 GB/s f32; Q8_0 18-21 | 12; Q6_K 16 | 11
 //   M = 512 (prefill), GFLOP/s: bf16 430-520 (Q4_K), 580-600 (Q8_0), 580-700 (Q6_K);
 //     f32 160-250 (Q4_K), 230-300 (Q8_0), 240-320 (Q6_K)
-// The VNNI scheme (x quantised to int8 blocks, integer dots) was not tried.
+// The int8 mode (act = 1, quant_int8.cc: x quantised to int8 blocks, integer dots) against this
+// float mode, bf16 x, 2 threads (python -m tests.kernels.test_quant_matmul_int8; medians of 7,
+// stacks > 200 MB; load average 0.35 at the start, 1.1 at the end (its own 2 threads); plain
+// 2-thread numpy read 40.3 GB/s, a C loop 38-40), [N=8192, K=2048] / [N=2048, K=8192],
+// float -> int8:
+//   M = 1, GB/s of weight bytes: Q8_0 29.7 -> 34.4 / 33.8 -> 35.6;
+//     Q4_0 25.3 -> 31.8 / 26.9 -> 30.9; Q4_K 21.8 -> 34.0 / 22.9 -> 28.6;
+//     Q5_K 19.1 -> 32.9 / 20.9 -> 28.7; Q6_K 17.2 -> 30.5 / 12.9 -> 25.5 (an earlier quiet
+//     run: 21.2 -> 30.2)
+//   M = 8, GB/s: Q8_0 22.9 -> 21.3 / 21.1 -> 22.4; Q4_0 14.3 -> 13.1 / 13.7 -> 10.5;
+//     Q4_K 14.0 -> 15.9 / 12.4 -> 12.2; Q5_K 15.5 -> 16.1 / 14.6 -> 16.5;
+//     Q6_K 14.4 -> 12.5 / 16.6 -> 17.8
+//   M = 64, GFLOP/s: Q8_0 334 -> 571 / 283 -> 743; Q4_0 394 -> 733 / 381 -> 611;
+//     Q4_K 385 -> 501 / 400 -> 680; Q5_K 452 -> 468 / 413 -> 640; Q6_K 460 -> 453 / 401 -> 678
+//   M = 512, GFLOP/s: Q8_0 517 -> 766 / 586 -> 823; Q4_0 627 -> 792 / 537 -> 752;
+//     Q4_K 692 -> 947 / 488 -> 939; Q5_K 608 -> 893 / 536 -> 1028; Q6_K 552 -> 751 / 426 -> 834
+// The VM's memory bandwidth drifts by +-20% over minutes (back-to-back M = 1 int8 runs minutes
+// later: Q4_K 28-37, Q6_K 25-43, Q8_0 32-45 GB/s), so compare the modes within a row. Slower in
+// int8 mode: M = 8 Q4_0 [2048, 8192] (-23%), Q6_K [8192, 2048] (-13%), Q8_0 [8192, 2048] (-7%)
+// (5-8 rows take the wide path, whose per-call unpacking of the weights is their cost); M = 64
+// Q6_K [8192, 2048] and Q5_K [8192, 2048] about even. Everywhere else the int8 mode is faster.
+// The mode is chosen per weight (format, N, K), never per M, so that rows stay batch invariant.
 
 #include <algorithm>
 #include <atomic>
@@ -79,6 +105,7 @@ struct Job {
   const uint8_t* w;  // the layer's [N, RB]
   void* out;
   int64_t M, N, K, rb;
+  bool out_f32;  // f32 out from bf16 x: the sums unrounded
   // work items: fused: chunks of `chunk` columns; buffered: (column block, row segment) pairs
   int64_t items, chunk, ncb, segrows;
   std::atomic<int64_t> next{0};
@@ -445,8 +472,20 @@ JB_INLINE void finish(const Job& j, __m512 (&acc)[R][C], int64_t m0, int64_t n0)
   static_assert(R * C <= 16, "one reduction per tile");
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = i < R * C ? acc[i / C][i % C] : _mm512_setzero_ps();
+  const __m512 e = reduce16(a);
+  if (j.out_f32) {
+    alignas(64) float s[16];
+    _mm512_store_ps(s, e);
+    auto* out = static_cast<float*>(j.out);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        const int i = r * C + c;
+        out[(m0 + r) * j.N + n0 + c] = s[4 * (i % 4) + i / 4];
+      }
+    return;
+  }
   alignas(64) typename P::X s[16];
-  P::sums(reduce16(a), s);
+  P::sums(e, s);
   auto* out = static_cast<typename P::X*>(j.out);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
@@ -712,22 +751,35 @@ void run(ffi::ThreadPool& pool, std::shared_ptr<Job> j, Drain drain) {
 
 #endif  // __AVX512F__
 
+}  // namespace
+
+namespace jaxbatch_quant {
+// quant_int8.cc: the int8 activation mode (false: this build has none)
+bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
+                     void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
+                     int64_t rb);
+}  // namespace jaxbatch_quant
+
+namespace {
+
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, int64_t fmt,
-                       int64_t k) {
+                       int64_t k, int64_t act) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   const bool bf16 =
       x.element_type() == ffi::DataType::U16 || x.element_type() == ffi::DataType::BF16;
   const bool f32 = x.element_type() == ffi::DataType::F32;
+  const bool out_f32 = out->element_type() == ffi::DataType::F32;
   if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || layer.element_count() != 1 ||
       !(bf16 || f32) || w.element_type() != ffi::DataType::U8 ||
-      (bf16 && !(out->element_type() == ffi::DataType::U16 ||
+      (bf16 && !(out_f32 || out->element_type() == ffi::DataType::U16 ||
                  out->element_type() == ffi::DataType::BF16)) ||
-      (f32 && out->element_type() != ffi::DataType::F32))
+      (f32 && !out_f32))
     return ffi::Error::InvalidArgument(
         "quant_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, N, RB], one layer index, out [M, N] "
-        "in x's dtype");
+        "in x's dtype or f32");
   if (fmt < 0 || fmt > kQ6_K) return ffi::Error::InvalidArgument("quant_matmul: unknown format");
+  if (act != 0 && act != 1) return ffi::Error::InvalidArgument("quant_matmul: act is 0 or 1");
   const int64_t M = xd[0], K = xd[1], N = wd[1];
   if (K != k || K % kBlockWeights[fmt] != 0 || wd[2] != K / kBlockWeights[fmt] * kBlockBytes[fmt] ||
       od[0] != M || od[1] != N)
@@ -735,6 +787,14 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   const int64_t li = layer.typed_data()[0];
   if (li < 0 || li >= wd[0]) return ffi::Error::InvalidArgument("quant_matmul: layer out of range");
   if (M == 0 || N == 0) return ffi::Error::Success();
+  const uint8_t* wl = static_cast<const uint8_t*>(w.untyped_data()) + li * N * wd[2];
+  if (act == 1) {
+    if (jaxbatch_quant::QuantMatmulInt8(pool, x.untyped_data(), bf16, wl, out->untyped_data(),
+                                        out_f32, fmt, M, N, K, wd[2]))
+      return ffi::Error::Success();
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "quant_matmul: act int8 needs AVX512-VNNI (and BW, VL)");
+  }
 #if defined(__AVX512F__)
   auto j = std::make_shared<Job>();
   j->x = x.untyped_data();
@@ -743,7 +803,8 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   j->N = N;
   j->K = K;
   j->rb = wd[2];
-  j->w = static_cast<const uint8_t*>(w.untyped_data()) + li * N * j->rb;
+  j->w = wl;
+  j->out_f32 = out_f32;
   if (f32) {
     run<PathF32>(pool, j, pick<PathF32>(fmt, M));
     return ffi::Error::Success();
@@ -768,7 +829,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Ret<ffi::AnyBuffer>()  // out [M, N]
                                   .Attr<int64_t>("fmt")
-                                  .Attr<int64_t>("k"));
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("act"));  // 0 float, 1 int8 (quant_int8.cc)
 
 // 1 when this build has the bf16-x path (AVX512-BF16), the f32-x path (AVX512F)
 extern "C" int JaxbatchQuantMatmulBf16() {

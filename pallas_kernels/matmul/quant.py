@@ -1,10 +1,20 @@
-"""The GGUF-quantised matmul (quant.cc): x @ W^T with W in llama.cpp's GGUF blocks (Q8_0, Q4_0,
-Q4_K, Q5_K, Q6_K), dequantised inside the dot; built and registered as an XLA FFI custom call by
+"""The GGUF-quantised matmul (quant.cc, quant_int8.cc): x @ W^T with W in llama.cpp's GGUF blocks
+(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K); built and registered as an XLA FFI custom call by
 pallas_kernels/cpu_library.py.
 
-Each output is one f32 sum over K (16 lane partial sums reduced by one fixed tree), rounded once
-to x's dtype: the bits of a row do not depend on how many rows the call has (batch invariant).
-For bf16 x the dequantised weights (f32, as ggml computes them) are rounded to bf16 first.
+Two activation modes, both batch invariant (the bits of a row do not depend on how many rows the
+call has, nor on tiles or threads):
+- act="float": the weights are dequantised inside the dot; each output is one f32 sum over K (16
+  lane partial sums reduced by one fixed tree). For bf16 x the dequantised weights (f32, as ggml
+  computes them) are rounded to bf16 first.
+- act="int8" (llama.cpp's CPU scheme): each row of x is quantised to int8 blocks (32 values for
+  Q8_0/Q4_0 weights, 256 for the K-quants; scale amax / 127, values round-half-even(x * (127 /
+  amax))), dotted with the weights' integer codes exactly (AVX512-VNNI), block scales applied in
+  f32 per block in K order. Fewer instructions per weight: faster where the float mode is
+  compute-bound (see quant_int8.cc's header for the measured table), at the price of x's int8
+  rounding (~0.5% relative error). Choose the mode per weight (format, N, K), never per M.
+
+The result is in x's dtype, or float32 (out_dtype) from bfloat16 x: the f32 sums unrounded.
 """
 
 from __future__ import annotations
@@ -18,28 +28,35 @@ from pallas_kernels.matmul.quant_formats import FORMAT_IDS as _CODES
 from pallas_kernels.matmul.quant_formats import FORMATS, row_bytes  # noqa: F401 - one place
 
 TARGET = "jaxbatch_quant_matmul"
+ACTS = {"float": 0, "int8": 1}  # the kernel's `act` attribute
 
 
-def available(x_dtype) -> bool:
-    """The CPU library is registered and this build has the path for x's dtype: bf16 needs
-    AVX512-BF16, f32 AVX512F."""
+def available(x_dtype, act: str = "float") -> bool:
+    """The CPU library is registered and this build has the path for x's dtype and `act`: float
+    mode bf16 needs AVX512-BF16, f32 AVX512F; int8 mode (either dtype) AVX512-VNNI."""
     dt = jnp.dtype(x_dtype)
-    if dt == jnp.bfloat16:
-        return cpu_library.has("quant_matmul_bf16")
-    if dt == jnp.float32:
-        return cpu_library.has("quant_matmul_f32")
-    return False
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {list(ACTS)}, got {act!r}")
+    if dt not in (jnp.bfloat16, jnp.float32):
+        return False
+    if act == "int8":
+        return cpu_library.has("quant_matmul_int8")
+    return cpu_library.has("quant_matmul_bf16" if dt == jnp.bfloat16 else "quant_matmul_f32")
 
 
-def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str, k: int
-                 ) -> jax.Array:
-    """x [M, K] bfloat16 or float32 @ dequant(w[layer])^T -> [M, N] in x's dtype.
+def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str, k: int,
+                 act: str = "float", out_dtype=None) -> jax.Array:
+    """x [M, K] bfloat16 or float32 @ W(w[layer])^T -> [M, N] in out_dtype (default x's dtype;
+    float32 is allowed for bfloat16 x).
 
     w: uint8 [L, N, RB] (RB = row_bytes(fmt, K)): per layer and output feature the GGUF row's
     raw blocks, as a .gguf file stores a 2-D tensor of ggml shape [K, N]. `layer` (an i32 scalar,
     traced in a layer scan) picks one: pass the stack rather than slicing it in the scan, where
-    XLA copies the slice for the call. A layer out of range is an error at run time."""
+    XLA copies the slice for the call. A layer out of range is an error at run time. `act`:
+    "float" (weights dequantised) or "int8" (x quantised to int8 blocks, integer dots)."""
     rb = row_bytes(fmt, k)
+    if act not in ACTS:
+        raise ValueError(f"quant_matmul: act must be one of {list(ACTS)}, got {act!r}")
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"quant_matmul: x must be [M, {k}], got {x.shape}")
     if w.dtype != jnp.uint8 or w.ndim != 3 or w.shape[2] != rb:
@@ -47,10 +64,15 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
                          f"got {w.dtype} {w.shape}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"quant_matmul: x must be bfloat16 or float32, got {x.dtype}")
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if out_dtype not in (x.dtype, jnp.float32):
+        raise ValueError(f"quant_matmul: out_dtype must be x's dtype or float32, got {out_dtype}")
     m, n = x.shape[0], w.shape[1]
     bits = x.dtype == jnp.bfloat16
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.uint16 if bits else x.dtype))
+    out_bits = out_dtype == jnp.bfloat16
+    call = jax.ffi.ffi_call(
+        TARGET, jax.ShapeDtypeStruct((m, n), jnp.uint16 if out_bits else jnp.float32))
     out = call(jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x, w,
                jnp.asarray(layer, jnp.int32).reshape(1), fmt=np.int64(_CODES[fmt]),
-               k=np.int64(k))
-    return jax.lax.bitcast_convert_type(out, jnp.bfloat16) if bits else out
+               k=np.int64(k), act=np.int64(ACTS[act]))
+    return jax.lax.bitcast_convert_type(out, jnp.bfloat16) if out_bits else out
