@@ -45,7 +45,7 @@ def calibration_ident(model: LoadedModel, config: EngineConfig, runner: Runner,
         "page_size": runner.page_size, "num_pages": runner.num_pages,
         "pages_per_seq": runner.pages_per_seq, "attention": attention_backend,
         "tp": config.runner.tensor_parallel_size, "small_matmul_rows": runner.small_matmul_rows,
-        "batch_invariant": runner.batch_invariant,
+        "batch_invariant": runner.batch_invariant, "quant_acts": runner.quant_acts,
     }, sort_keys=True, default=str)
 
 

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from jaxbatch.config import EngineConfig, cache_dir
 from jaxbatch.core import parallel_sampling
 from jaxbatch.core.detokenizer import IncrementalDetokenizer
@@ -33,7 +35,12 @@ from jaxbatch.engine import compile_guard, invariance, multihost, prompt_logprob
 from jaxbatch.engine.attention import attention_fn, resolve_backend
 from jaxbatch.engine.calibration import calibrate, calibration_ident, calibration_path
 from jaxbatch.engine.client import EngineStats
-from jaxbatch.engine.precision import PrecisionChoice, choose_compute_dtype, choose_small_matmul
+from jaxbatch.engine.precision import (
+    PrecisionChoice,
+    choose_compute_dtype,
+    choose_quant_acts,
+    choose_small_matmul,
+)
 from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
 from jaxbatch.engine.runner import Runner
 from jaxbatch.engine.sharding import collective_gbps, engine_mesh
@@ -127,8 +134,14 @@ class Engine:
                           else 0)
         attention = attention_fn(config.runner.attention_backend, root,  # builds the kernels
                                  batch_invariant=invariant)
+        # GGUF / int8 weights: int8 or float activations per format and shape, as measured
+        quant_shapes = {(f, w.n, w.k) for w in jax.tree.leaves(
+            model.params, is_leaf=lambda w: isinstance(w, QuantWeight))
+            if isinstance(w, QuantWeight) for f in w.fmts}
+        quant_acts = choose_quant_acts(quant_shapes, config.model.dtype, root) \
+            if mesh is None else {}
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
-                        attention, mesh, small_matmul_rows=small_rows)
+                        attention, mesh, small_matmul_rows=small_rows, quant_acts=quant_acts)
         runner.batch_invariant = invariant
         # the runner holds the params in the forms it runs: the loaded copy goes (one resident
         # copy of each weight; the LoadedModel keeps its arch, tokenizer and EOS ids), unless

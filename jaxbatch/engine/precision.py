@@ -220,3 +220,71 @@ def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -
              ", ".join(f"{rows} rows {1e3 * seconds[f'xla {rows}']:.1f} / "
                        f"{1e3 * seconds[f'small {rows}']:.1f}" for rows in SMALL_MATMUL_ROWS))
     return max_rows
+
+
+# ---- the quantised matmul's activation mode ----------------------------------------------------
+QUANT_ACT_ROWS = (1, 512)  # a decode step and a prefill chunk
+_QUANT_ACT_BYTES = 160 << 20  # a weight stack this big is read from memory, not a cache
+# where a block's f16 scale(s) sit (bytes), so that random blocks have small finite scales
+_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _random_blocks(fmt: str, layers: int, n: int, k: int) -> np.ndarray:
+    from pallas_kernels.matmul.quant_formats import FORMATS, row_bytes
+
+    qk, nbytes = FORMATS[fmt]
+    rows = np.random.default_rng(0).integers(0, 256, (layers, n, k // qk, nbytes), np.uint8)
+    for at in _SCALE_BYTES[fmt]:  # f16 0x1c00 = 2^-8
+        rows[..., at], rows[..., at + 1] = 0x00, 0x1C
+    return rows.reshape(layers, n, row_bytes(fmt, k))
+
+
+def _time_quant(fmt: str, n: int, k: int, act: str, rows: int, repeats: int = 5) -> float:
+    """Median seconds of one bf16 call of the quantised matmul in mode `act` on a stack of
+    layers of [n, k] weights in `fmt` (stepping through the layers: read from memory)."""
+    from pallas_kernels.matmul import quant
+    from pallas_kernels.matmul.quant_formats import row_bytes
+
+    layers = max(1, -(-_QUANT_ACT_BYTES // (n * row_bytes(fmt, k))))
+    w = jnp.asarray(_random_blocks(fmt, layers, n, k))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, k)), jnp.bfloat16)
+    call = jax.jit(lambda x, w, li: quant.quant_matmul(x, w, li, fmt=fmt, k=k, act=act))
+    jax.block_until_ready(call(x, w, 0))
+    times = []
+    for i in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(call(x, w, (i + 1) % layers))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root: str
+                      ) -> dict[tuple[str, int, int], str]:
+    """Per (format, n, k) of the model's quantised weights, the quantised matmul's activation
+    mode: "int8" (llama.cpp's scheme) where it is faster than "float" by the geometric mean of
+    the two step sizes' times (QUANT_ACT_ROWS), else "float"; measured once per machine and
+    shape (cached). Only for bfloat16 compute (already rounded activations); float32 keeps
+    "float" (its exactness against float32 references)."""
+    from pallas_kernels.matmul import quant
+
+    if dtype != "bfloat16" or not shapes or not quant.available(jnp.bfloat16, act="int8") \
+            or not quant.available(jnp.bfloat16):
+        return {}
+    out: dict[tuple[str, int, int], str] = {}
+    for fmt, n, k in sorted(shapes):
+        ident = f"{device_identity()}|jax {jax.__version__}|{fmt} {n}x{k}|quant act v1"
+        key = hashlib.sha256(ident.encode()).hexdigest()[:20]
+        path = os.path.join(cache_root, "precision", f"quant-act-{key}.json")
+        def measure(fmt: str = fmt, n: int = n, k: int = k) -> dict[str, float]:
+            return {f"{act} {rows}": _time_quant(fmt, n, k, act, rows)
+                    for rows in QUANT_ACT_ROWS for act in ("float", "int8")}
+
+        seconds, source = _cached(path, ident, "seconds", measure)
+        ratio = float(np.prod([seconds[f"int8 {r}"] / seconds[f"float {r}"]
+                               for r in QUANT_ACT_ROWS])) ** (1 / len(QUANT_ACT_ROWS))
+        out[fmt, n, k] = "int8" if ratio < 1.0 else "float"
+        log.info("quantised matmul %s [%d x %d]: %s activations (%s: int8 / float time %s)",
+                 fmt, n, k, out[fmt, n, k], source, ", ".join(
+                     f"{r} rows {seconds[f'int8 {r}'] / seconds[f'float {r}']:.2f}"
+                     for r in QUANT_ACT_ROWS))
+    return out

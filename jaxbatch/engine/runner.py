@@ -88,7 +88,8 @@ def plain_greedy(s: Any) -> bool:
 
 class Runner:
     def __init__(self, arch: ModelArch, params: Any, cache: CacheConfig, max_model_len: int,
-                 attention_fn: Any, mesh: Any = None, small_matmul_rows: int = 0) -> None:
+                 attention_fn: Any, mesh: Any = None, small_matmul_rows: int = 0,
+                 quant_acts: dict[tuple[str, int, int], str] | None = None) -> None:
         """`mesh`: a "tp" mesh (engine/sharding.py) to run on, else the default device.
         `small_matmul_rows`: bf16 weights also packed for the small-matmul kernel, which steps
         of at most that many tokens run (llama.as_run_on_cpu; the engine measures up to where
@@ -101,8 +102,11 @@ class Runner:
         # bf16 on CPU: layers as uint16 bits, linear weights [out, in] (not under tensor parallelism)
         one_device = self.placement is None
         self.small_matmul_rows = small_matmul_rows if one_device else 0
+        acts = quant_acts or {}
+        self.quant_acts = {f"{f} {n}x{k}": a for (f, n, k), a in sorted(acts.items())}
         params = llama.as_run_on_cpu(params, arch, out_in=one_device,
-                                     small_matmul_rows=self.small_matmul_rows)
+                                     small_matmul_rows=self.small_matmul_rows,
+                                     quant_acts=lambda f, n, k: acts.get((f, n, k), "float"))
         if self.placement is not None:
             params = sharding.place(params, self.placement.params)
         self.params = params

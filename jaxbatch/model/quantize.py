@@ -62,6 +62,10 @@ class QuantWeight:
     stacked: bool = dataclasses.field(metadata={"static": True})
     # run through the CPU kernel (set by llama.as_run_on_cpu where it is built), else jnp
     kernel: bool = dataclasses.field(default=False, metadata={"static": True})
+    # per part, the kernel's activations: "float" (weights dequantised into the dot) or "int8"
+    # (x quantised per row to int8 blocks, integer dots: llama.cpp's scheme); chosen per format
+    # and shape by measurement (engine/precision.py), never per step size; () = all "float"
+    acts: tuple[str, ...] = dataclasses.field(default=(), metadata={"static": True})
     # inside the layer scan: the parts are the whole stacks and this i32 scalar picks the layer
     layer: jax.Array | None = None
 
@@ -178,8 +182,9 @@ def quant_matmul(x: jax.Array, w: QuantWeight, out_dtype: Any = None) -> jax.Arr
             from pallas_kernels.matmul import quant
 
             stack = blocks if w.stacked else blocks[None]
-            return quant.quant_matmul(x, stack, 0 if index is None else index, fmt=fmt, k=w.k
-                                      ).astype(out_dtype)
+            return quant.quant_matmul(x, stack, 0 if index is None else index, fmt=fmt, k=w.k,
+                                      act=w.acts[part] if w.acts else "float",
+                                      out_dtype=out_dtype)
         rows = blocks if index is None else blocks[index]
         wf = quant_formats.dequantize(rows, fmt, w.k).astype(x.dtype)  # [n, k]
         return jax.lax.dot_general(x, wf, (((1,), (1,)), ((), ())),

@@ -78,3 +78,48 @@ def test_small_matmul_rows_are_where_it_wins(tmp_path, monkeypatch, kernel_s, wa
                                    for p in (False, True))
     assert precision.choose_small_matmul(64, 128, 2, str(tmp_path)) == want  # cached
     assert len(calls) == 2 * len(precision.SMALL_MATMUL_ROWS)
+
+
+@pytest.mark.parametrize("int8_s,want", [
+    ({1: 0.5, 512: 0.5}, "int8"),    # faster at both step sizes
+    ({1: 0.5, 512: 1.5}, "int8"),    # geometric mean 0.87: decode's gain outweighs prefill's loss
+    ({1: 0.9, 512: 1.5}, "float"),   # geometric mean 1.16
+    ({1: 1.2, 512: 1.0}, "float"),
+])
+def test_quant_activation_mode_is_the_faster_and_cached(tmp_path, monkeypatch, int8_s, want):
+    from pallas_kernels.matmul import quant
+
+    calls = []
+
+    def fake_time(fmt, n, k, act, rows, repeats=5):
+        calls.append((fmt, act, rows))
+        return int8_s[rows] if act == "int8" else 1.0
+
+    monkeypatch.setattr(precision, "_time_quant", fake_time)
+    monkeypatch.setattr(quant, "available", lambda dtype, act="float": True)
+    shapes = {("Q4_K", 512, 2048), ("Q6_K", 2048, 512)}
+    got = precision.choose_quant_acts(shapes, "bfloat16", str(tmp_path))
+    assert got == {s: want for s in shapes}
+    assert len(calls) == 2 * 2 * len(precision.QUANT_ACT_ROWS)
+    assert precision.choose_quant_acts(shapes, "bfloat16", str(tmp_path)) == got  # cached
+    assert len(calls) == 2 * 2 * len(precision.QUANT_ACT_ROWS)
+    # float32 compute keeps float activations (exactness against float32 references)
+    assert precision.choose_quant_acts(shapes, "float32", str(tmp_path)) == {}
+
+
+def test_quant_activation_measurement_runs(tmp_path):
+    """The real measurement on a small shape: both modes run and one is chosen (skipped where
+    the CPU has no int8 path)."""
+    from pallas_kernels import cpu_library
+    from pallas_kernels.matmul import quant
+
+    if cpu_library.available(str(tmp_path / "kernels")) is not None or \
+            not quant.available(jnp.bfloat16, act="int8"):
+        pytest.skip("no quantised int8 matmul on this CPU (AVX512-VNNI) or no C++ library")
+    monkeypatch_bytes = precision._QUANT_ACT_BYTES
+    try:
+        precision._QUANT_ACT_BYTES = 1 << 20
+        got = precision.choose_quant_acts({("Q8_0", 64, 256)}, "bfloat16", str(tmp_path))
+    finally:
+        precision._QUANT_ACT_BYTES = monkeypatch_bytes
+    assert got[("Q8_0", 64, 256)] in ("int8", "float")
