@@ -277,7 +277,7 @@ def main() -> None:
             for other in base[1:]:
                 print(f"{dtype}: steady wall {base[0]['engine']} / {other['engine']} = "
                       f"{base[0]['steady_wall_s'] / other['steady_wall_s']:.2f}")
-    if len(modes) > 1:  # the batch-invariant mode's cost, and that it keeps the greedy tokens'
+    if len(modes) > 1:  # the batch-invariant mode's cost (its greedy tokens may differ: other sums)
         for r in [r for r in ours if r["engine"].endswith(" invariant")]:
             base = next(b for b in ours if b["engine"] == r["engine"][: -len(" invariant")])
             print(f"{r['engine']}: steady throughput {r['steady_total_tok_s'] / base['steady_total_tok_s']:.3f}x of "

@@ -118,13 +118,12 @@ class Engine:
         # kernel measures faster than XLA's dot run through it (engine/precision.py); not
         # measured when every linear weight is quantised (the quantised kernel runs those): on a
         # 1B GGUF the measurement's bf16 layer stacks were most of the first start's peak memory
-        float_linears = any(not isinstance(w, QuantWeight) for name, w in
-                            model.params["layers"].items() if name in LINEAR_WEIGHTS)
-        quantised = any(isinstance(w, QuantWeight) for name, w in
-                        model.params["layers"].items() if name in LINEAR_WEIGHTS)
+        linears = [isinstance(w, QuantWeight) for name, w in model.params["layers"].items()
+                   if name in LINEAR_WEIGHTS]
+        float_linears, quantised = not all(linears), any(linears)
+        backend = resolve_backend(config.runner.attention_backend, root)  # builds the kernels
         invariant = invariance.resolve(config.runner.batch_invariant, invariance.obstacle(
-            config.model.dtype, mesh is not None, float_linears, quantised,
-            resolve_backend(config.runner.attention_backend, root)))
+            config.model.dtype, mesh is not None, float_linears, quantised, backend))
         if invariant:  # one kernel for every step (engine/invariance.py)
             small_rows = invariance.ALL_ROWS if float_linears else 0
         else:
@@ -132,8 +131,7 @@ class Engine:
                                               arch.num_layers, root)
                           if mesh is None and config.model.dtype == "bfloat16" and float_linears
                           else 0)
-        attention = attention_fn(config.runner.attention_backend, root,  # builds the kernels
-                                 batch_invariant=invariant)
+        attention = attention_fn(backend, root, batch_invariant=invariant)
         # GGUF / int8 weights: int8 or float activations per format and shape, as measured
         quant_shapes = {(f, w.n, w.k) for w in jax.tree.leaves(
             model.params, is_leaf=lambda w: isinstance(w, QuantWeight))
@@ -155,8 +153,7 @@ class Engine:
         planner = make_planner(config, model.arch, collective_gbps(
             config.planner.collective_gbps, runner.placement, model.arch.hidden_size))
         # step times saved by an earlier start of the same model on this machine are reused
-        ident = calibration_ident(model, config, runner,
-                                  resolve_backend(config.runner.attention_backend, root))
+        ident = calibration_ident(model, config, runner, backend)
         with compile_guard.planned():
             warmup = runner.compile(planner.buckets, progress=config.runner.progress)
             calibrate(planner, runner, calibration_path(root, ident), ident,

@@ -1,5 +1,5 @@
-"""Batch-invariant numerics (`batch_invariant: true`, `--batch-invariant`; on by default for
-`jaxbatch batch`): a request gives the same tokens alone or in any batch, in any bucket, at any
+"""Batch-invariant numerics (`batch_invariant: true | false | auto`, `--batch-invariant`;
+`jaxbatch batch` runs auto): a request gives the same tokens alone or in any batch, in any bucket, at any
 row of its step, with prefix caching on or off and at any prefill chunking, because every number
 of a row is computed by a sequence of operations fixed by that row's own data.
 
@@ -11,11 +11,12 @@ What each part of the step does for it:
 - GGUF and int8 weights: the quantised matmul (quant.cc) is invariant by construction, mode or
   not.
 - the head's logits stay float32 (always, mode or not).
-- attention (the CPU kernel, pallas_kernels/attention/cpu_attention.cc): keys in 512-key splits
-  from position 0 for every query row.
-- norms, rope, activations, the sampler: per-row XLA ops; the sampler's random stream is keyed by
-  (seed, output index) and its top-k / top-p cut does not depend on the other rows
-  (engine/sampler.py).
+- attention (the CPU kernel, pallas_kernels/attention/cpu_attention.cc, `invariant`): keys in
+  512-key splits from position 0; every row of every item on the decode rows' path and every key
+  through the vector exp, whatever the item's rows or the step's share of the sequence.
+- RMSNorm and the sampler's sums: a fixed pairwise order (model/fixed_order.py); rope and
+  activations are elementwise. The sampler's random stream is keyed by (seed, output index) and
+  its top-k / top-p cut does not depend on the other rows (engine/sampler.py).
 tests/engine/test_batch_invariance.py checks the whole step on bench64.
 """
 

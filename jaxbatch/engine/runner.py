@@ -148,7 +148,7 @@ class Runner:
         # multi-host: on process 0, a multihost.Leader (set by the engine) that announces every
         # device operation to the other processes before it runs
         self.leader: Any = None
-        # the engine's decision (engine/invariance.py), for its stats and the calibration key
+        # the engine's decision (engine/invariance.py), part of the calibration key
         self.batch_invariant = False
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
         # (S, False): the sampler for S rows (logits, sampling inputs, raw logits); (S, True):
