@@ -180,8 +180,78 @@ class RunnerConfig:
                              f"{self.attention_backend!r}")
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` JSON (engine/speculation.py): proposals checked in the
+    ordinary step. ngram: the request's own prompt and output (prompt_lookup_min..max tokens
+    matched); draft_model: a smaller model with the same vocabulary (`model`). `adaptive`
+    (jaxbatch's): each step picks how many proposals each request verifies, 0..
+    num_speculative_tokens, from the planner's step costs and the request's acceptance so far;
+    false: always as many as there are."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got "
+                             f"{self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be in 1..16, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method draft_model needs a `model` (and only "
+                             "it takes one)")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A JSON string, a dict (vLLM's keys) or None; ValueError naming an unknown key."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        value = dict(value)
+        if value.get("method") is None:
+            value["method"] = "draft_model" if value.get("model") else "ngram"
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        return cls(**value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationConfig:
+    """The engine's speculative decoding, None: off (one flat key, as vLLM's)."""
+
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
+
+
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-          "planner": PlannerConfig, "runner": RunnerConfig}
+          "planner": PlannerConfig, "runner": RunnerConfig, "speculation": SpeculationConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +261,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     planner: PlannerConfig = PlannerConfig()
     runner: RunnerConfig = RunnerConfig()
+    speculation: SpeculationConfig = SpeculationConfig()
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> EngineConfig:

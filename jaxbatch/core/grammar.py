@@ -140,14 +140,18 @@ class GrammarMatchers:
         return matcher.is_stopped()
 
     def step_bitmask(self, seqs: Sequence[ScheduledSeq], num_rows: int) -> np.ndarray:
-        """i32[num_rows, words]: row i the tokens seqs[i]'s grammar allows next (rows that
-        sample, of requests with a grammar); every other row all ones. Steps without a
-        constrained row share one read-only array per row count."""
+        """i32[num_rows, words]: the logit row of each sequence that samples, of requests with
+        a grammar, the tokens its grammar allows next; every other row all ones. Steps without a
+        constrained row share one read-only array per row count. (A sequence takes
+        num_logit_rows rows; constrained ones never speculate: engine/speculation.py.)"""
         todo = []
-        for i, s in enumerate(seqs):
+        row = 0
+        for s in seqs:
             params = s.request.sampling_params.structured_outputs
             if s.samples and params is not None:
-                todo.append((self._matcher(s.request, params), i))
+                assert not s.spec_token_ids, "a constrained request does not speculate"
+                todo.append((self._matcher(s.request, params), row))
+            row += s.num_logit_rows
         if not todo:
             mask = self._unconstrained.get(num_rows)
             if mask is None:

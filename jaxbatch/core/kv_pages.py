@@ -153,6 +153,16 @@ class PageAllocator:
                     self.evictable[page] = None
         page_table.clear()
 
+    def truncate(self, page_table: list[int], num_tokens: int) -> None:
+        """Release the pages past those `num_tokens` tokens need (in place): a speculative
+        step's rejected proposals. Only a sequence's private tail pages (never cached: not
+        full of accepted tokens) can be past that."""
+        keep = -(-num_tokens // self.page_size)
+        if len(page_table) > keep:
+            tail = page_table[keep:]
+            del page_table[keep:]
+            self.free(tail)
+
     # ---- prefix cache -------------------------------------------------------------------------
     def match(self, hashes: Sequence[PageHash]) -> list[int]:
         """The cached pages of the longest prefix of `hashes` (no reference taken: pass them to

@@ -51,11 +51,22 @@ class ScheduledSeq:
     request: Request
     start: int  # num_computed_tokens when scheduled: position of the first new token
     num_new_tokens: int  # the planner may trim the last prefill chunk (never below 1)
+    # speculative decoding (engine/speculation.py): proposed tokens after the request's last
+    # one, run in this step (they are the last len(spec_token_ids) of num_new_tokens) and
+    # verified against the logits of every row from the last known token on
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """This row reaches the end of the known tokens, so its logits produce the next token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.spec_token_ids) \
+            == self.request.num_tokens
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of the step's logits (and sampler) this sequence takes: one, and one more per
+        proposed token. A bucket's num_seqs bounds both its sequences and its logit rows."""
+        return 1 + len(self.spec_token_ids)
 
     @property
     def is_prefill(self) -> bool:
@@ -70,6 +81,11 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def num_rows(self) -> int:
+        """Logit rows (one per sequence, one more per proposed token): the step's S."""
+        return sum(s.num_logit_rows for s in self.seqs)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -243,19 +259,38 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
+    def add_speculation(self, seq: ScheduledSeq, proposals: list[int]) -> bool:
+        """Run `proposals` after the decode `seq` in this step (engine/speculation.py): their
+        KV slots come from free pages only (speculation never preempts or evicts a request);
+        False, and no change, when the pages are short."""
+        assert seq.samples and not seq.spec_token_ids and seq.num_new_tokens == 1, seq
+        req = seq.request
+        if not self.pages.allocate(req.page_table, req.num_tokens + len(proposals)):
+            return False
+        seq.spec_token_ids = list(proposals)
+        seq.num_new_tokens += len(proposals)
+        return True
+
     # ---- after the step --------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[tuple[Request, int]]:
-        """Advance progress; append sampled tokens. Returns (request, new token) pairs."""
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int | list[int]]
+               ) -> list[tuple[Request, list[int]]]:
+        """Advance progress; append sampled tokens: one per sampling row, or a verified
+        sequence's accepted proposals and the token after them (the KV of the rejected ones is
+        dropped, and pages that held only them are freed). Returns (request, new tokens)."""
         new_tokens = []
         for s in batch.seqs:
             req = s.request
-            req.num_computed_tokens = s.start + s.num_new_tokens
+            got = sampled.get(req.request_id) if s.samples else None
+            toks = [got] if isinstance(got, int) else got
+            rejected = len(s.spec_token_ids) - (len(toks) - 1 if toks else 0)
+            req.num_computed_tokens = s.start + s.num_new_tokens - rejected
+            if toks:  # first: the accepted proposals' pages are hashed over them
+                req.output_token_ids.extend(toks)
+                new_tokens.append((req, toks))
             if self.pages.enable_caching:
                 self._cache_full_pages(req, s.start)
-            if req.num_computed_tokens == req.num_tokens and req.request_id in sampled:
-                tok = sampled[req.request_id]
-                req.output_token_ids.append(tok)
-                new_tokens.append((req, tok))
+            if s.spec_token_ids:
+                self.pages.truncate(req.page_table, req.num_tokens)
             if req.forks and req.num_tokens_owed == 0:
                 self._fork(req)
         return new_tokens

@@ -44,6 +44,7 @@ from jaxbatch.engine.precision import (
 from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
 from jaxbatch.engine.runner import Runner
 from jaxbatch.engine.sharding import collective_gbps, engine_mesh
+from jaxbatch.engine.speculation import Speculator, make_speculator
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
 from jaxbatch.model.loader import LoadedModel, load_arch, load_model
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
@@ -86,6 +87,9 @@ class Engine:
         # time.monotonic() when the last step left nothing to run, None while there is work:
         # live re-planning compiles in such lulls (engine/replan.py); read from its thread
         self.idle_since: float | None = None
+        # speculative decoding (engine/speculation.py); None: off
+        self.speculator: Speculator | None = make_speculator(
+            config.speculation.speculative_config, self.max_model_len)
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LoadedModel | None = None,
@@ -269,8 +273,10 @@ class Engine:
             self._check_guard()
             self._note_idle()
             return outputs
+        if self.speculator is not None:  # proposals join the decode rows, as far as they pay
+            self.speculator.extend(batch, self.scheduler, self.planner.step_cost)
         if self.replan is not None:
-            self.replan.observe(batch.num_tokens, len(batch.seqs))
+            self.replan.observe(batch.num_tokens, batch.num_rows)
         sampled: dict[str, tuple] = {}
         ran: list[ScheduledSeq] = []
         for sub in self.planner.plan(batch):
@@ -283,9 +289,14 @@ class Engine:
             if targets is not None:  # some row asked for its prompt's logprobs
                 prompt_logprobs.collect(sub.seqs, self.runner.prompt_logprobs(targets))
             ran.extend(sub.seqs)
-            for i, s in enumerate(sub.seqs):
+            row = 0  # a sequence's first logit row (a speculating one has one per proposal too)
+            for s in sub.seqs:
                 if s.samples:
-                    sampled[s.request.request_id] = (int(out.token_ids[i]), out, i)
+                    draws = out.token_ids[row : row + s.num_logit_rows]
+                    toks = [int(draws[0])] if not s.spec_token_ids else \
+                        self.speculator.verify(s, draws)  # type: ignore[union-attr]
+                    sampled[s.request.request_id] = (toks, out, row)
+                row += s.num_logit_rows
             self.trace.record(sub, time.perf_counter() - t_sub, self.planner.predict(sub.bucket))
         # rows that did not run (their sub-step lost a failed request) are scheduled again
         new_tokens = self.scheduler.update(ScheduledBatch(ran, batch.preempted),
@@ -294,9 +305,9 @@ class Engine:
         if copies:
             self.runner.copy_pages(copies)  # before any later step writes the copies
         now = time.time()
-        for req, tok in new_tokens:
+        for req, toks in new_tokens:
             try:
-                outputs.append(self._advance(req, tok, sampled[req.request_id], now))
+                outputs.append(self._advance(req, toks, sampled[req.request_id], now))
             except Exception as e:  # noqa: BLE001 - this request's post-processing alone
                 self._fail(req, e, outputs)
         self._check_guard()
@@ -322,23 +333,35 @@ class Engine:
                 self._fail(sub.seqs.pop(e.row).request, e.cause, outputs)
         return None
 
-    def _advance(self, req: Request, tok: int, sample: tuple, now: float) -> RequestOutput:
-        """A sampled token joins its request: logprobs, stop checks, the output delta."""
+    def _advance(self, req: Request, toks: list[int], sample: tuple, now: float
+                 ) -> RequestOutput:
+        """Sampled tokens join their request (the scheduler appended them): logprobs, stop
+        checks token by token (a stop among a verified sequence's tokens drops the ones after
+        it), one output delta."""
         if req.first_token_time is None:
             req.first_token_time = now
-        if req.sampling_params.logprobs is not None:
-            _, out, i = sample
-            n = req.sampling_params.logprobs
-            top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i][:n],
-                                                         out.top_logprobs[i][:n])]
-            req.logprobs.append(_logprob_dict(tok, float(out.logprobs[i]), top))
-        status = self._check_stop(req, tok)
-        if status is None and self.grammars.advance(req, tok):
-            status = RequestStatus.FINISHED_STOPPED  # grammar complete: only EOS could follow
+        _, out, row = sample
+        first = len(req.output_token_ids) - len(toks)
+        del req.output_token_ids[first:]  # re-appended one by one: the checks count them
+        status = None
+        for j, tok in enumerate(toks):
+            req.output_token_ids.append(tok)
+            if req.sampling_params.logprobs is not None:
+                n = req.sampling_params.logprobs
+                top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[row + j][:n],
+                                                             out.top_logprobs[row + j][:n])]
+                req.logprobs.append(_logprob_dict(tok, float(out.logprobs[row + j]), top))
+            status = self._check_stop(req, tok)
+            if status is None and self.grammars.advance(req, tok):
+                status = RequestStatus.FINISHED_STOPPED  # grammar complete: only EOS could follow
+            if status is not None:
+                break
         if status is not None:
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             self.scheduler.finish_request(req, status)
             req.finish_time = now
-        output = self._output(req, finished=status is not None, new_ids=[tok])
+        output = self._output(req, finished=status is not None,
+                              new_ids=req.output_token_ids[first:])
         if status is not None:
             self._forget(req)
         return output
@@ -408,6 +431,8 @@ class Engine:
         )
 
     def _forget(self, req: Request) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         self.last_finished.append(req)
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)

@@ -3,7 +3,8 @@
 Layout (T = bucket tokens, S = bucket sequences, W = pages per sequence, B = banned-id width):
   token_ids i32[T], positions i32[T], slot_mapping i32[T]   padding rows: token 0, dummy slot 0
   kv_lens i32[S], page_indices i32[S, W], cu_q_lens i32[S+1], num_seqs i32[1]
-  logits_indices i32[S]                                       last new token of each sequence
+  logits_indices i32[S]   the rows that sample: the last new token of each sequence, and with
+                          speculative decoding its proposals' rows too (ScheduledSeq.num_logit_rows)
   sampling: temperature f32[S], top_k i32[S], top_p f32[S], min_p f32[S], seeds u32[S],
             counters i32[S] (output index, folded into the seed), banned i32[S, B] (-1: none),
             want_logprobs bool[S]; and, only when some row has logit_bias, a penalty or more
@@ -73,7 +74,8 @@ def build_step_inputs(
     whose rows need them."""
     T, S = bucket
     n_tok = sum(s.num_new_tokens for s in seqs)
-    assert n_tok <= T and len(seqs) <= S, (n_tok, len(seqs), bucket)
+    n_rows = sum(s.num_logit_rows for s in seqs)
+    assert n_tok <= T and n_rows <= S, (n_tok, n_rows, bucket)
     i32 = np.int32
     token_ids = np.zeros(T, i32)
     positions = np.zeros(T, i32)
@@ -82,57 +84,66 @@ def build_step_inputs(
     page_indices = np.zeros((S, pages_per_seq), i32)
     cu_q_lens = np.full(S + 1, n_tok, i32)
     logits_indices = np.zeros(S, i32)
-    temperature = np.zeros(S, np.float32)
-    top_k = np.zeros(S, i32)
-    top_p = np.ones(S, np.float32)
-    min_p = np.zeros(S, np.float32)
-    seeds = np.zeros(S, np.uint32)
-    counters = np.zeros(S, i32)
-    banned = np.full((S, MAX_BANNED_IDS), -1, i32)
-    want_logprobs = np.zeros(S, bool)
-    adjust: LogitsAdjustments | None = None
-    off = 0
+    arrays = SamplingInputs(np.zeros(S, np.float32), np.zeros(S, i32), np.ones(S, np.float32),
+                            np.zeros(S, np.float32), np.zeros(S, np.uint32), np.zeros(S, i32),
+                            np.full((S, MAX_BANNED_IDS), -1, i32), np.zeros(S, bool), None,
+                            token_bitmask)
+    off = r = 0  # the next token row, the next logit row
     for i, s in enumerate(seqs):
         try:
             req, n = s.request, s.num_new_tokens
+            spec = s.spec_token_ids
             pos = np.arange(s.start, s.start + n, dtype=i32)
             pt = np.asarray(req.page_table, i32)
-            token_ids[off : off + n] = req.token_slice(s.start, s.start + n)
+            token_ids[off : off + n - len(spec)] = req.token_slice(s.start,
+                                                                   s.start + n - len(spec))
+            token_ids[off + n - len(spec) : off + n] = spec
             positions[off : off + n] = pos
             slot_mapping[off : off + n] = pt[pos // page_size] * page_size + pos % page_size
             kv_lens[i] = s.start + n
             page_indices[i, : len(pt)] = pt
             cu_q_lens[i] = off
-            logits_indices[i] = off + n - 1
-            sp = req.sampling_params
-            temperature[i] = sp.temperature
-            top_k[i] = sp.top_k if sp.top_k > 0 else 0
-            top_p[i] = sp.top_p
-            min_p[i] = sp.min_p
-            seeds[i] = request_seed(req)
-            counters[i] = len(req.output_token_ids)
-            ban: tuple[int, ...] = ()
-            if len(req.output_token_ids) < sp.min_tokens:
-                ban = tuple(dict.fromkeys(sp.stop_ids + (() if sp.ignore_eos
-                                                          else eos_token_ids)))
-                if len(ban) <= MAX_BANNED_IDS:
-                    banned[i, : len(ban)] = ban
-                    ban = ()
-            if ban or sp.logit_bias or sp.has_penalties:
-                if adjust is None:
-                    adjust = empty_adjustments(S, vocab_size, history_len)
-                _write_adjustments(adjust, i, req, ban)
-            want_logprobs[i] = sp.logprobs is not None
+            # one logit row per row that may sample: the last known token's, then each proposal's
+            # (row j draws the token after proposal j-1, as a plain step would after it)
+            for j in range(s.num_logit_rows):
+                logits_indices[r] = off + n - 1 - len(spec) + j
+                _write_sampling(r, req, spec[:j], eos_token_ids, vocab_size, history_len, S,
+                                arrays)
+                r += 1
             off += n
         except Exception as e:  # noqa: BLE001 - one request's data; the caller isolates it
             raise RowError(i, e) from e
     return StepInputs(
         token_ids, positions,
         AttentionInputs(slot_mapping, kv_lens, page_indices, cu_q_lens, np.array([len(seqs)], i32)),
-        logits_indices,
-        SamplingInputs(temperature, top_k, top_p, min_p, seeds, counters, banned, want_logprobs,
-                       adjust, token_bitmask),
+        logits_indices, arrays,
     )
+
+
+def _write_sampling(r: int, req, proposed: list[int], eos_token_ids: tuple[int, ...],
+                    vocab_size: int, history_len: int, S: int, a: SamplingInputs) -> None:
+    """Logit row r's sampling inputs: those of the request's next token after `proposed` (the
+    proposals verified before this row; none for a plain row): its output index, its bans until
+    min_tokens, its penalties' history."""
+    sp = req.sampling_params
+    n_out = len(req.output_token_ids) + len(proposed)
+    a.temperature[r] = sp.temperature
+    a.top_k[r] = sp.top_k if sp.top_k > 0 else 0
+    a.top_p[r] = sp.top_p
+    a.min_p[r] = sp.min_p
+    a.seeds[r] = request_seed(req)
+    a.counters[r] = n_out
+    ban: tuple[int, ...] = ()
+    if n_out < sp.min_tokens:
+        ban = tuple(dict.fromkeys(sp.stop_ids + (() if sp.ignore_eos else eos_token_ids)))
+        if len(ban) <= MAX_BANNED_IDS:
+            a.banned[r, : len(ban)] = ban
+            ban = ()
+    if ban or sp.logit_bias or sp.has_penalties:
+        if a.adjust is None:
+            a.adjust = empty_adjustments(S, vocab_size, history_len)
+        _write_adjustments(a.adjust, r, req, ban, proposed)
+    a.want_logprobs[r] = sp.logprobs is not None
 
 
 def empty_adjustments(S: int, vocab_size: int, history_len: int) -> LogitsAdjustments:
@@ -150,8 +161,10 @@ def empty_adjustments(S: int, vocab_size: int, history_len: int) -> LogitsAdjust
     )
 
 
-def _write_adjustments(a: LogitsAdjustments, i: int, req, ban: tuple[int, ...]) -> None:
-    """Row i's logit_bias, ids banned beyond the plain width (-inf) and penalty inputs."""
+def _write_adjustments(a: LogitsAdjustments, i: int, req, ban: tuple[int, ...],
+                       proposed: list[int]) -> None:
+    """Row i's logit_bias, ids banned beyond the plain width (-inf) and penalty inputs (the
+    generated tokens followed by the proposals verified before this row)."""
     sp = req.sampling_params
     if sp.logit_bias:
         a.bias[i, list(sp.logit_bias)] = list(sp.logit_bias.values())
@@ -161,6 +174,7 @@ def _write_adjustments(a: LogitsAdjustments, i: int, req, ban: tuple[int, ...]) 
         n_p, n_o = len(req.prompt_token_ids), len(req.output_token_ids)
         a.history[i, :n_p] = req.prompt_token_ids
         a.history[i, n_p : n_p + n_o] = req.output_token_ids
+        a.history[i, n_p + n_o : n_p + n_o + len(proposed)] = proposed
         a.num_prompt[i] = n_p
         a.repetition[i] = sp.repetition_penalty
         a.frequency[i] = sp.frequency_penalty

@@ -98,6 +98,12 @@ class StepPlanner:
                            f" buckets: {self.buckets}")
         return self.buckets[int(self._fit_idx[self._cell(num_tokens, num_seqs)])]
 
+    def step_cost(self, tokens: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """Vectorised c(fit(t, s)): the predicted seconds of a step of t tokens in s rows padded
+        to its bucket (measured, once calibrated); inf where no bucket holds it (speculative
+        decoding prices its extra rows with it: engine/speculation.py)."""
+        return self._fit_cost_of(np.asarray(tokens), np.asarray(count))
+
     def _fit_cost_of(self, tokens: np.ndarray, count: np.ndarray) -> np.ndarray:
         """Vectorised c(fit(t, s)); inf where no bucket holds the step."""
         i = np.searchsorted(self._sizes_t, tokens)
@@ -123,7 +129,7 @@ class StepPlanner:
         """The sub-steps of one scheduled batch (a trim shortens a row's num_new_tokens in place:
         the scheduler's update() reads it)."""
         seqs = batch.seqs
-        t, s = batch.num_tokens, len(seqs)
+        t, s = batch.num_tokens, batch.num_rows  # rows: sequences and their proposals
         pad = self.fit(t, s)
         pad_cost = self.bucket_cost[pad]
         padding = pad.num_tokens - t
@@ -162,29 +168,34 @@ class StepPlanner:
     def _split_option(self, seqs: list[ScheduledSeq], t: int
                       ) -> tuple[float, list[SubStep]] | None:
         lens = [s.num_new_tokens for s in seqs]
-        groups, total = split_dp(lens, self._fit_cost_of)
+        rows = [s.num_logit_rows for s in seqs]
+        groups, total = split_dp(lens, self._fit_cost_of, rows)
         if len(groups) < 2:
             return None
         subs = []
         for g in groups:
             members = [seqs[k] for k in sorted(g)]
-            subs.append(SubStep(self.fit(sum(lens[k] for k in g), len(members)), members))
+            subs.append(SubStep(self.fit(sum(lens[k] for k in g), sum(rows[k] for k in g)),
+                                members))
         return total / t, subs
 
 
-def split_dp(lengths: list[int], group_cost: Callable[[np.ndarray, np.ndarray], np.ndarray]
-             ) -> tuple[list[list[int]], float]:
-    """Ragged split: partition rows, sorted by length, into contiguous groups; a group of `count`
-    rows holding `tokens` tokens costs group_cost(tokens, count) (vectorised). Exact over
-    contiguous groupings of the sorted order. Returns (groups of row indices, total cost)."""
+def split_dp(lengths: list[int], group_cost: Callable[[np.ndarray, np.ndarray], np.ndarray],
+             rows: list[int] | None = None) -> tuple[list[list[int]], float]:
+    """Ragged split: partition rows, sorted by length, into contiguous groups; a group holding
+    `tokens` tokens in `count` logit rows (`rows` per sequence, default one) costs
+    group_cost(tokens, count) (vectorised). Exact over contiguous groupings of the sorted order.
+    Returns (groups of row indices, total cost)."""
     n = len(lengths)
     order = np.argsort(np.asarray(lengths), kind="stable")
     pre = np.concatenate([[0], np.cumsum(np.asarray(lengths, np.int64)[order])])
+    weight = np.ones(n, np.int64) if rows is None else np.asarray(rows, np.int64)
+    pre_rows = np.concatenate([[0], np.cumsum(weight[order])])
     best = np.full(n + 1, INF)
     best[0] = 0.0
     arg = np.zeros(n + 1, np.int64)
     for j in range(1, n + 1):
-        c = best[:j] + group_cost(pre[j] - pre[:j], j - np.arange(j))
+        c = best[:j] + group_cost(pre[j] - pre[:j], pre_rows[j] - pre_rows[:j])
         arg[j] = int(np.argmin(c))
         best[j] = c[arg[j]]
     groups: list[list[int]] = []

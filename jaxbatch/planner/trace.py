@@ -47,7 +47,9 @@ class StepRecord:
     @classmethod
     def of(cls, seqs: Sequence[ScheduledSeq], bucket: Bucket | None, step: int | None = None,
            measured_s: float | None = None, predicted_s: float | None = None) -> StepRecord:
-        return cls(step=step, tokens=sum(s.num_new_tokens for s in seqs), seqs=len(seqs),
+        # seqs: logit rows (a speculating sequence's proposals take rows too: the bucket's S)
+        return cls(step=step, tokens=sum(s.num_new_tokens for s in seqs),
+                   seqs=sum(s.num_logit_rows for s in seqs),
                    prefill_seqs=sum(1 for s in seqs if s.is_prefill),
                    kv_tokens=sum(s.start + s.num_new_tokens for s in seqs),
                    prefill_pairs=sum(attention_pairs(s.start, s.num_new_tokens) for s in seqs
