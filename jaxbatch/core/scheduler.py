@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Mapping
 
 from jaxbatch.config import SchedulerConfig
 from jaxbatch.core import parallel_sampling
@@ -272,7 +273,7 @@ class Scheduler:
         return True
 
     # ---- after the step --------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int | list[int]]
+    def update(self, batch: ScheduledBatch, sampled: Mapping[str, int | list[int]]
                ) -> list[tuple[Request, list[int]]]:
         """Advance progress; append sampled tokens: one per sampling row, or a verified
         sequence's accepted proposals and the token after them (the KV of the rejected ones is

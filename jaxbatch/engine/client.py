@@ -32,6 +32,12 @@ class EngineStats:
     # set it looked at (0 when off or nothing better was found)
     replans: int = 0
     replan_predicted_gain: float = 0.0
+    # speculative decoding (engine/speculation.py), vLLM's counters: sequences that verified
+    # proposals in a step, proposals verified, proposals accepted, accepted by position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
     # data-parallel replicas (engine/replicas.py): each replica's own stats; these are summed
     replicas: tuple[EngineStats, ...] = ()
 

@@ -292,8 +292,8 @@ class Engine:
             row = 0  # a sequence's first logit row (a speculating one has one per proposal too)
             for s in sub.seqs:
                 if s.samples:
-                    draws = out.token_ids[row : row + s.num_logit_rows]
-                    toks = [int(draws[0])] if not s.spec_token_ids else \
+                    draws = [int(t) for t in out.token_ids[row : row + s.num_logit_rows]]
+                    toks = draws if not s.spec_token_ids else \
                         self.speculator.verify(s, draws)  # type: ignore[union-attr]
                     sampled[s.request.request_id] = (toks, out, row)
                 row += s.num_logit_rows
@@ -465,7 +465,16 @@ class Engine:
             computed_tokens=t.padded_tokens,
             replans=len(self.replan.events) if self.replan else 0,
             replan_predicted_gain=self.replan.last_gain if self.replan else 0.0,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_accepted_per_pos=tuple(st.accepted_per_pos))
 
 
 def _logprob_dict(tok: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:

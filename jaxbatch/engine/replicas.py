@@ -148,7 +148,10 @@ class ReplicaRouter:
             if f.name == "replicas":
                 continue
             vals = [getattr(s, f.name) for s in each]
-            total[f.name] = max(vals) if isinstance(vals[0], float) else sum(vals)
+            if isinstance(vals[0], tuple):  # per position: summed position by position
+                total[f.name] = tuple(sum(v) for v in zip(*vals))
+            else:
+                total[f.name] = max(vals) if isinstance(vals[0], float) else sum(vals)
         return EngineStats(**total, replicas=tuple(each))
 
     def close(self) -> None:

@@ -75,6 +75,17 @@ class ServerMetrics:
         self.kv_cached = Gauge(p + "kv_pages_cached",
                                "KV pages holding cached prefixes no request uses", registry=r)
         self._last_prefix = (0, 0)
+        # speculative decoding, vLLM's names (engine/speculation.py)
+        self.spec_drafts = Counter("jaxbatch:spec_decode_num_drafts",
+                                   "sequences that verified proposals, per step", registry=r)
+        self.spec_draft_tokens = Counter("jaxbatch:spec_decode_num_draft_tokens",
+                                         "proposed tokens verified", registry=r)
+        self.spec_accepted = Counter("jaxbatch:spec_decode_num_accepted_tokens",
+                                     "proposed tokens accepted", registry=r)
+        self.spec_accepted_pos = Counter("jaxbatch:spec_decode_num_accepted_tokens_per_pos",
+                                         "proposed tokens accepted, by position in the draft",
+                                         ["position"], registry=r)
+        self._last_spec: tuple[int, int, int, tuple[int, ...]] = (0, 0, 0, ())
         self.replans = Gauge(p + "replans", "bucket sets swapped in by live re-planning",
                              registry=r)
         self.replan_gain = Gauge(p + "replan_predicted_gain",
@@ -145,11 +156,26 @@ class ServerMetrics:
         self.prefix_queries.inc(max(0, queries - self._last_prefix[0]))
         self.prefix_hits.inc(max(0, hits - self._last_prefix[1]))
         self._last_prefix = (queries, hits)
+        self._observe_spec(stats)
         real = stats.real_tokens
         if real > self._last_real_tokens:  # a step that only returned aborts computes nothing
             self.step_tokens.observe(real - self._last_real_tokens)
             self.step_seconds.observe(seconds)
         self._last_real_tokens = real
+
+    def _observe_spec(self, stats: EngineStats) -> None:
+        drafts, tokens, accepted, pos = (stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                                         stats.spec_num_accepted_tokens,
+                                         stats.spec_accepted_per_pos)
+        last = self._last_spec
+        self.spec_drafts.inc(max(0, drafts - last[0]))
+        self.spec_draft_tokens.inc(max(0, tokens - last[1]))
+        self.spec_accepted.inc(max(0, accepted - last[2]))
+        for j, n in enumerate(pos):
+            before = last[3][j] if j < len(last[3]) else 0
+            if n > before or not last[3]:
+                self.spec_accepted_pos.labels(position=str(j)).inc(n - before)
+        self._last_spec = (drafts, tokens, accepted, pos)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

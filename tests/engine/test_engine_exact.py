@@ -29,46 +29,58 @@ def check_exact(llm, hf_model, prompts, max_tokens):
         assert o.outputs[0].finish_reason == "length"
     assert llm.engine.pages.num_used_pages == 0
     llm.engine.pages.check()
+    spec = llm.engine.speculator
+    if spec is not None:
+        print("speculation:", spec.stats)
     return outs
 
 
 ENGINE = dict(max_model_len=512, seed=0, compile_guard=True, progress=False)
+# every exactness test also runs with n-gram speculation (engine/speculation.py): the same
+# tokens; proposals from 1-grams up, so the tiny models' repetitive output gets drafts
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+
+
+@pytest.fixture(params=[None, NGRAM], ids=["plain", "ngram"])
+def engine(request):
+    return {**ENGINE, "speculative_config": request.param}
 
 
 @pytest.mark.parametrize("page_size,policy", [(16, "mixed"), (1, "prefill_first"),
                                               (16, "decode_first"), (64, "mixed")])
-def test_greedy_exact_policies_and_pages(tiny, page_size, policy):
+def test_greedy_exact_policies_and_pages(tiny, page_size, policy, engine):
     path, hf = tiny("llama_gqa")
     llm = LLM(path, dtype="float32", page_size=page_size, batching_policy=policy, max_num_batched_tokens=32,
               max_num_seqs=4, num_pages=2048 // page_size + 8,
-              planner="fixed:[(8,4),(32,4)]", **ENGINE)
+              planner="fixed:[(8,4),(32,4)]", **engine)
     prompts = prompts_of([5, 70, 17, 33, 1, 90, 12])  # 70 and 90 need several 32-token chunks
     check_exact(llm, hf, prompts, [9, 20, 3, 12, 15, 6, 11])
     assert llm.engine.compiles_since_warmup == 0
 
 
 @pytest.mark.parametrize("kind", ["llama_tied", "qwen2", "mistral", "llama3_rope"])
-def test_greedy_exact_architectures(tiny, kind):
+def test_greedy_exact_architectures(tiny, kind, engine):
     path, hf = tiny(kind)
     llm = LLM(path, dtype="float32", page_size=16, max_num_batched_tokens=64, max_num_seqs=8, num_pages=64,
-              planner="fixed:[(8,8),(64,8)]", **ENGINE)
+              planner="fixed:[(8,8),(64,8)]", **engine)
     check_exact(llm, hf, prompts_of([3, 40, 100, 7], seed=1), [12, 12, 12, 12])
 
 
-def test_preemption_keeps_output(tiny):
+def test_preemption_keeps_output(tiny, engine):
     path, hf = tiny("llama_gqa")
     # 12 usable pages of 8 tokens for 6 requests of up to 60 tokens each: must preempt
     llm = LLM(path, dtype="float32", page_size=8, num_pages=13, max_num_batched_tokens=32, max_num_seqs=6,
-              planner="fixed:[(8,6),(32,6)]", **ENGINE)
+              planner="fixed:[(8,6),(32,6)]", **engine)
     prompts = prompts_of([20, 30, 25, 10, 40, 15], seed=2)
     check_exact(llm, hf, prompts, [40, 20, 30, 40, 20, 40])
     assert sum(r.num_preemptions for r in llm.engine.last_finished) > 0
 
 
-def test_requests_added_while_others_run(tiny):
+def test_requests_added_while_others_run(tiny, engine):
     path, hf = tiny("llama_gqa")
     llm = LLM(path, dtype="float32", page_size=4, num_pages=200, max_num_batched_tokens=32, max_num_seqs=4,
-              planner="fixed:[(8,4),(32,4)]", **ENGINE)
+              planner="fixed:[(8,4),(32,4)]", **engine)
     eng = llm.engine
     prompts = prompts_of([10, 50, 7, 25, 3, 44], seed=3)
     sp = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
@@ -92,7 +104,7 @@ def test_requests_added_while_others_run(tiny):
     assert eng.pages.num_used_pages == 0
 
 
-def test_bench64_lengths(tiny):
+def test_bench64_lengths(tiny, engine):
     """64 requests with bench64's prompt and output lengths (the package's copy of them; random
     ids in the tiny vocabulary)."""
     from jaxbatch.planner.simulate import default_workload
@@ -103,17 +115,17 @@ def test_bench64_lengths(tiny):
     prompts = prompts_of([p for p, _ in lengths], seed=6)
     max_tokens = [m for _, m in lengths]
     llm = LLM(path, dtype="float32", page_size=16, num_pages=2048, max_num_batched_tokens=256, max_num_seqs=32,
-              planner="fixed:[(8,8),(32,32),(256,32)]", **{**ENGINE, "max_model_len": 1024})
+              planner="fixed:[(8,8),(32,32),(256,32)]", **{**engine, "max_model_len": 1024})
     check_exact(llm, hf, prompts, max_tokens)
     assert llm.engine.compiles_since_warmup == 0
 
 
-def test_pallas_kernel_interpret_end_to_end(tiny):
+def test_pallas_kernel_interpret_end_to_end(tiny, engine):
     """attention_backend="pallas" runs the GPU kernel (interpret mode on CPU) inside the engine."""
     path, hf = tiny("llama_gqa")
     llm = LLM(path, dtype="float32", page_size=16, num_pages=64, max_num_batched_tokens=32, max_num_seqs=2,
               planner="fixed:[(32,2)]", attention_backend="pallas",
-              **{**ENGINE, "max_model_len": 128})
+              **{**engine, "max_model_len": 128})
     check_exact(llm, hf, prompts_of([20, 5], seed=4), [4, 4])
 
 
