@@ -139,3 +139,28 @@ def test_invariant_mode_runs_the_small_matmul_for_every_step(tiny_chat_dir):
                         max_num_batched_tokens=64, num_pages=64)
     assert llm.engine.runner.batch_invariant
     assert llm.engine.runner.small_matmul_rows == invariance.ALL_ROWS
+
+
+def test_speculation_changes_no_token():
+    """n-gram speculation (engine/speculation.py) under batch invariance: SmolLM2's bench64
+    requests (the first 24 greedy tokens; 8 of them seeded samples) give the same tokens with
+    and without it, bit for bit: a row's logits do not depend on how many rows its sequence ran
+    in the step, and a verified row draws as the plain step would."""
+    prompts = bench64_prompts()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=24,
+                             ignore_eos=True) for i in range(8)]
+    params += [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 56
+    outs, stats = [], None
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        llm = invariant_llm("smollm2-135m-instruct", max_model_len=2048, max_num_seqs=64,
+                            page_size=16, max_num_batched_tokens=512, max_compiled_shapes=8,
+                            speculative_config=spec)
+        outs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=False))
+        assert llm.engine.compiles_since_warmup == 0
+        if spec:
+            stats = llm.engine.speculator.stats
+    differ = [i for i, (a, b) in enumerate(zip(*outs))
+              if a.outputs[0].token_ids != b.outputs[0].token_ids]
+    assert not differ, f"requests {differ} differ with speculation"
+    assert stats is not None and stats.num_accepted_tokens > 50, stats
