@@ -77,7 +77,11 @@ def cli_proc(model_path):
 
 @pytest.fixture(scope="module")
 def srv(cfg, llm, cli_proc):
-    s = ServerThread(Engine.from_config(cfg), served_names=[NAME], api_key=KEY)
+    # the server's engine speculates (n-gram): every test comparing it with `llm` (offline,
+    # plain decoding) checks that speculation changes no token, through streaming too
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    s = ServerThread(Engine.from_config(cfg.replace(speculative_config=spec)),
+                     served_names=[NAME], api_key=KEY)
     yield s
     s.stop()
 
@@ -395,6 +399,14 @@ def test_metrics_parse(srv, client):
     stats = srv.engine.stats()
     assert value("jaxbatch:prefix_cache_queries_total") == stats.prefix_cache_queries >= 80
     assert value("jaxbatch:prefix_cache_hits_total") == stats.prefix_cache_hits >= 32
+    # speculative decoding, vLLM's counter names
+    assert value("jaxbatch:spec_decode_num_drafts_total") == stats.spec_num_drafts > 0
+    assert value("jaxbatch:spec_decode_num_draft_tokens_total") == stats.spec_num_draft_tokens
+    accepted = value("jaxbatch:spec_decode_num_accepted_tokens_total")
+    assert accepted == stats.spec_num_accepted_tokens > 0
+    assert value("jaxbatch:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    assert value("jaxbatch:spec_decode_num_accepted_tokens_per_pos_total", position="0") \
+        == stats.spec_accepted_per_pos[0]
 
 
 # ---- the CLI and SIGTERM --------------------------------------------------------------------
