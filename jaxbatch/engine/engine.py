@@ -44,7 +44,7 @@ from jaxbatch.engine.precision import (
 from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
 from jaxbatch.engine.runner import Runner
 from jaxbatch.engine.sharding import collective_gbps, engine_mesh
-from jaxbatch.engine.speculation import Speculator, make_speculator
+from jaxbatch.engine.speculation import Speculator
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
 from jaxbatch.model.loader import LoadedModel, load_arch, load_model
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
@@ -55,8 +55,9 @@ log = logging.getLogger("jaxbatch")
 
 class Engine:
     def __init__(self, config: EngineConfig, model: LoadedModel, runner: Runner,
-                 scheduler: Scheduler, planner: StepPlanner) -> None:
-        """The parts, already built; `config.model.max_model_len` must be resolved."""
+                 scheduler: Scheduler, planner: StepPlanner, draft: Any = None) -> None:
+        """The parts, already built; `config.model.max_model_len` must be resolved. `draft`:
+        the draft_model speculation's DraftProposer (engine/draft.py)."""
         if config.model.max_model_len is None:
             raise ValueError("Engine needs a resolved max_model_len (use Engine.from_config)")
         compile_guard.install()
@@ -88,8 +89,11 @@ class Engine:
         # live re-planning compiles in such lulls (engine/replan.py); read from its thread
         self.idle_since: float | None = None
         # speculative decoding (engine/speculation.py); None: off
-        self.speculator: Speculator | None = make_speculator(
-            config.speculation.speculative_config, self.max_model_len)
+        spec = config.speculation.speculative_config
+        if spec is not None and spec.method == "draft_model" and draft is None:
+            raise ValueError("speculative_config: the draft model is built by Engine.from_config")
+        self.speculator: Speculator | None = None if spec is None else \
+            Speculator(spec, self.max_model_len, draft)
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LoadedModel | None = None,
@@ -162,7 +166,8 @@ class Engine:
             warmup = runner.compile(planner.buckets, progress=config.runner.progress)
             calibrate(planner, runner, calibration_path(root, ident), ident,
                       progress=config.runner.progress)
-        engine = cls(config, model, runner, scheduler, planner)
+        draft = _build_draft(config, model, runner.num_pages * config.cache.page_size)
+        engine = cls(config, model, runner, scheduler, planner, draft)
         engine.precision = precision
         engine.replan = replan
         engine.warmup_seconds = warmup
@@ -475,6 +480,21 @@ class Engine:
         return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
                     spec_num_accepted_tokens=st.num_accepted_tokens,
                     spec_accepted_per_pos=tuple(st.accepted_per_pos))
+
+
+def _build_draft(config: EngineConfig, model: LoadedModel, num_tokens: int) -> Any:
+    """The draft_model speculation's proposer: an inner engine on the draft model, in the
+    target's dtype, KV room for as many tokens as the target's; None for other methods."""
+    spec = config.speculation.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from jaxbatch.engine.draft import DraftProposer, check_vocabularies, draft_config
+
+    pages = -(-num_tokens // config.cache.page_size) + 1
+    draft = Engine.from_config(draft_config(config, spec, pages))
+    check_vocabularies(model, draft.model)
+    log.info("speculative decoding: draft model %s (%s)", spec.model, draft.config.model.dtype)
+    return DraftProposer(draft)
 
 
 def _logprob_dict(tok: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:

@@ -106,12 +106,16 @@ def choose_extra_rows(gains: np.ndarray, work: float, cost: Callable[[np.ndarray
 class Speculator:
     """Proposes, chooses and verifies; keeps per-request indexes and acceptance."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 propose_draft: Callable[[list[Request], list[int]], list[list[int]]] | None = None
-                 ) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: Any = None) -> None:
+        """`draft`: the draft_model method's DraftProposer (engine/draft.py)."""
         self.config = config
         self.max_model_len = max_model_len
-        self.propose_draft = propose_draft  # draft_model: the draft engine's greedy proposals
+        self.draft = draft
+        # draft_model: the draft's greedy proposals, and the seconds of one of its decode steps
+        self.propose_draft: Callable[[list[Request], list[int]], list[list[int]]] | None = \
+            None if draft is None else draft.propose
+        self.draft_step_cost: Callable[[int], float] | None = \
+            None if draft is None else draft.step_cost
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._ngrams: dict[str, NgramIndex] = {}
         self._acceptance: dict[str, _Acceptance] = {}
@@ -121,41 +125,57 @@ class Speculator:
     def extend(self, batch: ScheduledBatch, scheduler: Scheduler,
                step_cost: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         """Add proposals to the batch's decode rows (in place): as many as pay, by the
-        planner's `step_cost(tokens, rows)` (seconds, vectorised; inf where no bucket holds)."""
+        planner's `step_cost(tokens, rows)` (seconds, vectorised; inf where no bucket holds)
+        and, for a draft model, the draft's steps."""
         seqs = [s for s in batch.seqs if self._eligible(s)]
-        if not seqs:
-            return
         caps = [self._cap(s.request) for s in seqs]
+        props: list[list[int]] | None = None
         if self.config.method == "ngram":
             props = [self._ngram(s.request).propose(s.request.all_token_ids, k) if k else []
                      for s, k in zip(seqs, caps)]
-        else:
-            assert self.propose_draft is not None
-            props = self.propose_draft([s.request for s in seqs], caps)
-        cands = [(s, p) for s, p in zip(seqs, props) if p]
-        if not cands:
+            lens = [len(p) for p in props]
+        else:  # a draft proposes after the choice, for the requests and lengths chosen
+            lens = caps
+        if not any(lens):
             return
-        # every candidate proposal: (expected accepted tokens, which request, its position)
-        gains, owner = [], []
-        for c, (s, p) in enumerate(cands):
-            a = self._rate(s.request.request_id)
-            for j in range(len(p)):
-                gains.append(a ** (j + 1))
-                owner.append(c)
-        order = sorted(range(len(gains)), key=lambda i: -gains[i])  # stable: positions in order
-        g = np.asarray([gains[i] for i in order])
+        # every candidate proposal: (expected accepted tokens, which request); best first
+        # (a request's own proposals in order: a^(j+1) falls with j)
+        cands = sorted(((self._rate(seqs[c].request.request_id) ** (j + 1), c)
+                        for c, n in enumerate(lens) for j in range(n)), key=lambda g: -g[0])
+        gains = np.asarray([g for g, _ in cands])
         t, rows = batch.num_tokens, batch.num_rows
+        extra = np.arange(len(gains) + 1)
+        seconds = np.asarray(step_cost(t + extra, rows + extra), np.float64)
+        if self.draft_step_cost is not None:
+            seconds = seconds + self._draft_seconds([c for _, c in cands])
         if self.config.adaptive:
-            m = choose_extra_rows(g, float(t), lambda m: step_cost(t + m, rows + m))
+            m = choose_extra_rows(gains, float(t), lambda _: seconds)
         else:  # all of them, as far as a bucket holds them
-            fits = np.isfinite(step_cost(t + np.arange(len(g) + 1), rows + np.arange(len(g) + 1)))
-            m = int(np.nonzero(fits)[0].max())
-        take = [0] * len(cands)
-        for i in order[:m]:
-            take[owner[i]] += 1
-        for (s, p), k in zip(cands, take):
-            if k:
+            m = int(np.nonzero(np.isfinite(seconds))[0].max())
+        take = [0] * len(seqs)
+        for _, c in cands[:m]:
+            take[c] += 1
+        if props is None:
+            chosen = [c for c in range(len(seqs)) if take[c]]
+            assert self.propose_draft is not None
+            got = self.propose_draft([seqs[c].request for c in chosen], [take[c] for c in chosen])
+            props = [[] for _ in seqs]
+            for c, p in zip(chosen, got):
+                props[c] = p
+        for s, p, k in zip(seqs, props, take):
+            if k and p:
                 scheduler.add_speculation(s, p[:k])  # False (pages short): it just decodes
+
+    def _draft_seconds(self, owners: list[int]) -> np.ndarray:
+        """The draft's time to propose the first m candidates, m = 0..len(owners): as many
+        draft steps as the longest proposal, each of as many rows as requests proposing."""
+        assert self.draft_step_cost is not None
+        out = np.zeros(len(owners) + 1)
+        count: dict[int, int] = {}
+        for m, c in enumerate(owners, start=1):
+            count[c] = count.get(c, 0) + 1
+            out[m] = max(count.values()) * self.draft_step_cost(len(count))
+        return out
 
     def _eligible(self, s: ScheduledSeq) -> bool:
         """A decode row; grammar-constrained requests do not speculate (their mask after each
@@ -203,11 +223,5 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         self._ngrams.pop(request_id, None)
         self._acceptance.pop(request_id, None)
-
-
-def make_speculator(config: SpeculativeConfig | None, max_model_len: int,
-                    draft: Any = None) -> Speculator | None:
-    if config is None:
-        return None
-    return Speculator(config, max_model_len,
-                      propose_draft=None if draft is None else draft.propose)
+        if self.draft is not None:
+            self.draft.forget(request_id)

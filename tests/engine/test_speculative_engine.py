@@ -158,3 +158,42 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_models):
     m = len(u)
     ks = max(np.max(np.arange(1, m + 1) / m - u), np.max(u - np.arange(m) / m))
     assert ks < 1.95 / np.sqrt(m), (ks, m)
+
+
+def test_draft_model_speculation_is_exact(tiny_models, tmp_path):
+    """A draft model proposes; greedy output equals HF's. Drafting for itself it is accepted
+    (nearly) always; another random model with the same vocabulary is accepted less, and the
+    output is still the target's."""
+    from tests.helpers.hf_reference import hf_greedy
+    from tests.helpers.tiny_models import make_tiny_model
+
+    path, hf = tiny_models("llama_gqa")
+    other = str(tmp_path / "other")
+    make_tiny_model("llama_gqa", other, seed=5)
+    prompts = prompts_of(6, seed=3)
+    rates = []
+    for draft in (path, other):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                "adaptive": False}
+        llm = LLM(path, speculative_config=spec, **ENGINE)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == hf_greedy(hf, p, 24)
+        assert llm.engine.compiles_since_warmup == 0
+        assert llm.engine.pages.num_used_pages == 0
+        draft_pages = llm.engine.speculator.draft.pages
+        assert draft_pages.num_used_pages == 0  # finished requests' draft pages are freed
+        stats = llm.engine.speculator.stats
+        assert stats.num_drafts > 20
+        rates.append(stats.acceptance_rate)
+    print("draft acceptance", rates)
+    assert rates[0] > 0.95 and rates[1] < rates[0], rates
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_models, tiny_chat_dir):
+    path, _ = tiny_models("llama_gqa")
+    spec = {"method": "draft_model", "model": tiny_chat_dir, "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="draft model's vocabulary"):
+        LLM(path, speculative_config=spec, **ENGINE)
