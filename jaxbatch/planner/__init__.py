@@ -55,7 +55,7 @@ def make_planner(config: EngineConfig, arch: ArchDims, collective_gbps: float | 
         config.planner.planner, config.scheduler, cost, config.planner.max_compiled_shapes,
         max_model_len=max_model_len, page_size=config.cache.page_size,
         num_pages=config.cache.num_pages, lengths=lengths, hist=hist,
-        loads=config.planner.planner_loads)
+        loads=config.planner.planner_loads, spec_tokens=_spec_tokens(config))
     gap = f" (expected cost within {100 * (sel.gap - 1):.2f}% of optimal)" if sel else ""
     log.info("%s planner: %d buckets %s%s; %s", planner.name, len(planner.buckets),
              " ".join(f"{t}x{s}" for t, s in planner.buckets), gap, cost.describe())
@@ -72,8 +72,15 @@ def workload_histogram(config: EngineConfig, arch: ArchDims) -> Histogram:
         return hist
     runs = simulate_traffic(lengths, config.scheduler, config.model.max_model_len,
                             config.cache.page_size, config.cache.num_pages,
-                            _analytic(config, arch, None), config.planner.planner_loads)
+                            _analytic(config, arch, None), config.planner.planner_loads,
+                            spec_tokens=_spec_tokens(config))
     return traffic_histogram(runs)
+
+
+def _spec_tokens(config: EngineConfig) -> int:
+    """Proposals per decode row the dp simulation assumes: speculative decoding's maximum."""
+    spec = config.speculation.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
 
 
 def _analytic(config: EngineConfig, arch: ArchDims, collective_gbps: float | None) -> CostModel:

@@ -266,19 +266,21 @@ def select_buckets(hist: Histogram, max_buckets: int, cost: CostModel, max_token
 def choose_for_workload(lengths: simulate.Lengths, sched: SchedulerConfig, max_model_len: int,
                         page_size: int, num_pages: int | None, cost: CostModel, max_shapes: int,
                         hist: Histogram | None = None, rounds: int = 2,
-                        loads: Sequence[float] = ()) -> tuple[StepPlanner, Selection]:
+                        loads: Sequence[float] = (), spec_tokens: int = 0
+                        ) -> tuple[StepPlanner, Selection]:
     """Buckets for a workload (or for a given histogram, e.g. from a trace; then `lengths` may be
     empty and no simulation runs): DP on the scheduler's step shapes (of the offline burst and,
     with `loads`, of Poisson traffic at those fractions of capacity), then feedback rounds on
-    the sub-steps executed with the planner in the loop; the lowest simulated total cost wins."""
+    the sub-steps executed with the planner in the loop; the lowest simulated total cost wins.
+    `spec_tokens`: speculative decoding's proposals per decode row (simulate.simulate)."""
     T, S = sched.max_num_batched_tokens, sched.max_num_seqs
     rates = simulate.load_rates(lengths, sched, max_model_len, page_size, num_pages, cost,
-                                loads) if loads and lengths else []
+                                loads, spec_tokens) if loads and lengths else []
     loads = loads if rates else ()
 
     def traffic(planner: StepPlanner | None) -> list[simulate.SimResult]:
         return simulate.simulate_traffic(lengths, sched, max_model_len, page_size, num_pages,
-                                         cost, loads, planner, rates)
+                                         cost, loads, planner, rates, spec_tokens)
 
     if hist is None:
         hist = traffic_histogram(traffic(None)) if lengths else {}
@@ -321,7 +323,8 @@ def workload_source(path: str) -> tuple[simulate.Lengths, Histogram | None]:
 def build_planner(spec: str, sched: SchedulerConfig, cost: CostModel, max_shapes: int, *,
                   max_model_len: int, page_size: int, num_pages: int | None,
                   lengths: Sequence[tuple[int, int]] = (), hist: Histogram | None = None,
-                  loads: Sequence[float] = ()) -> tuple[StepPlanner, Selection | None]:
+                  loads: Sequence[float] = (), spec_tokens: int = 0
+                  ) -> tuple[StepPlanner, Selection | None]:
     """The planner of a spec (dp | pow2 | linear:STEP | fixed:[...]) and, for dp, the selection
     certificate. dp chooses its buckets for `lengths` (or `hist`), offline and at `loads`;
     `max_model_len`, `page_size` and `num_pages` shape that simulation. ValueError if the set
@@ -331,7 +334,8 @@ def build_planner(spec: str, sched: SchedulerConfig, cost: CostModel, max_shapes
     sel: Selection | None = None
     if spec == "dp":
         planner, sel = choose_for_workload(list(lengths), sched, max_model_len, page_size,
-                                           num_pages, cost, max_shapes, hist, loads=loads)
+                                           num_pages, cost, max_shapes, hist, loads=loads,
+                                           spec_tokens=spec_tokens)
     else:
         planner = StepPlanner(bucket_set(spec, T, S), cost, name=set_name(spec))
     if not planner.holds(T, S):

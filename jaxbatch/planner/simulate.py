@@ -33,7 +33,7 @@ from jaxbatch.config import SchedulerConfig
 from jaxbatch.core.kv_pages import PageAllocator
 from jaxbatch.core.request import Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
-from jaxbatch.core.scheduler import Scheduler
+from jaxbatch.core.scheduler import ScheduledBatch, Scheduler
 from jaxbatch.planner.cost import CostModel
 from jaxbatch.planner.step import StepPlanner
 from jaxbatch.planner.trace import StepRecord, is_trace_row
@@ -115,11 +115,14 @@ class SimResult:
 def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page_size: int = 16,
              num_pages: int | None = None, planner: StepPlanner | None = None,
              on_step: Callable[[int], None] | None = None,
-             arrivals: Sequence[float] | None = None, cost: CostModel | None = None
-             ) -> SimResult:
+             arrivals: Sequence[float] | None = None, cost: CostModel | None = None,
+             spec_tokens: int = 0) -> SimResult:
     """Run the workload through the real scheduler; the fake model samples token 7. With
     `arrivals` (one time per request, seconds), `cost` prices each step (its bucket's cost with a
-    planner, else its own shape's) to advance the clock."""
+    planner, else its own shape's) to advance the clock. `spec_tokens` > 0: speculative decoding,
+    every decode row verifies that many proposals where the step has room (token budget, rows)
+    and half of them are accepted (a prior: the engine chooses per step from measured costs and
+    acceptance, engine/speculation.py; live re-planning learns the real shapes)."""
     if arrivals is not None and (cost is None or len(arrivals) != len(lengths)):
         raise ValueError("arrivals need a cost model and one time per request")
     lengths = clip_lengths(lengths, max_model_len)
@@ -145,6 +148,8 @@ def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page
         batch = sched.schedule()
         if not batch.seqs:
             raise RuntimeError("the scheduler scheduled nothing (KV cache too small?)")
+        if spec_tokens:
+            _speculate(sched, batch, spec_tokens, max_model_len)
         before = batch.num_tokens
         if planner is None:
             rows.append(StepRecord.of(batch.seqs, None, steps))
@@ -157,7 +162,8 @@ def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page
             rows += [StepRecord.of(sub.seqs, sub.bucket, steps) for sub in subs]
             if cost is not None:
                 now += sum(float(cost(*sub.bucket)) for sub in subs)
-        sampled = {s.request.request_id: 7 for s in batch.seqs if s.samples}
+        sampled = {s.request.request_id: [7] * (1 + len(s.spec_token_ids) // 2)
+                   for s in batch.seqs if s.samples}
         for req, _ in sched.update(batch, sampled):
             if (len(req.output_token_ids) >= (req.sampling_params.max_tokens or 0)
                     or req.num_tokens >= max_model_len):
@@ -170,6 +176,20 @@ def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page
     return SimResult(rows, steps, trimmed, split, now)
 
 
+def _speculate(sched: Scheduler, batch: ScheduledBatch, k: int, max_model_len: int) -> None:
+    """Proposals (token 7) for the batch's decode rows, as many as the step has room for."""
+    room_t = sched.config.max_num_batched_tokens - batch.num_tokens
+    room_s = sched.config.max_num_seqs - batch.num_rows
+    for s in batch.seqs:
+        req = s.request
+        if not s.samples or s.num_new_tokens != 1:
+            continue
+        n = min(k, room_t, room_s, (req.sampling_params.max_tokens or 0)
+                - len(req.output_token_ids) - 1, max_model_len - req.num_tokens - 1)
+        if n > 0 and sched.add_speculation(s, [7] * n):
+            room_t, room_s = room_t - n, room_s - n
+
+
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """n arrival times (seconds) of a Poisson process at `rate` per second (seeded)."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
@@ -177,11 +197,12 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def load_rates(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page_size: int,
-               num_pages: int | None, cost: CostModel, loads: Sequence[float]) -> list[float]:
+               num_pages: int | None, cost: CostModel, loads: Sequence[float],
+               spec_tokens: int = 0) -> list[float]:
     """Request rates (per second of `cost`) that offer `loads` (fractions of capacity) of this
     workload: capacity is the rate the offline run (everything at once) serves it at."""
     offline = simulate(lengths, config, max_model_len, page_size, num_pages,
-                       arrivals=[0.0] * len(lengths), cost=cost)
+                       arrivals=[0.0] * len(lengths), cost=cost, spec_tokens=spec_tokens)
     if not lengths or offline.seconds <= 0:
         return []
     return [float(u) * len(lengths) / offline.seconds for u in loads]
@@ -191,15 +212,19 @@ def load_rates(lengths: Lengths, config: SchedulerConfig, max_model_len: int, pa
 def simulate_traffic(lengths: Lengths, config: SchedulerConfig, max_model_len: int,
                      page_size: int, num_pages: int | None, cost: CostModel,
                      loads: Sequence[float] = (), planner: StepPlanner | None = None,
-                     rates: Sequence[float] | None = None) -> list[SimResult]:
+                     rates: Sequence[float] | None = None, spec_tokens: int = 0
+                     ) -> list[SimResult]:
     """The workload as an offline burst, then (for each of `loads`) as Poisson traffic offering
     that fraction of capacity (seeded: the same arrivals every time). `rates` (per second of
     `cost`) skips measuring the capacity again when a caller already has them."""
-    runs = [simulate(lengths, config, max_model_len, page_size, num_pages, planner)]
+    runs = [simulate(lengths, config, max_model_len, page_size, num_pages, planner,
+                     spec_tokens=spec_tokens)]
     if loads and lengths:
         if rates is None:
-            rates = load_rates(lengths, config, max_model_len, page_size, num_pages, cost, loads)
+            rates = load_rates(lengths, config, max_model_len, page_size, num_pages, cost, loads,
+                               spec_tokens)
         runs += [simulate(lengths, config, max_model_len, page_size, num_pages, planner,
-                          arrivals=poisson_arrivals(len(lengths), r, seed=i), cost=cost)
+                          arrivals=poisson_arrivals(len(lengths), r, seed=i), cost=cost,
+                          spec_tokens=spec_tokens)
                  for i, r in enumerate(rates)]
     return runs
