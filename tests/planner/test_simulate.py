@@ -97,3 +97,19 @@ def test_poisson_traffic_at_loads_of_capacity():
     assert runs[1].num_steps > runs[2].num_steps > runs[0].num_steps
     lone = [sum(t >= 100 and s <= 8 for t, s in run.shapes) for run in runs]
     assert lone[1] > 5 * max(1, lone[0]), lone
+
+
+def test_speculation_adds_verification_rows_where_there_is_room():
+    """spec_tokens: a lone decode verifies all its proposals (1 + k rows); a full step has no
+    room for any; every request still gets exactly its max_tokens."""
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)
+    lone = simulate.simulate([(20, 30)], cfg, 256, spec_tokens=4)
+    shapes = lone.shapes
+    assert shapes[0] == (20, 1) and shapes[1] == (5, 5) and set(shapes[1:]) <= {
+        (5, 5), (4, 4), (3, 3), (2, 2), (1, 1)}  # near max_tokens the cap shortens them
+    # half of 4 proposals accepted: 3 tokens per step (the cap shortens the last ones)
+    assert lone.num_steps < 1 + 30 // 3 + 2
+    plain = simulate.simulate([(20, 30)], cfg, 256)
+    assert set(plain.shapes[1:]) == {(1, 1)} and plain.num_steps == 30
+    full = simulate.simulate([(10, 40)] * 8, cfg, 256, spec_tokens=4)
+    assert max(s for _, s in full.shapes) == 8  # 8 decodes fill the rows: no proposals
