@@ -18,16 +18,13 @@ expected extra tokens are worth it and the draft's time.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from jaxbatch.core.request import Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq
-
-if TYPE_CHECKING:
-    from jaxbatch.engine.engine import Engine
 
 log = logging.getLogger("jaxbatch")
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
@@ -47,7 +44,8 @@ def check_vocabularies(target, draft) -> None:
 
 
 class DraftProposer:
-    def __init__(self, draft: Engine) -> None:
+    def __init__(self, draft: Any) -> None:
+        """`draft`: the inner engine.Engine (built by the target's Engine.from_config)."""
         self.draft = draft
         self.pages = draft.pages
         self.budget = draft.config.scheduler.max_num_batched_tokens
