@@ -18,6 +18,7 @@ expected extra tokens are worth it and the draft's time.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -130,6 +131,22 @@ class DraftProposer:
         sh = self._shadows.pop(request_id, None)
         if sh is not None:
             self.pages.free(sh.page_table)
+
+
+def build_draft_proposer(config: Any, model: Any, num_tokens: int,
+                         make_engine: Callable[[Any], Any]) -> DraftProposer | None:
+    """The draft_model speculation's proposer for a target engine being built (`config`,
+    `model`: its EngineConfig and LoadedModel): an inner engine (`make_engine`: the target's
+    Engine.from_config) on the draft model, in the target's dtype, with KV room for
+    `num_tokens` tokens, the target's; None for other methods."""
+    spec = config.speculation.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    pages = -(-num_tokens // config.cache.page_size) + 1
+    draft = make_engine(draft_config(config, spec, pages))
+    check_vocabularies(model, draft.model)
+    log.info("speculative decoding: draft model %s (%s)", spec.model, draft.config.model.dtype)
+    return DraftProposer(draft)
 
 
 def draft_config(target_config, spec, num_pages: int):

@@ -35,6 +35,7 @@ from jaxbatch.engine import compile_guard, invariance, multihost, prompt_logprob
 from jaxbatch.engine.attention import attention_fn, resolve_backend
 from jaxbatch.engine.calibration import calibrate, calibration_ident, calibration_path
 from jaxbatch.engine.client import EngineStats
+from jaxbatch.engine.draft import build_draft_proposer
 from jaxbatch.engine.precision import (
     PrecisionChoice,
     choose_compute_dtype,
@@ -166,7 +167,8 @@ class Engine:
             warmup = runner.compile(planner.buckets, progress=config.runner.progress)
             calibrate(planner, runner, calibration_path(root, ident), ident,
                       progress=config.runner.progress)
-        draft = _build_draft(config, model, runner.num_pages * config.cache.page_size)
+        draft = build_draft_proposer(config, model, runner.num_pages * config.cache.page_size,
+                                     cls.from_config)
         engine = cls(config, model, runner, scheduler, planner, draft)
         engine.precision = precision
         engine.replan = replan
@@ -470,31 +472,9 @@ class Engine:
             computed_tokens=t.padded_tokens,
             replans=len(self.replan.events) if self.replan else 0,
             replan_predicted_gain=self.replan.last_gain if self.replan else 0.0,
-            **self._spec_stats(),
+            **(self.speculator.stats.engine_fields() if self.speculator else {}),
         )
 
-    def _spec_stats(self) -> dict[str, Any]:
-        if self.speculator is None:
-            return {}
-        st = self.speculator.stats
-        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
-                    spec_num_accepted_tokens=st.num_accepted_tokens,
-                    spec_accepted_per_pos=tuple(st.accepted_per_pos))
-
-
-def _build_draft(config: EngineConfig, model: LoadedModel, num_tokens: int) -> Any:
-    """The draft_model speculation's proposer: an inner engine on the draft model, in the
-    target's dtype, KV room for as many tokens as the target's; None for other methods."""
-    spec = config.speculation.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return None
-    from jaxbatch.engine.draft import DraftProposer, check_vocabularies, draft_config
-
-    pages = -(-num_tokens // config.cache.page_size) + 1
-    draft = Engine.from_config(draft_config(config, spec, pages))
-    check_vocabularies(model, draft.model)
-    log.info("speculative decoding: draft model %s (%s)", spec.model, draft.config.model.dtype)
-    return DraftProposer(draft)
 
 
 def _logprob_dict(tok: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:

@@ -60,6 +60,12 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    def engine_fields(self) -> dict[str, Any]:
+        """These counters as EngineStats' spec_* fields."""
+        return dict(spec_num_drafts=self.num_drafts, spec_num_draft_tokens=self.num_draft_tokens,
+                    spec_num_accepted_tokens=self.num_accepted_tokens,
+                    spec_accepted_per_pos=tuple(self.accepted_per_pos))
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens a draft step yields on average: 1 + accepted per draft (vLLM's)."""
