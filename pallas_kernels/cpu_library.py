@@ -8,6 +8,10 @@ everything that changes the binary: the sources, the compiler's version, the CPU
 set flags (it is built with -march=native, so a library built on one CPU model is never loaded on
 another) and jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when
 there is no compiler or the build fails; callers fall back to jnp and say so.
+
+The sources compile one process each, side by side (os.cpu_count() at a time), then link: on 2
+vCPUs 26.6 -> ~13 s of a 1B model's first start (quant.cc alone is ~11 s). `build_in_background`
+starts that build on a thread, so the engine's Python-bound metadata parsing runs meanwhile.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "quant.cc"),
            os.path.join(_HERE, "matmul", "quant_int8.cc"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512",
-         "-std=c++17", "-shared", "-fPIC"]
+         "-std=c++17", "-fPIC"]
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
     "jaxbatch_ragged_paged_attention": "JaxbatchRaggedPagedAttention",
@@ -79,7 +83,8 @@ def cpu_has(flag: str) -> bool:
 
 
 def library_path(cache_dir: str) -> tuple[str, list[str]]:
-    """Where the library for this machine lives, and the command that builds it (output last)."""
+    """Where the library for this machine lives, and the compile command of one source (the
+    source and its object file are appended)."""
     import jaxlib
 
     cxx = _compiler()
@@ -97,26 +102,49 @@ def library_path(cache_dir: str) -> tuple[str, list[str]]:
         *sources, version.encode(), _cpu_flags().encode(), jaxlib.__version__.encode(),
         " ".join(FLAGS).encode()])).hexdigest()[:16]
     path = os.path.join(cache_dir, "kernels", f"jaxbatch-cpu-{key}.so")
-    return path, [cxx, *FLAGS, "-I", include, *SOURCES, "-o"]
+    return path, [cxx, *FLAGS, "-I", include, "-c"]
+
+
+def _run(cmd: list[str]) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise KernelUnavailable(f"building the CPU kernels failed ({' '.join(cmd[-3:])}):\n"
+                                f"{res.stderr[-4000:]}")
 
 
 def build(cache_dir: str) -> str:
     """The library's path, built now if this machine has no copy yet."""
-    path, cmd = library_path(cache_dir)
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, compile_cmd = library_path(cache_dir)
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        res = subprocess.run([*cmd, tmp], capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            raise KernelUnavailable(f"building the CPU kernels failed:\n{res.stderr[-4000:]}")
-        os.replace(tmp, path)  # atomic: a concurrent builder's copy is the same
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
+        objs = [os.path.join(tmp, f"{i}.o") for i in range(len(SOURCES))]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(SOURCES), os.cpu_count() or 1))) as ex:
+            list(ex.map(_run, [[*compile_cmd, src, "-o", obj]
+                               for src, obj in zip(SOURCES, objs)]))
+        lib = os.path.join(tmp, "lib.so")
+        _run([compile_cmd[0], "-shared", *objs, "-o", lib])
+        os.replace(lib, path)  # atomic: a concurrent builder's copy is the same
     return path
+
+
+_background: dict[str, threading.Thread] = {}
+_background_result: dict[str, str | None] = {}
+
+
+def build_in_background(cache_dir: str) -> None:
+    """Start building (and registering) the library on a thread, unless it is built or under
+    way; `available` waits for it and answers what it found (errors included)."""
+    with _lock:
+        if _registered is not None or cache_dir in _background:
+            return
+        t = threading.Thread(target=lambda: _background_result.__setitem__(
+            cache_dir, _register_or_why(cache_dir)), daemon=True, name="jaxbatch-kernel-build")
+        _background[cache_dir] = t
+    t.start()
 
 
 def register(cache_dir: str) -> None:
@@ -144,11 +172,19 @@ def has(feature: str) -> bool:
     return _registered is not None and _features.get(feature, False)
 
 
-@functools.cache
-def available(cache_dir: str) -> str | None:
-    """None when the library is registered for this process, else why it is not."""
+def _register_or_why(cache_dir: str) -> str | None:
     try:
         register(cache_dir)
     except (KernelUnavailable, OSError, AttributeError) as e:
         return str(e)
     return None
+
+
+@functools.cache
+def available(cache_dir: str) -> str | None:
+    """None when the library is registered for this process, else why it is not."""
+    started = _background.get(cache_dir)
+    if started is not None:
+        started.join()
+        return _background_result.get(cache_dir, "the background kernel build died")
+    return _register_or_why(cache_dir)

@@ -54,6 +54,11 @@ def planned() -> Iterator[None]:
         _local.depth -= 1
 
 
+def is_planned() -> bool:
+    """This thread is inside `planned()` (a helper thread compiling for it enters it too)."""
+    return getattr(_local, "depth", 0) > 0
+
+
 def unplanned_count() -> int:
     """Compilations outside any warm-up in this process (a persistent-cache hit is timed under
     the same event, so it counts too)."""

