@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.matmul.quant_formats import FLOAT_FORMATS
+
 log = logging.getLogger("jaxbatch")
 
 # a clear win only: within 10% the f32 path keeps exactness against fp32 references
@@ -284,6 +286,9 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
         return {}
     out: dict[tuple[str, int, int], str] = {}
     for fmt, n, k in sorted(shapes):
+        if fmt in FLOAT_FORMATS:  # plain bf16 / f16 weights: nothing to quantise
+            out[fmt, n, k] = "float"
+            continue
         ident = f"{device_identity()}|jax {jax.__version__}|{fmt} {n}x{k}|quant act v1"
         key = hashlib.sha256(ident.encode()).hexdigest()[:20]
         path = os.path.join(cache_root, "precision", f"quant-act-{key}.json")

@@ -258,6 +258,7 @@ def keeps_blocks(t: Any, hf_name: str) -> bool:
     """Whether GGUF tensor `t` (named `hf_name`) is held in its blocks rather than dequantised:
     a 2-D tensor of a kept format that a linear weight, the embedding or the head reads."""
     return (t.tensor_type.name in FORMATS and len(t.shape) == 2
+            and int(t.shape[0]) % FORMATS[t.tensor_type.name][0] == 0  # whole blocks (F16 rows)
             and _KEEPABLE.search(hf_name) is not None)
 
 
@@ -278,7 +279,7 @@ def read_gguf_tensors(reader: Any, arch: ModelArch, hf_names: set[str] | None = 
         w: np.ndarray | RawBlocks
         if keep_blocks and keeps_blocks(t, name):
             k, n = (int(d) for d in t.shape.tolist())  # ggml: inputs innermost
-            rows = np.asarray(t.data).reshape(n, -1)
+            rows = np.asarray(t.data).view(np.uint8).reshape(n, -1)  # F16: typed by the reader
             if rows.shape[1] != row_bytes(t.tensor_type.name, k):
                 raise WeightLoadError(f"GGUF tensor {t.name!r}: {rows.shape[1]} bytes per row, "
                                       f"{row_bytes(t.tensor_type.name, k)} expected")

@@ -95,9 +95,11 @@ namespace {
 #define JB_INLINE inline __attribute__((always_inline))
 
 // the format codes quant.py passes (its FORMATS order)
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
-constexpr int64_t kBlockWeights[] = {32, 32, 256, 256, 256};
-constexpr int64_t kBlockBytes[] = {34, 18, 144, 176, 210};
+// (BF16 and F16: plain 16-bit weights, in 32-weight "blocks", so that a bf16 / f16 weight is held
+// once, in the layout every step size reads; float activations only)
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kBF16 = 5, kF16 = 6 };
+constexpr int64_t kBlockWeights[] = {32, 32, 256, 256, 256, 32, 32};
+constexpr int64_t kBlockBytes[] = {34, 18, 144, 176, 210, 64, 64};
 
 struct Job {
   const void* x;
@@ -182,6 +184,42 @@ struct Q8_0 {
     __m512 a, b;
     f32v(p, a, b);
     f(0, _mm512_cvtne2ps_pbh(b, a));
+  }
+#endif
+};
+
+// 32 bf16 weights: exact in f32 (the high half of its bits); as bf16, the bytes themselves
+struct BF16 {
+  static constexpr int QK = 32, BYTES = 64;
+  static JB_INLINE __m512 half(const uint8_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load256(p)), 16));
+  }
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    f(0, half(p));
+    f(1, half(p + 32));
+  }
+#if defined(__AVX512BF16__)
+  template <class F>
+  static JB_INLINE void bf16(const uint8_t* p, F&& f) {
+    f(0, (__m512bh)_mm512_loadu_si512(p));
+  }
+#endif
+};
+
+// 32 f16 weights: exact in f32; for bf16 x rounded to bf16 (nearest even), as every format's
+// f32 weights are
+struct F16 {
+  static constexpr int QK = 32, BYTES = 64;
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    f(0, _mm512_cvtph_ps(load256(p)));
+    f(1, _mm512_cvtph_ps(load256(p + 32)));
+  }
+#if defined(__AVX512BF16__)
+  template <class F>
+  static JB_INLINE void bf16(const uint8_t* p, F&& f) {
+    f(0, _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(load256(p + 32)), _mm512_cvtph_ps(load256(p))));
   }
 #endif
 };
@@ -710,6 +748,8 @@ Drain pick(int64_t fmt, int64_t M) {
     case kQ4_0: return pick_rows<P, Q4_0>(M);
     case kQ4_K: return pick_rows<P, Q4_K>(M);
     case kQ5_K: return pick_rows<P, Q5_K>(M);
+    case kBF16: return pick_rows<P, BF16>(M);
+    case kF16: return pick_rows<P, F16>(M);
     default: return pick_rows<P, Q6_K>(M);
   }
 }
@@ -778,8 +818,10 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error::InvalidArgument(
         "quant_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, N, RB], one layer index, out [M, N] "
         "in x's dtype or f32");
-  if (fmt < 0 || fmt > kQ6_K) return ffi::Error::InvalidArgument("quant_matmul: unknown format");
+  if (fmt < 0 || fmt > kF16) return ffi::Error::InvalidArgument("quant_matmul: unknown format");
   if (act != 0 && act != 1) return ffi::Error::InvalidArgument("quant_matmul: act is 0 or 1");
+  if (act == 1 && fmt > kQ6_K)
+    return ffi::Error::InvalidArgument("quant_matmul: BF16 and F16 weights take float activations");
   const int64_t M = xd[0], K = xd[1], N = wd[1];
   if (K != k || K % kBlockWeights[fmt] != 0 || wd[2] != K / kBlockWeights[fmt] * kBlockBytes[fmt] ||
       od[0] != M || od[1] != N)

@@ -1,5 +1,5 @@
 """The GGUF-quantised matmul (quant.cc, quant_int8.cc): x @ W^T with W in llama.cpp's GGUF blocks
-(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K); built and registered as an XLA FFI custom call by
+(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) or plain 16-bit weights (BF16, F16: float mode only); built and registered as an XLA FFI custom call by
 pallas_kernels/cpu_library.py.
 
 Two activation modes, both batch invariant (the bits of a row do not depend on how many rows the
@@ -24,8 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_library
+from pallas_kernels.matmul.quant_formats import (  # noqa: F401 - one place
+    FLOAT_FORMATS,
+    FORMATS,
+    INT8_FORMATS,
+    row_bytes,
+)
 from pallas_kernels.matmul.quant_formats import FORMAT_IDS as _CODES
-from pallas_kernels.matmul.quant_formats import FORMATS, row_bytes  # noqa: F401 - one place
 
 TARGET = "jaxbatch_quant_matmul"
 ACTS = {"float": 0, "int8": 1}  # the kernel's `act` attribute
@@ -57,6 +62,8 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
     rb = row_bytes(fmt, k)
     if act not in ACTS:
         raise ValueError(f"quant_matmul: act must be one of {list(ACTS)}, got {act!r}")
+    if act == "int8" and fmt in FLOAT_FORMATS:
+        raise ValueError(f"quant_matmul: {fmt} weights take float activations")
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"quant_matmul: x must be [M, {k}], got {x.shape}")
     if w.dtype != jnp.uint8 or w.ndim != 3 or w.shape[2] != rb:

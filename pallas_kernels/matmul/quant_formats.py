@@ -13,6 +13,12 @@ A quantised 2-D weight of ggml shape [K, N] (K innermost) is held as the file st
 | Q4_K | 256 | 144 | 4.5 | f16 d, dmin; 12 bytes of 6-bit scales and mins; 128 bytes of nibbles; w = d sc q - dmin m |
 | Q5_K | 256 | 176 | 5.5 | as Q4_K, plus 32 bytes of fifth bits |
 | Q6_K | 256 | 210 | 6.5625 | 128 bytes low 4 bits, 64 bytes high 2 bits, int8 scales[16], f16 d; w = d sc (q - 32) |
+| BF16 | 32 | 64 | 16 | 32 bf16 weights (a "block" only so that every step size reads one layout) |
+| F16 | 32 | 64 | 16 | 32 f16 weights |
+
+BF16 and F16 weights are held this way too (a bf16 / f16 GGUF's linear weights and embedding):
+one resident copy that the kernel reads at every step size, where the plain bf16 path holds a
+second, packed copy for small steps. They take float activations only.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import jax.numpy as jnp
 # name -> (weights per block, bytes per block)
 FORMATS: dict[str, tuple[int, int]] = {
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176),
-    "Q6_K": (256, 210),
+    "Q6_K": (256, 210), "BF16": (32, 64), "F16": (32, 64),
 }
+FLOAT_FORMATS = ("BF16", "F16")  # plain 16-bit weights: no int8 activation mode
+INT8_FORMATS = tuple(f for f in FORMATS if f not in FLOAT_FORMATS)  # the int8 mode's formats
 FORMAT_IDS = {name: i for i, name in enumerate(FORMATS)}  # the kernel's `fmt` attribute
 
 
@@ -111,7 +119,17 @@ def _q6_k(b: jax.Array) -> jax.Array:
     return w.reshape(*b.shape[:-1], 256)
 
 
-_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _bf16(b: jax.Array) -> jax.Array:
+    bits = b[..., 0::2].astype(jnp.uint32) | (b[..., 1::2].astype(jnp.uint32) << 8)
+    return jax.lax.bitcast_convert_type(bits << 16, jnp.float32)
+
+
+def _f16_block(b: jax.Array) -> jax.Array:
+    bits = b[..., 0::2].astype(jnp.uint16) | (b[..., 1::2].astype(jnp.uint16) << 8)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+_DEQUANT = {"BF16": _bf16, "F16": _f16_block, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def dequantize(rows: jax.Array, fmt: str, k: int) -> jax.Array:

@@ -53,6 +53,10 @@ def make_weight(fmt, n, k, rng):
     gguf package; the K-quants (which it cannot quantise) as random valid blocks: random codes
     and 6-bit scales, small finite f16 d (and dmin)."""
     qk, nbytes = quant.FORMATS[fmt]
+    if fmt in quant.FLOAT_FORMATS:  # plain weights, as a bf16 / f16 GGUF holds them
+        w = rng.standard_normal((n, k)) * 0.05
+        return np.ascontiguousarray(
+            w.astype(ml_dtypes.bfloat16 if fmt == "BF16" else np.float16).view(np.uint8))
     if fmt in ("Q8_0", "Q4_0"):
         w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
         return np.ascontiguousarray(gguf.quants.quantize(w, _qtype(fmt)))
@@ -103,6 +107,9 @@ def _x(rng, m, k, dtype):
 
 def test_formats_are_ggmls():
     for fmt, size in quant.FORMATS.items():
+        if fmt in quant.FLOAT_FORMATS:  # ggml: one 2-byte weight a "block"; here 32 of them
+            assert gguf.GGML_QUANT_SIZES[_qtype(fmt)] == (1, 2) and size == (32, 64)
+            continue
         assert gguf.GGML_QUANT_SIZES[_qtype(fmt)] == size
     assert quant.row_bytes("Q4_K", 2048) == 8 * 144 and quant.row_bytes("Q8_0", 64) == 68
     with pytest.raises(ValueError, match="K % 256"):

@@ -195,7 +195,7 @@ def _one_hot_weights(fmt: str, k: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))
-@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("fmt", list(quant.INT8_FORMATS))
 def test_one_hot_weights_read_the_quantised_activations_back(fmt, dt):
     dtype = DTYPES[dt]
     _need(dtype)
@@ -219,11 +219,11 @@ def test_one_hot_weights_read_the_quantised_activations_back(fmt, dt):
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))
-@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("fmt", list(quant.INT8_FORMATS))
 def test_bit_for_bit_the_reference(fmt, dt):
     dtype = DTYPES[dt]
     _need(dtype)
-    rng = np.random.default_rng(list(quant.FORMATS).index(fmt) * 10 + len(dt))
+    rng = np.random.default_rng(list(quant.INT8_FORMATS).index(fmt) * 10 + len(dt))
     qk = quant.FORMATS[fmt][0]
     cases = [(256, 16, MS),
              (512, 37, (1, 2, 5, 9)),  # N not a multiple of 4
@@ -244,7 +244,7 @@ def test_bit_for_bit_the_reference(fmt, dt):
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))
-@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("fmt", list(quant.INT8_FORMATS))
 def test_rows_are_the_same_bits_whatever_the_row_count(fmt, dt):
     """Row i of a call on rows [0, m) equals row i of a call on all 512 rows, for every m (the
     one-row path, the 2-8 row path, the many-row path, threads splitting rows or columns)."""
@@ -268,7 +268,7 @@ def test_float32_out_from_bf16_x(act):
     elif not quant.available(jnp.bfloat16):
         pytest.skip("no AVX512-BF16: no float-mode bf16 quant matmul")
     rng = np.random.default_rng(5)
-    for fmt in quant.FORMATS:
+    for fmt in quant.INT8_FORMATS:
         k, n = 512, 24
         w = make_weight(fmt, n, k, rng)
         x = _x(rng, 20, k, jnp.bfloat16)
@@ -287,7 +287,7 @@ def test_close_to_the_float_mode():
     the float mode with f32 x (llama.cpp's Q8 activations are as close)."""
     _need()
     rng = np.random.default_rng(9)
-    for fmt in quant.FORMATS:
+    for fmt in quant.INT8_FORMATS:
         k, n = 2048, 64
         w = make_weight(fmt, n, k, rng)
         x = _x(rng, 16, k, jnp.float32)
@@ -352,7 +352,7 @@ def _bench():
           flush=True)
     rng = np.random.default_rng(0)
     acts = ["float"] + (["int8"] if quant.available(jnp.bfloat16, act="int8") else [])
-    for fmt in quant.FORMATS:
+    for fmt in quant.INT8_FORMATS:
         for n, k in ((8192, 2048), (2048, 8192)):
             rb = quant.row_bytes(fmt, k)
             L = max(2, -(-200_000_000 // (n * rb)))
