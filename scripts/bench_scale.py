@@ -2,7 +2,8 @@
 """jaxbatch at the sizes users run, next to llama.cpp on the same file, in one invocation.
 
     python scripts/bench_scale.py MODEL [MODEL ...] [--llamacpp DIR] [--bench64] [--out DIR]
-        [--threads 2] [--prompt 512] [--decode 128] [--repeat 3] [--engine-kwargs JSON]
+        [--threads 2] [--prompt 512] [--decode 128] [--repeat 3] [--rounds 1]
+        [--engine-kwargs JSON]
 
 Each MODEL is a .gguf file or an HF directory, made outside the repo. The shapes come from
 ../shared/peers/make_scale_model.py (llama-1b, llama-8b: random weights, SmolLM2's vocabulary, so
@@ -26,7 +27,10 @@ Per MODEL, every measurement in its own child process (so its peak RSS, from wai
   4. --llamacpp DIR and a .gguf MODEL: `llama-bench -p PROMPT -n DECODE -t THREADS -r REPEAT -o json`
      with --repack 0 and the default, with DIR/bin and DIR/bin-noamx when it exists; the best pp
      and tg over those (the peers README: quote llama.cpp's best build per figure), the median of
-     its samples (avg_ts is recorded too). jaxbatch / llama.cpp ratios.
+     its samples (avg_ts is recorded too). jaxbatch / llama.cpp ratios. With --rounds N, 2-4 run
+     N times alternated (warm child, llama-bench, warm child, ...); each figure is the median
+     over rounds and each round's ratio is recorded (a VM's memory speed drifts by 10-20% over
+     minutes: back-to-back figures compare fairer than figures minutes apart).
   5. --bench64: jaxbatch bench64 steady throughput (one warm-up pass, one timed pass of all 64
      requests through LLM.generate, greedy, ignore_eos; (prompt + output tokens) / s, as
      bench_throughput.py; prefix caching at its default, on). With --llamacpp and a .gguf:
@@ -167,7 +171,8 @@ def jaxbatch_child(mode: str, model: str, kwargs: dict, args: argparse.Namespace
 
 
 # ---- llama.cpp -------------------------------------------------------------------------------
-def llama_bench(llamacpp: str, model: str, args: argparse.Namespace, logs: str) -> list[dict]:
+def llama_bench(llamacpp: str, model: str, args: argparse.Namespace, logs: str,
+                round_no: int = 0) -> list[dict]:
     """One llama-bench process per (build, repack): a crash of one leaves the others."""
     out = []
     for build in ("bin", "bin-noamx"):
@@ -178,7 +183,7 @@ def llama_bench(llamacpp: str, model: str, args: argparse.Namespace, logs: str) 
             cmd = [exe, "-m", model, "-p", str(args.prompt), "-n", str(args.decode),
                    "-t", str(args.threads), "-r", str(args.repeat), "-o", "json"] + \
                 (["--repack", "0"] if repack == "0" else [])
-            base = os.path.join(logs, f"llama-bench-{build}-repack{repack}")
+            base = os.path.join(logs, f"llama-bench-{build}-repack{repack}{round_no or ''}")
             t0 = time.time()
             with open(base + ".json", "w") as fo, open(base + ".log", "w") as fe:
                 fe.write(" ".join(cmd) + "\n")
@@ -323,18 +328,42 @@ def bench_model(model: str, args: argparse.Namespace, record) -> dict:
     cache = tempfile.mkdtemp(prefix=f"cache-{name}-", dir=args.out)
     kw = {**ENGINE_DEFAULTS, **json.loads(args.engine_kwargs), "cache_dir": cache}
     single_kw = {"enable_prefix_caching": False, **kw}
+    rounds: list[dict] = [{} for _ in range(args.rounds)]
+    llama_runs: list[dict] = []
     try:
         first = jaxbatch_child("start", model, single_kw, args, os.path.join(logs, "first.log"))
         record("first_start", first)
         row["first_s"] = (first["ready"] or {}).get("startup_s")
         row["first_rss_gb"] = first["peak_rss_gb"]
         row["dtype"] = (first["ready"] or {}).get("dtype")
-        warm = jaxbatch_child("single", model, single_kw, args, os.path.join(logs, "warm.log"))
-        record("warm_restart_single_stream", warm)
-        row["warm_s"] = (warm["ready"] or {}).get("startup_s")
-        row["serve_rss_gb"] = warm["peak_rss_gb"]
-        for r in warm["results"]:
-            row[r["measure"] + "_tok_s"] = r["tok_s"]
+        for i in range(args.rounds):  # alternating with llama-bench: the VM's speed drifts
+            warm = jaxbatch_child("single", model, single_kw, args,
+                                  os.path.join(logs, f"warm{i or ''}.log"))
+            record("warm_restart_single_stream", {**warm, "round": i})
+            rounds[i]["warm_s"] = (warm["ready"] or {}).get("startup_s")
+            rounds[i]["serve_rss_gb"] = warm["peak_rss_gb"]
+            for r in warm["results"]:
+                rounds[i][r["measure"] + "_tok_s"] = r["tok_s"]
+            if args.llamacpp and model.endswith(".gguf"):
+                runs = llama_bench(args.llamacpp, model, args, logs, i)
+                for r in runs:
+                    record("llama_bench", {**r, "round": i})
+                llama_runs.extend(runs)
+                for kind in ("pp", "tg"):
+                    ok = [r for r in runs if kind in r]
+                    if ok:
+                        rounds[i][f"llama_{kind}"] = max(r[kind] for r in ok)
+        for key in ("warm_s", "prompt_tok_s", "decode_tok_s", "llama_pp", "llama_tg"):
+            got = [r[key] for r in rounds if r.get(key) is not None]
+            if got:
+                row[key] = statistics.median(got)
+        row["serve_rss_gb"] = max((r["serve_rss_gb"] for r in rounds
+                                   if r.get("serve_rss_gb") is not None), default=None)
+        for ours, theirs, ratio in (("prompt_tok_s", "llama_pp", "pp_ratio"),
+                                    ("decode_tok_s", "llama_tg", "tg_ratio")):
+            per = [r[ours] / r[theirs] for r in rounds if r.get(ours) and r.get(theirs)]
+            if per:
+                row[ratio + "_rounds"] = [round(v, 3) for v in per]
         if args.bench64:
             b = jaxbatch_child("bench64", model, kw, args, os.path.join(logs, "bench64.log"))
             record("bench64", b)
@@ -345,14 +374,11 @@ def bench_model(model: str, args: argparse.Namespace, record) -> dict:
         if not args.keep_cache:
             shutil.rmtree(cache, ignore_errors=True)
     if args.llamacpp and model.endswith(".gguf"):
-        runs = llama_bench(args.llamacpp, model, args, logs)
-        for r in runs:
-            record("llama_bench", r)
+        runs = llama_runs
         for kind in ("pp", "tg"):
             ok = [r for r in runs if kind in r]
             if ok:
                 best = max(ok, key=lambda r: r[kind])
-                row[f"llama_{kind}"] = best[kind]
                 row[f"llama_{kind}_by"] = f"{best['build']} repack {best['repack']}"
         if args.bench64:
             best_tg = max((r for r in runs if "tg" in r), key=lambda r: r["tg"], default=None)
@@ -381,7 +407,8 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
             ("decode tok/s", "decode_tok_s", ".2f"), ("llama tg", "llama_tg", ".2f"),
             ("x", "tg_ratio", ".2f"), ("bench64 tok/s", "bench64_tok_s", ".1f"),
             ("llama-server", "server_tok_s", ".1f"), ("x", "bench64_ratio", ".2f")]
-    print(f"\nprompt {args.prompt} / decode {args.decode} tokens, medians of {args.repeat}; "
+    print(f"\nprompt {args.prompt} / decode {args.decode} tokens, medians of {args.repeat} "
+          f"(and of {args.rounds} alternated rounds); "
           f"llama.cpp -t {args.threads}, its best build per figure; x = jaxbatch / llama.cpp")
     print(" | ".join(c[0] for c in cols))
     for r in rows:
@@ -414,6 +441,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="warm single-stream child and llama-bench, alternated this many times; "
+                        "medians over rounds (the machine's speed drifts over minutes)")
     p.add_argument("--engine-kwargs", default="{}", help="JSON of LLM(...) options (override)")
     p.add_argument("--keep-cache", action="store_true", help="keep each model's cache_dir")
     p.add_argument("--server-timeout", type=float, default=900, help="llama-server start, s")

@@ -88,7 +88,8 @@ def calibrate(planner: StepPlanner, runner: Runner, path: str, ident: str,
         todo, desc=f"timing {len(todo)} new step shapes ({reused} reused)",
         disable=not progress or not todo)}
     times = {**known, **timed}
-    rechecked = _recheck_inversions(times, set(timed), runner)
+    # (among this set's buckets: the saved times may hold other sets' buckets, not compiled)
+    rechecked = _recheck_inversions({b: times[b] for b in planner.buckets}, set(timed), runner)
     timed.update(rechecked)
     times.update(rechecked)
     planner.calibrate(lambda b: times[b])

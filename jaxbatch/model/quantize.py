@@ -100,11 +100,55 @@ class QuantWeight:
         return quant_formats.dequantize(self.parts[0][ids], self.fmts[0], self.k)
 
 
+def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """uint8 `shape`, 64-byte aligned: XLA:CPU can then take it as a buffer without a copy."""
+    size = int(np.prod(shape))
+    raw = np.empty(size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + size].reshape(shape)
+
+
+def _to_device(buf: np.ndarray) -> jax.Array:
+    """The host buffer as a jax array: aliased on CPU (no second copy of a weight stack at
+    load), copied elsewhere."""
+    if jax.default_backend() == "cpu":
+        return jax.device_put(buf, may_alias=True)
+    return jnp.asarray(buf)
+
+
+def _drop_file_pages(rows: np.ndarray) -> None:
+    """Unmap the pages of a memory-mapped file under `rows` (already copied): a mapped page
+    counts in the process's RSS until unmapped, so reading a 2 GB file this way held up to
+    2 GB of it beside the weights. Only whole pages inside `rows`; anything else: no-op."""
+    import mmap
+
+    base: Any = rows
+    while base is not None and not (isinstance(base, np.memmap)
+                                     and getattr(base, "_mmap", None) is not None):
+        base = base.base
+    if base is None:
+        return
+    # np.memmap maps from `offset` rounded down to the allocation granularity
+    start = base.ctypes.data - base.offset % mmap.ALLOCATIONGRANULARITY
+    lo = rows.ctypes.data - start
+    hi = lo + rows.nbytes
+    lo = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = hi // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo and rows.flags.c_contiguous:
+        try:
+            getattr(base, "_mmap").madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # noqa: B009
+        except (AttributeError, OSError, ValueError):
+            pass
+
+
 def from_raw(raw: RawBlocks | Sequence[RawBlocks]) -> QuantWeight:
     """One tensor's blocks, or one per layer (a stack, grouped by format), as a QuantWeight
-    (copied once into device memory; the file's pages are not kept)."""
+    (copied once into device memory; the file's pages are dropped as they are copied)."""
     if isinstance(raw, RawBlocks):
-        return QuantWeight((jnp.asarray(raw.rows),), None, None, (raw.fmt,), raw.k, raw.n,
+        host = _aligned_empty(raw.rows.shape)
+        host[...] = raw.rows
+        _drop_file_pages(raw.rows)
+        return QuantWeight((_to_device(host),), None, None, (raw.fmt,), raw.k, raw.n,
                            stacked=False)
     fmts = tuple(dict.fromkeys(r.fmt for r in raw))
     k, n = raw[0].k, raw[0].n
@@ -113,10 +157,11 @@ def from_raw(raw: RawBlocks | Sequence[RawBlocks]) -> QuantWeight:
     parts, part_of, index_of = [], [], []
     for fmt in fmts:
         members = [r for r in raw if r.fmt == fmt]
-        buf = np.empty((len(members), n, quant_formats.row_bytes(fmt, k)), np.uint8)
+        buf = _aligned_empty((len(members), n, quant_formats.row_bytes(fmt, k)))
         for i, r in enumerate(members):
             buf[i] = r.rows
-        parts.append(jnp.asarray(buf))
+            _drop_file_pages(r.rows)
+        parts.append(_to_device(buf))
         del buf
     counters = dict.fromkeys(fmts, 0)
     for r in raw:

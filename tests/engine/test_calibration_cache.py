@@ -142,3 +142,15 @@ def test_an_inversion_that_holds_when_timed_again_is_believed_and_not_timed_at_r
     restart = SpikyRunner({Bucket(8, 2): 50e-3}, always=True)
     assert calibrate(StepPlanner(BUCKETS, token_cost()), restart, path, "key", False) == 0
     assert restart.timed == []
+
+
+def test_saved_times_of_buckets_not_in_this_set_are_not_timed_again(tmp_path):
+    # a saved (16, 4) from another bucket set, dearer than this set's (32, 4): not compiled here,
+    # so never timed again (nor part of an inverted pair)
+    path = str(tmp_path / "times.json")
+    calibrate(StepPlanner([(16, 4)], token_cost()), SpikyRunner({Bucket(16, 4): 90e-3}), path,
+              "key", False)
+    runner = FakeRunner()
+    planner = StepPlanner([(8, 2), (32, 4)], token_cost())
+    assert calibrate(planner, runner, path, "key", False) == 2
+    assert sorted(runner.timed) == [Bucket(8, 2), Bucket(32, 4)]
