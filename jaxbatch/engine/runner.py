@@ -165,7 +165,9 @@ class Runner:
     def compile(self, buckets: list[Bucket], progress: bool = True) -> float:
         """Compile every bucket's step ahead of time. Returns the seconds it took."""
         t0 = time.perf_counter()
-        steps, samplers = self.compile_buckets(buckets, progress)
+        # warm-up: one compile per core (the live re-planner's background compiles keep to one
+        # thread, beside a serving engine)
+        steps, samplers = self.compile_buckets(buckets, progress, workers=os.cpu_count() or 1)
         self.executables.update(steps)
         self.samplers.update(samplers)
         if self._page_copy is None:
@@ -209,7 +211,8 @@ class Runner:
         assert self._page_copy is not None, "compile() first"
         self.kv_cache = self._page_copy(self.kv_cache, src, dst)
 
-    def compile_buckets(self, buckets: list[Bucket], progress: bool = False
+    def compile_buckets(self, buckets: list[Bucket], progress: bool = False,
+                        workers: int = 1
                         ) -> tuple[dict[Bucket, Any], dict[tuple[int, bool], Any]]:
         """The executables of the buckets (and samplers of the sequence counts) not compiled
         yet, without installing them: the live re-planner calls this on a background thread
@@ -247,7 +250,7 @@ class Runner:
 
         jobs = [functools.partial(job, step, b) for b in todo] + \
             [functools.partial(job, sampler, S) for S in seqs]
-        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool, \
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, \
                 tqdm(total=len(todo), desc=f"compiling {len(todo)} step shapes",
                      disable=not progress or not todo) as bar:
             futures = [pool.submit(job) for job in jobs]

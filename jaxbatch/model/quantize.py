@@ -123,20 +123,22 @@ def _drop_file_pages(rows: np.ndarray) -> None:
     import mmap
 
     base: Any = rows
-    while base is not None and not (isinstance(base, np.memmap)
-                                     and getattr(base, "_mmap", None) is not None):
+    while base is not None and getattr(base, "_mmap", None) is None:
         base = base.base
-    if base is None:
+    if base is None or not rows.flags.c_contiguous:
         return
-    # np.memmap maps from `offset` rounded down to the allocation granularity
-    start = base.ctypes.data - base.offset % mmap.ALLOCATIONGRANULARITY
+    mapped = getattr(base, "_mmap")  # noqa: B009 - np.memmap's mmap.mmap (slices share it)
+    try:
+        start = np.frombuffer(mapped, np.uint8).ctypes.data  # the mapping's first byte
+    except (TypeError, ValueError):
+        return
     lo = rows.ctypes.data - start
     hi = lo + rows.nbytes
     lo = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE
-    hi = hi // mmap.PAGESIZE * mmap.PAGESIZE
-    if hi > lo and rows.flags.c_contiguous:
+    hi = min(hi, len(mapped)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if 0 <= lo < hi:
         try:
-            getattr(base, "_mmap").madvise(mmap.MADV_DONTNEED, lo, hi - lo)  # noqa: B009
+            mapped.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
         except (AttributeError, OSError, ValueError):
             pass
 
