@@ -108,12 +108,13 @@ class Engine:
         compile_guard.install()
         root = cache_dir(config.model.cache_dir)
         compile_guard.enable_persistent_cache(root)
-        if jax.default_backend() == "cpu":  # g++ runs while Python parses the model's metadata
+        on_cpu = jax.default_backend() == "cpu"
+        if on_cpu:  # g++ runs while Python parses the model's metadata
             cpu_library.build_in_background(root)
         precision: PrecisionChoice | None = None
         if config.model.dtype == "auto":  # decided before the weights are read (one copy)
             arch = model.arch if model is not None else load_arch(config.model.model, root)
-            if jax.default_backend() == "cpu":  # the build done: it would skew the timings
+            if on_cpu:  # the build done first: it would skew the timings
                 cpu_library.available(root)
             precision = choose_compute_dtype(arch.hidden_size, arch.intermediate_size, root)
             config = dataclasses.replace(

@@ -1,5 +1,6 @@
 """The GGUF-quantised matmul (quant.cc, quant_int8.cc): x @ W^T with W in llama.cpp's GGUF blocks
-(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) or plain 16-bit weights (BF16, F16: float mode only); built and registered as an XLA FFI custom call by
+(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) or plain 16-bit weights (BF16, F16: float mode only); built and
+registered as an XLA FFI custom call by
 pallas_kernels/cpu_library.py.
 
 Two activation modes, both batch invariant (the bits of a row do not depend on how many rows the

@@ -119,17 +119,22 @@ def _q6_k(b: jax.Array) -> jax.Array:
     return w.reshape(*b.shape[:-1], 256)
 
 
+def _pairs(b: jax.Array) -> jax.Array:
+    """[..., 2n] bytes -> [..., n, 2]: n little-endian 16-bit values."""
+    return b.reshape(*b.shape[:-1], -1, 2)
+
+
 def _bf16(b: jax.Array) -> jax.Array:
-    bits = b[..., 0::2].astype(jnp.uint32) | (b[..., 1::2].astype(jnp.uint32) << 8)
-    return jax.lax.bitcast_convert_type(bits << 16, jnp.float32)
+    p = _pairs(b).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type((p[..., 0] | (p[..., 1] << 8)) << 16, jnp.float32)
 
 
-def _f16_block(b: jax.Array) -> jax.Array:
-    bits = b[..., 0::2].astype(jnp.uint16) | (b[..., 1::2].astype(jnp.uint16) << 8)
-    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+def _f16_values(b: jax.Array) -> jax.Array:
+    return _f16(_pairs(b))
 
 
-_DEQUANT = {"BF16": _bf16, "F16": _f16_block, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DEQUANT = {"BF16": _bf16, "F16": _f16_values, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k,
+            "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def dequantize(rows: jax.Array, fmt: str, k: int) -> jax.Array:

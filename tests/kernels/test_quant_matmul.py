@@ -262,3 +262,16 @@ def _bench():
 
 if __name__ == "__main__":
     _bench()
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_jnp_dequantiser_is_the_gguf_packages(fmt):
+    """quant_formats.dequantize (the plain-JAX path on every device, and the embedding's rows)
+    gives the gguf package's float32 weights, bit for bit."""
+    from pallas_kernels.matmul import quant_formats
+
+    rng = np.random.default_rng(3)
+    k, n = 512, 12
+    w = make_weight(fmt, n, k, rng)
+    got = np.asarray(quant_formats.dequantize(jnp.asarray(w), fmt, k))
+    np.testing.assert_array_equal(got, dequant(fmt, w, jnp.float32))
