@@ -39,6 +39,7 @@ def test_the_mapped_file_pages_are_dropped_and_the_buffer_is_not_copied(tmp_path
     # slices of the mapping, one per layer, as the GGUF reader gives them (offset into the file)
     raws = [RawBlocks("Q8_0", mm[(r * layers + i) * n * rb:(r * layers + i + 1) * n * rb]
                       .reshape(n, rb), 2048) for r in range(reps) for i in range(layers)]
+    jax.block_until_ready(jax.device_put(np.zeros(1 << 20, np.uint8)))  # the client is up
     before = _rss_mb()
     w = from_raw(raws)
     grew = _rss_mb() - before
