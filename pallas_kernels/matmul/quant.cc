@@ -31,8 +31,9 @@
 // convert the codes (cvt + mul).
 // Two paths. M <= 8 (decode; fused_tile): a tile of all M rows x C columns walks K block by
 // block; each block is dequantised once and used for every row: in registers, straight into the
-// dot, for M = 1 (6 columns side by side), through a few KB of L1 for M = 2..8 (then an M x C
-// register tile). The tile's C rows are C streams, so the next tile's bytes are prefetched
+// dot, for M = 1 (6 columns side by side; BF16 / F16 one, see tile_cols), through a few KB of L1
+// for M = 2..8 (then an M x C register tile). The tile's C rows are C streams, so the next
+// tile's bytes are prefetched
 // (without it Q6_K and Q8_0 read ~3x slower from memory). M > 8 (prefill; dot_tile): a block of
 // >= 16 columns is dequantised into a per-thread buffer (bf16 or f32, ~L2-sized), then 4x4
 // register tiles run over it, K in L1-sized chunks, so dequantisation is paid once per column.
@@ -81,6 +82,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -534,9 +536,20 @@ JB_INLINE void finish(const Job& j, __m512 (&acc)[R][C], int64_t m0, int64_t n0)
 
 // Decode (M <= 8): tiles of all M rows x C columns, each block dequantised once for all rows
 constexpr int kFusedMaxRows = 8;
-// columns side by side for r rows: r * C <= 16 accumulators (one reduction)
+// columns side by side for r rows: r * C <= 16 accumulators (one reduction); a thread claims a
+// multiple of this many columns
 constexpr int fused_cols(int r) {
   return r == 1 ? 6 : r == 2 ? 8 : r == 3 ? 5 : r == 4 ? 4 : r == 5 ? 3 : 2;
+}
+// ... except one row of plain 16-bit weights: one column at a time, so that each thread reads one
+// stream. Their dot is a load and a VDPBF16PS per 32 weights, so one accumulator keeps up with
+// memory, and six rows side by side (six streams) read slower: llama-1b's 16 layers of bf16
+// matmuls at one row (scripts-style scan, 2 threads, AMD EPYC Zen 5 VM, the two variants
+// alternated in one process, medians): 6 columns 41.4 -> 1 column 44.8-46.2 GB/s; f16 37.2 ->
+// 40.7. The quantised formats stay at 6 (one column: Q4_K 28.7 -> 22.8 GB/s, compute-bound).
+template <class D>
+constexpr int tile_cols(int r) {
+  return r == 1 && (std::is_same_v<D, BF16> || std::is_same_v<D, F16>) ? 1 : fused_cols(r);
 }
 
 template <class P, class D, int R, int C>
@@ -598,7 +611,7 @@ void interleave(const X* x, int64_t M, int64_t K, int64_t vw, X* xi) {
 
 template <class P, class D, int R>
 void drain_fused(Job& j) {
-  constexpr int C = fused_cols(R);
+  constexpr int C = tile_cols<D>(R);
   for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
     const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
     int64_t n = lo;
