@@ -425,9 +425,11 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
             print(f"{r['model']}: llama.cpp pp from {r['llama_pp_by']}, tg from {r['llama_tg_by']}")
     hf = [r["model"] for r in rows if r["format"].startswith("hf-")]
     print("\nvLLM-CPU bf16 on bench64 (not run here; ../shared/peers/README.md sets it up):")
+    # bench_throughput.py takes the dtype from --dtypes (auto by default)
+    engine_kwargs = {k: v for k, v in ENGINE_DEFAULTS.items() if k != "dtype"}
     for m in hf or ["HF_DIR"]:
         print(f"  python scripts/bench_throughput.py --passes 3 --engine-kwargs "
-              f"'{json.dumps({'model': m, **ENGINE_DEFAULTS})}' --peer vllm --peer-dtypes bfloat16 "
+              f"'{json.dumps({'model': m, **engine_kwargs})}' --peer vllm --peer-dtypes bfloat16 "
               f"--peer-python $PEERS/venv/bin/python --peer-model {m} --peer-env $PEERS/env.sh")
 
 

@@ -204,6 +204,8 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if "dtype" in json.loads(args.engine_kwargs):
+        p.error("--engine-kwargs sets no dtype: --dtypes gives jaxbatch's (auto by default)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     rows = []
