@@ -33,8 +33,7 @@
 // block; each block is dequantised once and used for every row: in registers, straight into the
 // dot, for M = 1 (6 columns side by side; BF16 / F16 one, see tile_cols), through a few KB of L1
 // for M = 2..8 (then an M x C register tile). The tile's C rows are C streams, so the next
-// tile's bytes are prefetched
-// (without it Q6_K and Q8_0 read ~3x slower from memory). M > 8 (prefill; dot_tile): a block of
+// tile's bytes are prefetched (without it Q6_K and Q8_0 read ~3x slower from memory). M > 8 (prefill; dot_tile): a block of
 // >= 16 columns is dequantised into a per-thread buffer (bf16 or f32, ~L2-sized), then 4x4
 // register tiles run over it, K in L1-sized chunks, so dequantisation is paid once per column.
 // Threads (XLA's intra-op pool) claim chunks of output features (and, when there are few,
@@ -543,7 +542,7 @@ constexpr int fused_cols(int r) {
 }
 // ... except one row of plain 16-bit weights: one column at a time, so that each thread reads one
 // stream. Their dot is a load and a VDPBF16PS per 32 weights, so one accumulator keeps up with
-// memory, and six rows side by side (six streams) read slower: llama-1b's 16 layers of bf16
+// memory, and six columns side by side (six streams) read slower: llama-1b's 16 layers of bf16
 // matmuls at one row (scripts-style scan, 2 threads, AMD EPYC Zen 5 VM, the two variants
 // alternated in one process, medians): 6 columns 41.4 -> 1 column 44.8-46.2 GB/s; f16 37.2 ->
 // 40.7. The quantised formats stay at 6 (one column: Q4_K 28.7 -> 22.8 GB/s, compute-bound).
