@@ -33,9 +33,10 @@
 // block; each block is dequantised once and used for every row: in registers, straight into the
 // dot, for M = 1 (6 columns side by side; BF16 / F16 one, see tile_cols), through a few KB of L1
 // for M = 2..8 (then an M x C register tile). The tile's C rows are C streams, so the next
-// tile's bytes are prefetched (without it Q6_K and Q8_0 read ~3x slower from memory). M > 8 (prefill; dot_tile): a block of
-// >= 16 columns is dequantised into a per-thread buffer (bf16 or f32, ~L2-sized), then 4x4
-// register tiles run over it, K in L1-sized chunks, so dequantisation is paid once per column.
+// tile's bytes are prefetched (without it Q6_K and Q8_0 read ~3x slower from memory). M > 8
+// (prefill; dot_tile): a block of >= 16 columns is dequantised into a per-thread buffer (bf16 or
+// f32, ~L2-sized), then 4x4 register tiles run over it, K in L1-sized chunks, so dequantisation
+// is paid once per column.
 // Threads (XLA's intra-op pool) claim chunks of output features (and, when there are few,
 // segments of rows); neither changes any output's operations.
 //
