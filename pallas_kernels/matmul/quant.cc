@@ -544,7 +544,7 @@ constexpr int fused_cols(int r) {
 // ... except one row of plain 16-bit weights: one column at a time, so that each thread reads one
 // stream. Their dot is a load and a VDPBF16PS per 32 weights, so one accumulator keeps up with
 // memory, and six columns side by side (six streams) read slower: llama-1b's 16 layers of bf16
-// matmuls at one row (scripts-style scan, 2 threads, AMD EPYC Zen 5 VM, the two variants
+// matmuls at one row (in a layer scan, 2 threads, AMD EPYC Zen 5 VM, the two variants
 // alternated in one process, medians): 6 columns 41.4 -> 1 column 44.8-46.2 GB/s; f16 37.2 ->
 // 40.7. The quantised formats stay at 6 (one column: Q4_K 28.7 -> 22.8 GB/s, compute-bound).
 template <class D>
