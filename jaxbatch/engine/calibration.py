@@ -54,6 +54,7 @@ def calibration_ident(model: LoadedModel, config: EngineConfig, runner: Runner,
         "pages_per_seq": runner.pages_per_seq, "attention": attention_backend,
         "tp": config.runner.tensor_parallel_size, "small_matmul_rows": runner.small_matmul_rows,
         "batch_invariant": runner.batch_invariant, "quant_acts": runner.quant_acts,
+        "bf16_xla_rows": runner.bf16_xla_rows,
     }, sort_keys=True, default=str)
 
 

@@ -38,6 +38,7 @@ from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.draft import build_draft_proposer
 from jaxbatch.engine.precision import (
     PrecisionChoice,
+    choose_bf16_route,
     choose_compute_dtype,
     choose_quant_acts,
     choose_small_matmul,
@@ -120,8 +121,13 @@ class Engine:
             config = dataclasses.replace(
                 config, model=dataclasses.replace(config.model, dtype=precision.dtype))
         if model is None:
+            # bf16 on one CPU device: an HF directory's linear weights, embedding and head are
+            # held once, as BF16 rows that the quantised matmul reads at every step size (as a
+            # bf16 GGUF's are), not as an [out, in] array plus the small matmul's packed copy
+            bf16_rows = (on_cpu and config.runner.tensor_parallel_size == 1
+                         and config.model.quantization is None)
             model = load_model(config.model.model, config.model.dtype, cache_dir=root,
-                               tokenizer=config.model.tokenizer)
+                               tokenizer=config.model.tokenizer, bf16_rows=bf16_rows)
         model = model.with_dtype(config.model.dtype)
         model = model.quantized(config.model.quantization)  # after the dtype (model/quantize.py)
         config = dataclasses.replace(
@@ -153,8 +159,15 @@ class Engine:
             if isinstance(w, QuantWeight) for f in w.fmts}
         quant_acts = choose_quant_acts(quant_shapes, config.model.dtype, root) \
             if mesh is None else {}
+        # BF16 rows (an HF directory's bf16 weights, a bf16 GGUF): XLA's dot from the step size
+        # where it measures faster, unless every step must run the one invariant kernel
+        bf16_shapes = {(w.n, w.k) for w in model.params["layers"].values()
+                       if isinstance(w, QuantWeight) and "BF16" in w.fmts}
+        bf16_xla_rows = choose_bf16_route(bf16_shapes, root) \
+            if mesh is None and not invariant and config.model.dtype == "bfloat16" else {}
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
-                        attention, mesh, small_matmul_rows=small_rows, quant_acts=quant_acts)
+                        attention, mesh, small_matmul_rows=small_rows, quant_acts=quant_acts,
+                        bf16_xla_rows=bf16_xla_rows)
         runner.batch_invariant = invariant
         # the runner holds the params in the forms it runs: the loaded copy goes (one resident
         # copy of each weight; the LoadedModel keeps its arch, tokenizer and EOS ids), unless

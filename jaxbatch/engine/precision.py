@@ -239,6 +239,10 @@ def _random_blocks(fmt: str, layers: int, n: int, k: int) -> np.ndarray:
     from pallas_kernels.matmul.quant_formats import FORMATS, row_bytes
 
     qk, nbytes = FORMATS[fmt]
+    if fmt == "BF16":  # plain values (random bytes would hold NaNs and denormals)
+        w = np.random.default_rng(0).standard_normal((n, k), np.float32) * 0.02
+        bf16 = np.ascontiguousarray(w.astype(jnp.bfloat16)).view(np.uint8)
+        return np.broadcast_to(bf16[None], (layers, n, 2 * k))
     one = np.frombuffer(np.random.default_rng(0).bytes(n * (k // qk) * nbytes), np.uint8)
     one = one.reshape(n, k // qk, nbytes).copy()
     for at in _SCALE_BYTES[fmt]:  # f16 0x1c00 = 2^-8
@@ -255,14 +259,22 @@ def _device_blocks(fmt: str, layers: int, n: int, k: int) -> jax.Array:
 
 def _time_quant(fmt: str, n: int, k: int, act: str, rows: int, repeats: int = 5) -> float:
     """Median seconds of one bf16 call of the quantised matmul in mode `act` on a stack of
-    layers of [n, k] weights in `fmt` (stepping through the layers: read from memory)."""
+    layers of [n, k] weights in `fmt` (stepping through the layers: read from memory); act
+    "xla": XLA's dot on the layer's rows bitcast to bf16 (BF16 only)."""
     from pallas_kernels.matmul import quant
     from pallas_kernels.matmul.quant_formats import row_bytes
 
     layers = max(1, -(-_QUANT_ACT_BYTES // (n * row_bytes(fmt, k))))
     w = _device_blocks(fmt, layers, n, k)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, k)), jnp.bfloat16)
-    call = jax.jit(lambda x, w, li: quant.quant_matmul(x, w, li, fmt=fmt, k=k, act=act))
+
+    def xla_dot(x: jax.Array, w: jax.Array, li: jax.Array) -> jax.Array:
+        wl = jax.lax.bitcast_convert_type(w[li].reshape(n, k, 2), jnp.bfloat16)
+        return jax.lax.dot_general(x, wl, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32).astype(x.dtype)
+
+    call = jax.jit(xla_dot if act == "xla" else
+                   lambda x, w, li: quant.quant_matmul(x, w, li, fmt=fmt, k=k, act=act))
     jax.block_until_ready(call(x, w, 0))
     times = []
     for i in range(repeats if rows == 1 else max(1, repeats - 2)):  # many rows: steady
@@ -305,4 +317,47 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
                      f"{r} rows {seconds[f'int8 {r}'] / seconds[f'float {r}']:.2f}"
                      for r in QUANT_ACT_ROWS))
     _device_blocks.cache_clear()  # the last stack's ~160 MB: not kept while serving
+    return out
+
+
+# ---- BF16 rows: the kernel or XLA's dot, by step size ------------------------------------------
+BF16_XLA_ROWS = (64, 256, 512)  # step sizes at which XLA's dot is timed against the kernel
+BF16_XLA_MIN_SPEEDUP = 1.1  # a clear win only: the kernel's rows are batch invariant
+
+
+def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str) -> dict[tuple[int, int], int]:
+    """Per (N, K) of the model's stacked BF16-row weights (an HF directory's or a bf16 GGUF's,
+    bfloat16 compute), from how many rows a step runs XLA's dot on the rows bitcast to bf16
+    rather than the quantised matmul's float path: the smallest of BF16_XLA_ROWS from which
+    XLA's dot measures at least BF16_XLA_MIN_SPEEDUP faster at it and every larger one (an AMX
+    CPU's bf16 dots at prefill sizes); absent where it never is. Measured once per machine and
+    shape (cached); decode-sized steps always run the kernel."""
+    from pallas_kernels.matmul import quant
+
+    if jax.default_backend() != "cpu" or not shapes or not quant.available(jnp.bfloat16):
+        return {}
+    out: dict[tuple[int, int], int] = {}
+    for n, k in sorted(shapes):
+        ident = f"{device_identity()}|jax {jax.__version__}|BF16 {n}x{k}|bf16 route v1"
+        key = hashlib.sha256(ident.encode()).hexdigest()[:20]
+        path = os.path.join(cache_root, "precision", f"bf16-route-{key}.json")
+
+        def measure(n: int = n, k: int = k) -> dict[str, float]:
+            return {f"{route} {rows}": _time_quant("BF16", n, k, act, rows, repeats=3)
+                    for rows in BF16_XLA_ROWS
+                    for route, act in (("kernel", "float"), ("xla", "xla"))}
+
+        seconds, source = _cached(path, ident, "seconds", measure)
+        start = 0
+        for rows in reversed(BF16_XLA_ROWS):
+            if seconds[f"kernel {rows}"] < BF16_XLA_MIN_SPEEDUP * seconds[f"xla {rows}"]:
+                break
+            start = rows
+        if start:
+            out[n, k] = start
+        log.info("BF16 rows [%d x %d]: %s (%s: kernel / XLA ms %s)", n, k,
+                 f"XLA's dot from {start} rows" if start else "the kernel at every step size",
+                 source, ", ".join(f"{r} rows {1e3 * seconds[f'kernel {r}']:.1f} / "
+                                   f"{1e3 * seconds[f'xla {r}']:.1f}" for r in BF16_XLA_ROWS))
+    _device_blocks.cache_clear()
     return out

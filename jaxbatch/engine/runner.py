@@ -93,11 +93,15 @@ def plain_greedy(s: Any) -> bool:
 class Runner:
     def __init__(self, arch: ModelArch, params: Any, cache: CacheConfig, max_model_len: int,
                  attention_fn: Any, mesh: Any = None, small_matmul_rows: int = 0,
-                 quant_acts: dict[tuple[str, int, int], str] | None = None) -> None:
+                 quant_acts: dict[tuple[str, int, int], str] | None = None,
+                 bf16_xla_rows: dict[tuple[int, int], int] | None = None) -> None:
         """`mesh`: a "tp" mesh (engine/sharding.py) to run on, else the default device.
         `small_matmul_rows`: bf16 weights also packed for the small-matmul kernel, which steps
         of at most that many tokens run (llama.as_run_on_cpu; the engine measures up to where
-        it pays, engine/precision.py); 0: XLA's dot for every step."""
+        it pays, engine/precision.py); 0: XLA's dot for every step. `quant_acts`: the quantised
+        matmul's activation mode per (format, N, K); `bf16_xla_rows`: per (N, K) of BF16-row
+        weights, from how many rows a step runs XLA's dot rather than the kernel (absent: never;
+        engine/precision.py measures both)."""
         self.placement: sharding.Placement | None = None
         if mesh is not None:  # tensor parallel (or one replica's devices): see sharding.py
             params, arch, self.placement = sharding.prepare(params, arch, mesh)
@@ -108,9 +112,12 @@ class Runner:
         self.small_matmul_rows = small_matmul_rows if one_device else 0
         acts = quant_acts or {}
         self.quant_acts = {f"{f} {n}x{k}": a for (f, n, k), a in sorted(acts.items())}
+        routes = bf16_xla_rows or {}
+        self.bf16_xla_rows = {f"{n}x{k}": r for (n, k), r in sorted(routes.items())}
         params = llama.as_run_on_cpu(params, arch, out_in=one_device,
                                      small_matmul_rows=self.small_matmul_rows,
-                                     quant_acts=lambda f, n, k: acts.get((f, n, k), "float"))
+                                     quant_acts=lambda f, n, k: acts.get((f, n, k), "float"),
+                                     bf16_xla_rows=lambda n, k: routes.get((n, k), 0))
         if self.placement is not None:
             params = sharding.place(params, self.placement.params)
         self.params = params

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +37,7 @@ import numpy as np
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.quantize import RawBlocks
 from jaxbatch.model.weights import (
+    KEEPABLE,
     LazyTensors,
     WeightLoadError,
     assemble_params,
@@ -249,17 +249,12 @@ def _tensor(reader: Any, t: Any) -> np.ndarray:
         raise WeightLoadError(f"GGUF tensor {t.name!r}: {e}") from None
 
 
-# HF tensors that may stay in their blocks: the dense linear weights and the embedding / head
-_KEEPABLE = re.compile(r"(\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj\.weight|^model\.embed_tokens\.weight|"
-                       r"^lm_head\.weight)$")
-
-
 def keeps_blocks(t: Any, hf_name: str) -> bool:
     """Whether GGUF tensor `t` (named `hf_name`) is held in its blocks rather than dequantised:
     a 2-D tensor of a kept format that a linear weight, the embedding or the head reads."""
     return (t.tensor_type.name in FORMATS and len(t.shape) == 2
             and int(t.shape[0]) % FORMATS[t.tensor_type.name][0] == 0  # whole blocks (F16 rows)
-            and _KEEPABLE.search(hf_name) is not None)
+            and KEEPABLE.search(hf_name) is not None)
 
 
 def read_gguf_tensors(reader: Any, arch: ModelArch, hf_names: set[str] | None = None,

@@ -6,15 +6,20 @@ import json
 import os
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.weights import LazyTensors, WeightLoadError, assemble_params
+from jaxbatch.model.quantize import RawBlocks
+from jaxbatch.model.weights import KEEPABLE, LazyTensors, WeightLoadError, assemble_params
+from pallas_kernels.matmul.quant_formats import FORMATS
 
 
-def read_safetensors_dir(path: str) -> LazyTensors:
+def read_safetensors_dir(path: str, bf16_rows: bool = False) -> LazyTensors:
     """Every tensor of the directory's safetensors files (single or sharded), read when taken:
-    each is memory-mapped and copied out in its stored dtype (bf16 stays bf16), one at a time."""
+    each is memory-mapped and copied out in its stored dtype (bf16 stays bf16), one at a time.
+    `bf16_rows`: the linear weights, embedding and head (`KEEPABLE`) come as `RawBlocks` of the
+    BF16 format instead (see `bf16_blocks`)."""
     from safetensors import SafetensorError, safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -38,14 +43,28 @@ def read_safetensors_dir(path: str) -> LazyTensors:
             raise WeightLoadError(f"tensors {sorted(dup)[:4]} appear in more than one shard")
         where.update(dict.fromkeys(keys, fpath))
 
-    def read(item: tuple[str, str]) -> np.ndarray:
+    def read(item: tuple[str, str]) -> np.ndarray | RawBlocks:
         name, fpath = item
         try:
-            return _read_tensor(fpath, name, safe_open)
+            a = _read_tensor(fpath, name, safe_open)
         except (SafetensorError, OSError, ValueError) as e:
             raise WeightLoadError(f"cannot read {name} from {fpath}: {e}") from e
+        return bf16_blocks(a) if bf16_rows and KEEPABLE.search(name) else a
 
     return LazyTensors({name: (name, fpath) for name, fpath in where.items()}, read)
+
+
+def bf16_blocks(a: np.ndarray) -> np.ndarray | RawBlocks:
+    """An HF [out, in] weight as BF16 `RawBlocks` (its rows' bf16 bits: [out, 2 * in] uint8, the
+    layout a bf16 GGUF stores), rounded to bf16 if stored wider; unchanged where `in` is not
+    whole BF16 blocks. Held this way the weight has one resident copy that every step size
+    reads (the quantised matmul's float path, pallas_kernels/matmul/quant.cc), where as a plain
+    bf16 array it was held [out, in] for XLA's dot plus a packed copy for the small matmul."""
+    qk = FORMATS["BF16"][0]
+    if a.ndim != 2 or a.shape[1] % qk or not np.issubdtype(a.dtype, np.floating):
+        return a
+    rows = np.ascontiguousarray(a.astype(jnp.bfloat16, copy=False)).view(np.uint8)
+    return RawBlocks("BF16", rows, int(a.shape[1]))
 
 
 def _read_tensor(fpath: str, name: str, safe_open) -> np.ndarray:
@@ -68,6 +87,8 @@ def load_hf_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
-def load_hf_dir(path: str, dtype: Any) -> tuple[ModelArch, dict]:
+def load_hf_dir(path: str, dtype: Any, bf16_rows: bool = False) -> tuple[ModelArch, dict]:
+    """`bf16_rows`: hold the linear weights, embedding and head as BF16 `QuantWeight`s (one
+    copy, read by the quantised matmul kernel at every step size); for bfloat16 compute."""
     arch = ModelArch.from_hf_config(load_hf_config(path))
-    return arch, assemble_params(arch, read_safetensors_dir(path), dtype)
+    return arch, assemble_params(arch, read_safetensors_dir(path, bf16_rows), dtype)

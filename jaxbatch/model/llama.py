@@ -348,7 +348,8 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
 
 def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
                   small_matmul_rows: int = 0,
-                  quant_acts: Callable[[str, int, int], str] | None = None) -> Params:
+                  quant_acts: Callable[[str, int, int], str] | None = None,
+                  bf16_xla_rows: Callable[[int, int], int] | None = None) -> Params:
     """The params in the forms XLA:CPU runs fastest. bf16: the scanned layer weights held as
     uint16 bits (`store_bf16_as_bits`), and with `out_in` the linear weights and an untied
     head stored [out, in] (`OutInWeight`); a tied head is the embedding itself, dotted over its
@@ -362,7 +363,7 @@ def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
     forward directly use this."""
     if jax.default_backend() != "cpu":
         return params
-    params = _quant_on_kernel(params, quant_acts)
+    params = _quant_on_kernel(params, quant_acts, bf16_xla_rows)
     if value_dtype(params["final_norm"]) != jnp.bfloat16:
         return params
     layers = dict(params["layers"])
@@ -385,12 +386,13 @@ def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
     return out
 
 
-def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None = None
-                     ) -> Params:
+def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None = None,
+                     bf16_xla_rows: Callable[[int, int], int] | None = None) -> Params:
     """Quantised weights run through the CPU kernel where it is built for the compute dtype
     (pallas_kernels/matmul/quant.py), else through the jnp path (dequantise, then dot).
     `acts(fmt, n, k)`: the kernel's activation mode for a weight of that format and shape
-    (default "float")."""
+    (default "float"); `bf16_xla_rows(n, k)`: from how many rows a stacked BF16 weight's steps
+    run XLA's dot instead (0, the default: never)."""
     from pallas_kernels.matmul import quant
 
     if not quant.available(value_dtype(params["final_norm"])):
@@ -398,7 +400,9 @@ def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None
 
     def on_kernel(w: QuantWeight) -> QuantWeight:
         modes = tuple(acts(f, w.n, w.k) for f in w.fmts) if acts is not None else ()
-        return dataclasses.replace(w, kernel=True, acts=modes)
+        xla_rows = bf16_xla_rows(w.n, w.k) if bf16_xla_rows is not None and w.stacked \
+            and "BF16" in w.fmts else 0
+        return dataclasses.replace(w, kernel=True, acts=modes, xla_from_rows=xla_rows)
 
     return jax.tree.map(lambda w: on_kernel(w) if isinstance(w, QuantWeight) else w, params,
                         is_leaf=lambda w: isinstance(w, QuantWeight))

@@ -73,9 +73,11 @@ def resolve_dtype(dtype: str | Any) -> Any:
 
 
 def load_model(model: str, dtype: str | Any, cache_dir: str | None = None,
-               tokenizer: str | None = None) -> LoadedModel:
+               tokenizer: str | None = None, bf16_rows: bool = False) -> LoadedModel:
     """`tokenizer`: a directory whose tokenizer replaces the model's own (or supplies one to a
-    model directory that has none)."""
+    model directory that has none). `bf16_rows` (bfloat16 only): an HF directory's linear
+    weights, embedding and head held as BF16 rows, one copy that the quantised matmul kernel
+    reads (model/hf.py `bf16_blocks`), as a bf16 GGUF's are."""
     t0 = time.perf_counter()
     dt = resolve_dtype(dtype)
     cache_dir = default_cache_dir(cache_dir)
@@ -83,7 +85,7 @@ def load_model(model: str, dtype: str | Any, cache_dir: str | None = None,
         model = registry.builtin_model_path(model, cache_dir)
     gen_config_dir: str | None = None
     if os.path.isdir(model):
-        arch, params = load_hf_dir(model, dt)
+        arch, params = load_hf_dir(model, dt, bf16_rows=bf16_rows and dt == jnp.bfloat16)
         tok, hit, gen_config_dir = _dir_tokenizer(model), False, model
     elif model.endswith(".gguf") and os.path.isfile(model):
         arch, params, tok, hit = _load_gguf_cached(model, dt, cache_dir)

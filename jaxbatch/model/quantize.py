@@ -66,6 +66,10 @@ class QuantWeight:
     # (x quantised per row to int8 blocks, integer dots: llama.cpp's scheme); chosen per format
     # and shape by measurement (engine/precision.py), never per step size; () = all "float"
     acts: tuple[str, ...] = dataclasses.field(default=(), metadata={"static": True})
+    # BF16 parts on the kernel: steps of at least this many rows run XLA's dot on the rows
+    # bitcast to bf16 instead (where measured faster: AMX's bf16 dots at prefill sizes, engine/
+    # precision.py choose_bf16_route); 0: the kernel at every size (batch invariant)
+    xla_from_rows: int = dataclasses.field(default=0, metadata={"static": True})
     # inside the layer scan: the parts are the whole stacks and this i32 scalar picks the layer
     layer: jax.Array | None = None
 
@@ -225,7 +229,8 @@ def quant_matmul(x: jax.Array, w: QuantWeight, out_dtype: Any = None) -> jax.Arr
 
     def one(part: int, index: Any) -> jax.Array:
         blocks, fmt = w.parts[part], w.fmts[part]
-        if w.kernel:
+        to_xla = fmt == "BF16" and 0 < w.xla_from_rows <= x.shape[0]
+        if w.kernel and not to_xla:
             from pallas_kernels.matmul import quant
 
             stack = blocks if w.stacked else blocks[None]
@@ -233,7 +238,10 @@ def quant_matmul(x: jax.Array, w: QuantWeight, out_dtype: Any = None) -> jax.Arr
                                       act=w.acts[part] if w.acts else "float",
                                       out_dtype=out_dtype)
         rows = blocks if index is None else blocks[index]
-        wf = quant_formats.dequantize(rows, fmt, w.k).astype(x.dtype)  # [n, k]
+        if fmt == "BF16" and x.dtype == jnp.bfloat16:  # the rows are bf16 values: bitcast
+            wf = jax.lax.bitcast_convert_type(rows.reshape(w.n, w.k, 2), jnp.bfloat16)
+        else:
+            wf = quant_formats.dequantize(rows, fmt, w.k).astype(x.dtype)  # [n, k]
         return jax.lax.dot_general(x, wf, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32).astype(out_dtype)
 

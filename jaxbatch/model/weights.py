@@ -30,6 +30,11 @@ class WeightLoadError(ValueError):
     pass
 
 
+# HF tensors that may be held in blocks (a GGUF's kept formats, an HF directory's bf16 rows): the
+# dense linear weights and the embedding / head
+KEEPABLE = re.compile(r"(\.(q|k|v|o|qkv|gate|up|down|gate_up)_proj\.weight|"
+                      r"^model\.embed_tokens\.weight|^lm_head\.weight)$")
+
 # Tensors some checkpoints carry that hold nothing we need.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 

@@ -134,11 +134,24 @@ def test_refused_where_it_cannot_hold(tiny_chat_dir, caplog):
         LLM(tiny_chat_dir, batch_invariant="yes", **kw)
 
 
-def test_invariant_mode_runs_the_small_matmul_for_every_step(tiny_chat_dir):
+def test_invariant_mode_runs_one_kernel_for_every_step(tiny_chat_dir):
+    """Every linear weight runs one batch-invariant kernel at every step size: an HF directory's
+    bf16 weights are held as BF16 rows for the quantised matmul (none left to XLA's dot); a
+    float weight would take the small matmul for every step."""
+    from jaxbatch.model.llama import OutInWeight
+    from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
+
     llm = invariant_llm(tiny_chat_dir, max_model_len=256, max_num_seqs=4,
                         max_num_batched_tokens=64, num_pages=64)
-    assert llm.engine.runner.batch_invariant
-    assert llm.engine.runner.small_matmul_rows == invariance.ALL_ROWS
+    runner = llm.engine.runner
+    assert runner.batch_invariant
+    for name in LINEAR_WEIGHTS:
+        w = runner.params["layers"][name]
+        if isinstance(w, QuantWeight):
+            assert w.kernel and w.fmts == ("BF16",) and not w.xla_from_rows, name
+        else:
+            assert isinstance(w, OutInWeight) and w.packed is not None, name
+            assert runner.small_matmul_rows == invariance.ALL_ROWS
 
 
 def test_speculation_changes_no_token():

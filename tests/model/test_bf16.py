@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from jaxbatch.model import llama
 from jaxbatch.model.loader import load_model
+from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
 from tests.helpers.prefill import prefill_logits
 from tests.helpers.smollm2 import torch_one_thread
 from tests.helpers.tiny_models import make_tiny_model
@@ -67,6 +69,32 @@ def test_tiny_bf16_matches_hf_bf16(tmp_path, kind):
     m = load_model(str(tmp_path / kind), "bfloat16")
     ids = np.random.RandomState(1).randint(3, 256, size=40)
     check(bf16_logits(m.arch, m.params, ids), hf(model, ids, torch.bfloat16),
+          hf(model, ids, torch.float32), gap_ratio=1.25)
+
+
+@pytest.mark.parametrize("on_kernel", [True, False])
+@pytest.mark.parametrize("kind", ["llama_gqa", "llama_tied"])
+def test_tiny_bf16_rows_match_hf_bf16(tmp_path, kind, on_kernel):
+    """An HF directory loaded as the engine does on one CPU device (`bf16_rows`): every linear
+    weight, the embedding and the head held once as BF16 rows, run by the quantised matmul
+    kernel (`on_kernel`) or by the jnp path (a bitcast, then XLA's dot); the same bound."""
+    from pallas_kernels import cpu_library
+    from pallas_kernels.matmul import quant
+
+    if on_kernel and (cpu_library.available(str(tmp_path / "kernels")) is not None
+                      or not quant.available(jnp.bfloat16)):
+        pytest.skip("the quantised matmul's bf16 path needs AVX512-BF16 and the C++ library")
+    model = make_tiny_model(kind, str(tmp_path / kind))
+    m = load_model(str(tmp_path / kind), "bfloat16", bf16_rows=True)
+    held = [m.params["embed"], *(m.params["layers"][n] for n in LINEAR_WEIGHTS)]
+    held += [m.params["lm_head"]] if "lm_head" in m.params else []
+    assert all(isinstance(w, QuantWeight) and w.fmts == ("BF16",) for w in held)
+    params = llama.as_run_on_cpu(m.params, m.arch) if on_kernel else m.params
+    kernel = [w.kernel for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(
+        w, QuantWeight)) if isinstance(w, QuantWeight)]
+    assert all(kernel) if on_kernel else not any(kernel)
+    ids = np.random.RandomState(1).randint(3, 256, size=40)
+    check(prefill_logits(m.arch, params, ids, jnp.uint16), hf(model, ids, torch.bfloat16),
           hf(model, ids, torch.float32), gap_ratio=1.25)
 
 
