@@ -128,7 +128,7 @@ def _drop_file_pages(rows: np.ndarray) -> None:
 
     base: Any = rows
     while base is not None and getattr(base, "_mmap", None) is None:
-        base = base.base
+        base = getattr(base, "base", None)  # a memoryview (a buffer's export) ends the chain
     if base is None or not rows.flags.c_contiguous:
         return
     mapped = getattr(base, "_mmap")  # noqa: B009 - np.memmap's mmap.mmap (slices share it)

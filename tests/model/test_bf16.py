@@ -72,12 +72,14 @@ def test_tiny_bf16_matches_hf_bf16(tmp_path, kind):
           hf(model, ids, torch.float32), gap_ratio=1.25)
 
 
-@pytest.mark.parametrize("on_kernel", [True, False])
+@pytest.mark.parametrize("on_kernel,stored", [(True, "float32"), (False, "float32"),
+                                               (True, "bfloat16")])
 @pytest.mark.parametrize("kind", ["llama_gqa", "llama_tied"])
-def test_tiny_bf16_rows_match_hf_bf16(tmp_path, kind, on_kernel):
+def test_tiny_bf16_rows_match_hf_bf16(tmp_path, kind, on_kernel, stored):
     """An HF directory loaded as the engine does on one CPU device (`bf16_rows`): every linear
     weight, the embedding and the head held once as BF16 rows, run by the quantised matmul
-    kernel (`on_kernel`) or by the jnp path (a bitcast, then XLA's dot); the same bound."""
+    kernel (`on_kernel`) or by the jnp path (a bitcast, then XLA's dot); the same bound.
+    `stored`: the safetensors' dtype (bf16 tensors are read through another path)."""
     from pallas_kernels import cpu_library
     from pallas_kernels.matmul import quant
 
@@ -85,6 +87,9 @@ def test_tiny_bf16_rows_match_hf_bf16(tmp_path, kind, on_kernel):
                       or not quant.available(jnp.bfloat16)):
         pytest.skip("the quantised matmul's bf16 path needs AVX512-BF16 and the C++ library")
     model = make_tiny_model(kind, str(tmp_path / kind))
+    if stored == "bfloat16":
+        model.to(torch.bfloat16).save_pretrained(str(tmp_path / kind), safe_serialization=True)
+        model = model.to(torch.float32)
     m = load_model(str(tmp_path / kind), "bfloat16", bf16_rows=True)
     held = [m.params["embed"], *(m.params["layers"][n] for n in LINEAR_WEIGHTS)]
     held += [m.params["lm_head"]] if "lm_head" in m.params else []
