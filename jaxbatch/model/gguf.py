@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.quantize import RawBlocks
+from jaxbatch.model.stack_files import StackFiles
 from jaxbatch.model.weights import (
     KEEPABLE,
     LazyTensors,
@@ -382,11 +383,13 @@ def load_gguf_tokenizer(path: str) -> Any:
 
 
 def load_gguf(path: str, dtype: Any, keep_blocks: bool = True, cfg: Any = None,
-              reader: Any = None) -> tuple[ModelArch, dict, Any]:
+              reader: Any = None, stacks: StackFiles | None = None
+              ) -> tuple[ModelArch, dict, Any]:
     """-> (arch, params in `dtype` with kept formats as QuantWeights, HF config); `cfg`: the
-    file's HF config when already known (cached), else derived from its metadata."""
+    file's HF config when already known (cached), else derived from its metadata; `stacks`:
+    where the kept blocks' stacks are kept as files (model/stack_files.py)."""
     reader = reader if reader is not None else open_gguf(path)
     cfg = cfg if cfg is not None else load_gguf_config(path, reader)
     arch = ModelArch.from_hf_config(cfg)
     tensors = read_gguf_tensors(reader, arch, keep_blocks=keep_blocks)
-    return arch, assemble_params(arch, tensors, dtype), cfg
+    return arch, assemble_params(arch, tensors, dtype, stacks), cfg

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.quantize import RawBlocks
+from jaxbatch.model.stack_files import StackFiles
 from jaxbatch.model.weights import KEEPABLE, LazyTensors, WeightLoadError, assemble_params
 from pallas_kernels.matmul.quant_formats import FORMATS
 
@@ -118,8 +119,10 @@ def load_hf_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
-def load_hf_dir(path: str, dtype: Any, bf16_rows: bool = False) -> tuple[ModelArch, dict]:
+def load_hf_dir(path: str, dtype: Any, bf16_rows: bool = False,
+                stacks: StackFiles | None = None) -> tuple[ModelArch, dict]:
     """`bf16_rows`: hold the linear weights, embedding and head as BF16 `QuantWeight`s (one
-    copy, read by the quantised matmul kernel at every step size); for bfloat16 compute."""
+    copy, read by the quantised matmul kernel at every step size); for bfloat16 compute.
+    `stacks`: where their stacks are kept as files (model/stack_files.py)."""
     arch = ModelArch.from_hf_config(load_hf_config(path))
-    return arch, assemble_params(arch, read_safetensors_dir(path, bf16_rows), dtype)
+    return arch, assemble_params(arch, read_safetensors_dir(path, bf16_rows), dtype, stacks)

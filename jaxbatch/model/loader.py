@@ -24,6 +24,7 @@ from jaxbatch.model import param_cache, registry
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.hf import load_hf_config, load_hf_dir
 from jaxbatch.model.quantize import QuantWeight, quantize_params
+from jaxbatch.model.stack_files import StackFiles
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ def load_model(model: str, dtype: str | Any, cache_dir: str | None = None,
         model = registry.builtin_model_path(model, cache_dir)
     gen_config_dir: str | None = None
     if os.path.isdir(model):
-        arch, params = load_hf_dir(model, dt, bf16_rows=bf16_rows and dt == jnp.bfloat16)
+        rows = bf16_rows and dt == jnp.bfloat16
+        arch, params = load_hf_dir(model, dt, bf16_rows=rows,
+                                   stacks=_stack_files(cache_dir, model) if rows else None)
         tok, hit, gen_config_dir = _dir_tokenizer(model), False, model
     elif model.endswith(".gguf") and os.path.isfile(model):
         arch, params, tok, hit = _load_gguf_cached(model, dt, cache_dir)
@@ -169,7 +172,8 @@ def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch,
             param_cache.save_entry(entry, None, _hf_writer(cfg, tok, TensorIndex.table(path,
                                                                                     reader)))
     if has_kept_blocks(reader, ModelArch.from_hf_config(cfg)):
-        arch, params, _ = load_gguf(path, dtype, cfg=cfg, reader=reader)
+        arch, params, _ = load_gguf(path, dtype, cfg=cfg, reader=reader,
+                                    stacks=_stack_files(cache_dir, path))
         return arch, params, tok, hit
     entry = param_cache.entry_dir(cache_dir, param_cache.cache_key(path, dtype))
     cfg_p, tok_p, hit = _cached_hf(entry)
@@ -181,6 +185,14 @@ def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch,
     arch, params, cfg = load_gguf(path, dtype, keep_blocks=False, cfg=cfg, reader=reader)
     param_cache.save_entry(entry, params, _hf_writer(cfg, tok))
     return arch, params, tok, False
+
+
+def _stack_files(cache_dir: str, source: str) -> StackFiles | None:
+    """On CPU, the folder where the kept weights' stacks are built as files and mapped by the
+    next start (model/stack_files.py); elsewhere the stacks are copied to the device anyway."""
+    if jax.default_backend() != "cpu":
+        return None
+    return StackFiles.for_source(cache_dir, source)
 
 
 def _gguf_config_and_tokenizer(path: str, reader: Any) -> tuple[Any, Any]:

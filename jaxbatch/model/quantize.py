@@ -20,7 +20,7 @@ f32 sums. Everything else (norms, biases, MoE experts, the KV cache) stays in th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.config import QUANTIZATIONS
+from jaxbatch.model.stack_files import StackFiles
 from pallas_kernels.matmul import quant_formats
 
 # the dense linear weights of a layer, each [L, in, out]; all are used through llama._mm
@@ -147,13 +148,33 @@ def _drop_file_pages(rows: np.ndarray) -> None:
             pass
 
 
-def from_raw(raw: RawBlocks | Sequence[RawBlocks]) -> QuantWeight:
+def _host_buffer(shape: tuple[int, ...], stacks: StackFiles | None, leaf: str, fmt: str,
+                 fill: Callable[[np.ndarray], None]) -> np.ndarray:
+    """The uint8 `shape` host buffer of one leaf's part, filled by `fill`: in anonymous memory,
+    or (with `stacks`) a file of the stack folder, mapped as it is if an earlier start built
+    it (`fill` not called)."""
+    if stacks is None:
+        buf = _aligned_empty(shape)
+        fill(buf)
+        return buf
+    buf, complete = stacks.buffer(leaf, fmt, shape)
+    if not complete:
+        fill(buf)
+        buf = stacks.finish(leaf, fmt, buf)
+    return buf
+
+
+def from_raw(raw: RawBlocks | Sequence[RawBlocks], stacks: StackFiles | None = None,
+             leaf: str = "") -> QuantWeight:
     """One tensor's blocks, or one per layer (a stack, grouped by format), as a QuantWeight
-    (copied once into device memory; the file's pages are dropped as they are copied)."""
+    (copied once into device memory, or into / from a file of `stacks` named by `leaf`; the
+    source file's pages are dropped as they are copied)."""
     if isinstance(raw, RawBlocks):
-        host = _aligned_empty(raw.rows.shape)
-        host[...] = raw.rows
-        _drop_file_pages(raw.rows)
+        def fill_one(buf: np.ndarray) -> None:
+            buf[...] = raw.rows
+            _drop_file_pages(raw.rows)
+
+        host = _host_buffer(raw.rows.shape, stacks, leaf, raw.fmt, fill_one)
         return QuantWeight((_to_device(host),), None, None, (raw.fmt,), raw.k, raw.n,
                            stacked=False)
     fmts = tuple(dict.fromkeys(r.fmt for r in raw))
@@ -163,12 +184,14 @@ def from_raw(raw: RawBlocks | Sequence[RawBlocks]) -> QuantWeight:
     parts, part_of, index_of = [], [], []
     for fmt in fmts:
         members = [r for r in raw if r.fmt == fmt]
-        buf = _aligned_empty((len(members), n, quant_formats.row_bytes(fmt, k)))
-        for i, r in enumerate(members):
-            buf[i] = r.rows
-            _drop_file_pages(r.rows)
-        parts.append(_to_device(buf))
-        del buf
+
+        def fill(buf: np.ndarray, members: list[RawBlocks] = members) -> None:
+            for i, r in enumerate(members):
+                buf[i] = r.rows
+                _drop_file_pages(r.rows)
+
+        parts.append(_to_device(_host_buffer(
+            (len(members), n, quant_formats.row_bytes(fmt, k)), stacks, leaf, fmt, fill)))
     counters = dict.fromkeys(fmts, 0)
     for r in raw:
         part_of.append(fmts.index(r.fmt))

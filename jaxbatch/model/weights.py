@@ -24,6 +24,7 @@ import numpy as np
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.hf_names import TOP_SOURCES, Source, layer_sources, layer_tensor_names
 from jaxbatch.model.quantize import RawBlocks, from_raw
+from jaxbatch.model.stack_files import StackFiles
 
 
 class WeightLoadError(ValueError):
@@ -64,9 +65,10 @@ def expected_hf_names(arch: ModelArch) -> set[str]:
     return names
 
 
-def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any) -> dict:
+def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any,
+                    stacks: StackFiles | None = None) -> dict:
     """Flat HF-named tensors -> stacked params pytree of jnp arrays in `dtype` (and
-    `QuantWeight`s for `RawBlocks`)."""
+    `QuantWeight`s for `RawBlocks`, their stacks kept in `stacks`' files when given)."""
     names = {k for k in tensors.keys() if not _IGNORED.search(k)}
     if arch.tie_word_embeddings and "lm_head.weight" in names:
         names.discard("lm_head.weight")  # tied: the embedding is the head
@@ -110,7 +112,7 @@ def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any) -> 
         if key == "layers":
             continue
         a = take(TOP_SOURCES[key].name, TOP_SOURCES[key], want)
-        params[key] = from_raw(a) if isinstance(a, RawBlocks) else jnp.asarray(a)
+        params[key] = from_raw(a, stacks, key) if isinstance(a, RawBlocks) else jnp.asarray(a)
     layers = {}
     for key, src in layer_sources(arch).items():
         want = shapes["layers"][key][1:]
@@ -132,7 +134,7 @@ def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any) -> 
                     stack[j] = as_float(r)
                 raws = []
             stack[i] = as_float(one)
-        layers[key] = from_raw(raws) if stack is None else jnp.asarray(stack)
+        layers[key] = from_raw(raws, stacks, key) if stack is None else jnp.asarray(stack)
         del stack
     params["layers"] = layers
     return params
