@@ -153,11 +153,12 @@ def _host_buffer(shape: tuple[int, ...], stacks: StackFiles | None, leaf: str, f
     """The uint8 `shape` host buffer of one leaf's part, filled by `fill`: in anonymous memory,
     or (with `stacks`) a file of the stack folder, mapped as it is if an earlier start built
     it (`fill` not called)."""
-    if stacks is None:
+    buf, complete = stacks.buffer(leaf, fmt, shape) if stacks is not None else (None, False)
+    if buf is None:
         buf = _aligned_empty(shape)
         fill(buf)
         return buf
-    buf, complete = stacks.buffer(leaf, fmt, shape)
+    assert stacks is not None
     if not complete:
         fill(buf)
         buf = stacks.finish(leaf, fmt, buf)

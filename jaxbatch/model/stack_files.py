@@ -64,9 +64,11 @@ class StackFiles:
         remove_stale(root, name, keep=folder)
         return cls(folder)
 
-    def buffer(self, leaf: str, fmt: str, shape: Sequence[int]) -> tuple[np.ndarray, bool]:
+    def buffer(self, leaf: str, fmt: str, shape: Sequence[int]
+               ) -> tuple[np.ndarray | None, bool]:
         """(uint8 `shape` buffer, complete): the file from an earlier start mapped (complete:
-        True), else a new file's shared mapping to fill and then pass to `finish`."""
+        True), else a new file's shared mapping to fill and then pass to `finish`; (None, False)
+        where no file can be made (a full disk: the stack is then built in memory)."""
         path = self._path(leaf, fmt, shape)
         size = int(np.prod(shape))
         if os.path.isfile(path) and os.path.getsize(path) == size:
@@ -74,8 +76,19 @@ class StackFiles:
             log.info("weight stack %s mapped from %s", os.path.basename(path), self.folder)
             return np.memmap(path, np.uint8, mode="c", shape=tuple(shape)), True
         tmp = f"{path}.{os.getpid()}.tmp"
+        try:  # the blocks reserved first: writing a mapped page the disk has no room for
+            with open(tmp, "wb") as f:  # would kill the process (SIGBUS), not raise
+                os.posix_fallocate(f.fileno(), 0, size)
+        except OSError as e:
+            log.warning("weight stack %s is built in memory: cannot reserve %.2f GB in %s (%s)",
+                        leaf, size / 1e9, self.folder, e)
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            return None, False
         self.built += 1
-        return np.memmap(tmp, np.uint8, mode="w+", shape=tuple(shape)), False
+        return np.memmap(tmp, np.uint8, mode="r+", shape=tuple(shape)), False
 
     def finish(self, leaf: str, fmt: str, buf: np.ndarray) -> np.ndarray:
         """The filled buffer renamed to its final name (a crash before leaves only a .tmp)."""

@@ -48,3 +48,27 @@ def test_second_load_maps_the_stacks(tmp_path, caplog):
     assert len(os.listdir(os.path.join(cache, "stacks"))) == 1
     c = stack_bytes(third.params)
     assert len(c) == 9 and not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_no_room_for_the_files_builds_in_memory(tmp_path, monkeypatch, caplog):
+    """A disk without room for a stack (posix_fallocate fails): the stack is built in memory,
+    with a warning, and no file is left behind."""
+    import errno
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("stack files are a CPU load path")
+    src, cache = str(tmp_path / "model"), str(tmp_path / "cache")
+    make_tiny_model("llama_tied", src)
+    ref = stack_bytes(load_model(src, "bfloat16", cache_dir=str(tmp_path / "files"),
+                                 bf16_rows=True).params)
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level(logging.WARNING, logger="jaxbatch.model.stack_files"):
+        got = stack_bytes(load_model(src, "bfloat16", cache_dir=cache, bf16_rows=True).params)
+    assert "is built in memory: cannot reserve" in caplog.text
+    assert all(np.array_equal(x, y) for x, y in zip(ref, got)) and len(got) == len(ref) == 8
+    (folder,) = os.listdir(os.path.join(cache, "stacks"))
+    assert os.listdir(os.path.join(cache, "stacks", folder)) == []
