@@ -123,3 +123,49 @@ def test_quant_activation_measurement_runs(tmp_path):
     finally:
         precision._QUANT_ACT_BYTES = monkeypatch_bytes
     assert got[("Q8_0", 64, 256)] in ("int8", "float")
+
+
+@pytest.mark.parametrize("xla_s, want", [
+    ({64: 1.0, 256: 1.0, 512: 1.0}, None),   # never clearly faster: the kernel everywhere
+    ({64: 2.0, 256: 0.8, 512: 0.5}, 256),    # faster from 256 rows on
+    ({64: 0.5, 256: 1.0, 512: 0.5}, 512),    # 256 not faster: only from 512 (every larger one)
+    ({64: 0.5, 256: 0.5, 512: 0.5}, 64),
+])
+def test_bf16_route_from_the_measured_crossover_and_cached(tmp_path, monkeypatch, xla_s, want):
+    """XLA's dot takes BF16-row steps from the smallest timed size where it is >= 1.1x faster
+    there and at every larger one; the kernel's time is 1.0 at each size here."""
+    from pallas_kernels.matmul import quant
+
+    calls = []
+
+    def fake_time(fmt, n, k, act, rows, repeats=5):
+        calls.append((fmt, act, rows))
+        return xla_s[rows] if act == "xla" else 1.0
+
+    monkeypatch.setattr(precision, "_time_quant", fake_time)
+    monkeypatch.setattr(quant, "available", lambda dtype, act="float": True)
+    shapes = {(512, 2048), (2048, 512)}
+    got = precision.choose_bf16_route(shapes, str(tmp_path))
+    assert got == ({} if want is None else {s: want for s in shapes})
+    assert len(calls) == 2 * 2 * len(precision.BF16_XLA_ROWS)
+    assert {f for f, _, _ in calls} == {"BF16"}
+    assert precision.choose_bf16_route(shapes, str(tmp_path)) == got  # cached
+    assert len(calls) == 2 * 2 * len(precision.BF16_XLA_ROWS)
+
+
+def test_bf16_route_measurement_runs(tmp_path):
+    """The real measurement on a small shape: the kernel and XLA's dot both run on the same
+    BF16 rows (skipped where the CPU has no bf16 quantised matmul)."""
+    from pallas_kernels import cpu_library
+    from pallas_kernels.matmul import quant
+
+    if cpu_library.available(str(tmp_path / "kernels")) is not None or \
+            not quant.available(jnp.bfloat16):
+        pytest.skip("no bf16 quantised matmul on this CPU (AVX512-BF16) or no C++ library")
+    saved = precision._QUANT_ACT_BYTES
+    try:
+        precision._QUANT_ACT_BYTES = 1 << 20
+        got = precision.choose_bf16_route({(64, 256)}, str(tmp_path))
+    finally:
+        precision._QUANT_ACT_BYTES = saved
+    assert got.get((64, 256), 0) in (0, *precision.BF16_XLA_ROWS)
