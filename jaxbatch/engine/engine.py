@@ -121,13 +121,12 @@ class Engine:
             config = dataclasses.replace(
                 config, model=dataclasses.replace(config.model, dtype=precision.dtype))
         if model is None:
-            # bf16 on one CPU device: an HF directory's linear weights, embedding and head are
-            # held once, as BF16 rows that the quantised matmul reads at every step size (as a
-            # bf16 GGUF's are), not as an [out, in] array plus the small matmul's packed copy
-            bf16_rows = (on_cpu and config.runner.tensor_parallel_size == 1
-                         and config.model.quantization is None)
+            # bf16 on one CPU device: an HF directory's weights held once, as BF16 rows for the
+            # quantised matmul (as a bf16 GGUF's), not an array plus a small-matmul packed copy
             model = load_model(config.model.model, config.model.dtype, cache_dir=root,
-                               tokenizer=config.model.tokenizer, bf16_rows=bf16_rows)
+                               tokenizer=config.model.tokenizer, bf16_rows=on_cpu and (
+                                   config.runner.tensor_parallel_size == 1
+                                   and config.model.quantization is None))
         model = model.with_dtype(config.model.dtype)
         model = model.quantized(config.model.quantization)  # after the dtype (model/quantize.py)
         config = dataclasses.replace(
@@ -135,10 +134,9 @@ class Engine:
         assert config.model.max_model_len is not None
         mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
         arch = model.arch
-        # bf16 on CPU, one device: the matmuls of steps up to as many tokens as the small-matmul
-        # kernel measures faster than XLA's dot run through it (engine/precision.py); not
-        # measured when every linear weight is quantised (the quantised kernel runs those): on a
-        # 1B GGUF the measurement's bf16 layer stacks were most of the first start's peak memory
+        # float bf16 linears on one CPU device: steps up to the size where the small matmul
+        # measures faster than XLA's dot run through it (engine/precision.py); not measured when
+        # every linear is quantised or BF16 rows (the quantised kernel runs those)
         linears = [isinstance(w, QuantWeight) for name, w in model.params["layers"].items()
                    if name in LINEAR_WEIGHTS]
         float_linears, quantised = not all(linears), any(linears)
@@ -159,8 +157,7 @@ class Engine:
             if isinstance(w, QuantWeight) for f in w.fmts}
         quant_acts = choose_quant_acts(quant_shapes, config.model.dtype, root) \
             if mesh is None else {}
-        # BF16 rows (an HF directory's bf16 weights, a bf16 GGUF): XLA's dot from the step size
-        # where it measures faster, unless every step must run the one invariant kernel
+        # BF16 rows: XLA's dot from the step size where it measures faster (not if invariant)
         bf16_shapes = {(w.n, w.k) for w in model.params["layers"].values()
                        if isinstance(w, QuantWeight) and "BF16" in w.fmts}
         bf16_xla_rows = choose_bf16_route(bf16_shapes, root) \
