@@ -44,7 +44,7 @@ def read_safetensors_dir(path: str, bf16_rows: bool = False) -> LazyTensors:
             raise WeightLoadError(f"tensors {sorted(dup)[:4]} appear in more than one shard")
         where.update(dict.fromkeys(keys, fpath))
 
-    mapped: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
+    mapped: dict[str, tuple[np.ndarray, dict[str, Any], int]] = {}
 
     def read(item: tuple[str, str]) -> np.ndarray | RawBlocks:
         name, fpath = item
@@ -61,8 +61,8 @@ def read_safetensors_dir(path: str, bf16_rows: bool = False) -> LazyTensors:
     return LazyTensors({name: (name, fpath) for name, fpath in where.items()}, read)
 
 
-def _mapped_bf16(fpath: str, name: str, mapped: dict[str, tuple[np.ndarray, dict[str, Any]]]
-                 ) -> np.ndarray | None:
+def _mapped_bf16(fpath: str, name: str,
+                 mapped: dict[str, tuple[np.ndarray, dict[str, Any], int]]) -> np.ndarray | None:
     """A bf16 tensor's bits, uint16 [shape], straight from the memory-mapped file (None if it is
     stored in another dtype): safetensors' numpy reader has no bfloat16, and its flax reader
     made three copies of every tensor (a 1B model loaded in 29 s). The file format: a u64
@@ -72,13 +72,12 @@ def _mapped_bf16(fpath: str, name: str, mapped: dict[str, tuple[np.ndarray, dict
         size = int(data[:8].view("<u8")[0])
         if not 0 < size <= data.size - 8:
             raise WeightLoadError(f"{fpath}: not a safetensors file (header size {size})")
-        mapped[fpath] = data, json.loads(bytes(data[8:8 + size]))
-    data, header = mapped[fpath]
+        mapped[fpath] = data, json.loads(bytes(data[8:8 + size])), 8 + size  # data's start
+    data, header, base = mapped[fpath]
     meta = header.get(name)
     if meta is None or meta.get("dtype") != "BF16":
         return None
     start, stop = (int(v) for v in meta["data_offsets"])
-    base = 8 + int(data[:8].view("<u8")[0])
     shape = tuple(int(d) for d in meta["shape"])
     if stop - start != 2 * int(np.prod(shape)):
         raise WeightLoadError(f"{fpath}: tensor {name!r} has {stop - start} bytes for shape "

@@ -4,7 +4,7 @@ A GGUF's kept blocks and an HF directory's BF16 rows are copied at load into lay
 (uint8 [L, N, row bytes], model/quantize.py `from_raw`): the layers of one leaf sit in different
 places of the file, the kernel reads one contiguous stack. Built in anonymous memory, every start
 paid that copy again, and on a VM the first touch of fresh memory is the slow part: a 1B bf16
-model's 2.5 GB of stacks took 16-22 s to fill on a 2-vCPU EPYC VM (memory that a VM has not
+model's 2.15 GB of stacks took 16-22 s to fill on a 2-vCPU EPYC VM (memory that a VM has not
 touched recently is backed by the host at ~3-4 s per GB; the same copy into recently freed
 memory took 0.2 s).
 
@@ -17,7 +17,7 @@ complete, so a crashed start leaves nothing half-written behind a valid name.
 
 The folder is keyed by the source's identity (path, size and mtime of its files) and the layout
 version; `remove_stale` keeps one folder per source. Disk use: one copy of the stacked weights
-per model (2.5 GB for a 1B bf16 model, ~0.7 GB for its Q4_K_M).
+per model (2.15 GB for a 1B bf16 model, ~0.7 GB for its Q4_K_M).
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ class StackFiles:
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self.mapped = 0  # stacks mapped from an earlier start (for the log)
-        self.built = 0
 
     @classmethod
     def for_source(cls, cache_dir: str, source: str) -> StackFiles | None:
@@ -72,7 +70,6 @@ class StackFiles:
         path = self._path(leaf, fmt, shape)
         size = int(np.prod(shape))
         if os.path.isfile(path) and os.path.getsize(path) == size:
-            self.mapped += 1
             log.info("weight stack %s mapped from %s", os.path.basename(path), self.folder)
             return np.memmap(path, np.uint8, mode="c", shape=tuple(shape)), True
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -87,7 +84,6 @@ class StackFiles:
             except OSError:
                 pass
             return None, False
-        self.built += 1
         return np.memmap(tmp, np.uint8, mode="r+", shape=tuple(shape)), False
 
     def finish(self, leaf: str, fmt: str, buf: np.ndarray) -> np.ndarray:
