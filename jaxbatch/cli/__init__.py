@@ -1,4 +1,4 @@
-"""`jaxbatch` console script: serve | batch | plan | generate | models.
+"""`jaxbatch` console script: serve | batch | plan | generate | models | build-kernels.
 
 Each subcommand is a module of this package with a `main(argv) -> int` that owns its arguments;
 the engine options common to all come from `engine_args` (a leaf: it imports only the config).
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from jaxbatch.cli import batch, generate, models, plan, serve
+from jaxbatch.cli import batch, generate, kernels, models, plan, serve
 
 # name -> (entry point, one-line description); each module imports jax only when it runs
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "plan": (plan.main, "inspect padding plans of a workload or trace"),
     "generate": (generate.main, "one-shot generation from the command line"),
     "models": (models.main, "built-in models and the supported architectures"),
+    "build-kernels": (kernels.main, "build this machine's C++ CPU kernels (an install step)"),
 }
 
 

@@ -11,6 +11,7 @@ the parts as they are, so tests can hand it fakes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import random
@@ -52,6 +53,7 @@ from jaxbatch.model.loader import LoadedModel, load_arch, load_model
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
 from jaxbatch.planner import StepPlanner, StepTrace, SubStep, make_planner
 from pallas_kernels import cpu_library
+from pallas_kernels.zeros import untouched_zeros
 
 log = logging.getLogger("jaxbatch")
 
@@ -123,10 +125,9 @@ class Engine:
         if model is None:
             # bf16 on one CPU device: an HF directory's weights held once, as BF16 rows for the
             # quantised matmul (as a bf16 GGUF's), not an array plus a small-matmul packed copy
+            rows = config.runner.tensor_parallel_size == 1 and config.model.quantization is None
             model = load_model(config.model.model, config.model.dtype, cache_dir=root,
-                               tokenizer=config.model.tokenizer, bf16_rows=on_cpu and (
-                                   config.runner.tensor_parallel_size == 1
-                                   and config.model.quantization is None))
+                               tokenizer=config.model.tokenizer, bf16_rows=on_cpu and rows)
         model = model.with_dtype(config.model.dtype)
         model = model.quantized(config.model.quantization)  # after the dtype (model/quantize.py)
         config = dataclasses.replace(
@@ -134,9 +135,8 @@ class Engine:
         assert config.model.max_model_len is not None
         mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
         arch = model.arch
-        # float bf16 linears on one CPU device: steps up to the size where the small matmul
-        # measures faster than XLA's dot run through it (engine/precision.py); not measured when
-        # every linear is quantised or BF16 rows (the quantised kernel runs those)
+        # float bf16 linears on one CPU device: steps up to the size where the small matmul beats
+        # XLA's dot (engine/precision.py); not when all are quantised or BF16 rows (quant kernel)
         linears = [isinstance(w, QuantWeight) for name, w in model.params["layers"].items()
                    if name in LINEAR_WEIGHTS]
         float_linears, quantised = not all(linears), any(linears)
@@ -164,11 +164,11 @@ class Engine:
             if mesh is None and not invariant and config.model.dtype == "bfloat16" else {}
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                         attention, mesh, small_matmul_rows=small_rows, quant_acts=quant_acts,
-                        bf16_xla_rows=bf16_xla_rows)
+                        bf16_xla_rows=bf16_xla_rows,  # on CPU: a KV cache not touched yet
+                        kv_zeros=functools.partial(untouched_zeros, cache_dir=root))
         runner.batch_invariant = invariant
-        # the runner holds the params in the forms it runs: the loaded copy goes (one resident
-        # copy of each weight; the LoadedModel keeps its arch, tokenizer and EOS ids), unless
-        # more replicas are built from it (`keep_loaded_params`)
+        # the runner holds the params in the forms it runs: the loaded copy goes (one resident copy
+        # of each weight; the model keeps arch, tokenizer, EOS ids) unless `keep_loaded_params`
         if not keep_loaded_params:
             model = dataclasses.replace(model, params={})
         runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several

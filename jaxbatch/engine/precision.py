@@ -226,8 +226,9 @@ def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -
 
 
 # ---- the quantised matmul's activation mode ----------------------------------------------------
-QUANT_ACT_ROWS = (1, 512)  # a decode step and a prefill chunk
+QUANT_ACT_ROWS = (1, 256)  # a decode step and a prefill chunk (compute-bound from ~64 rows)
 _QUANT_ACT_BYTES = 160 << 20  # a weight stack this big is read from memory, not a cache
+_RANDOM_ROWS = 256
 # where a block's f16 scale(s) sit (bytes), so that random blocks have small finite scales
 _SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -243,8 +244,11 @@ def _random_blocks(fmt: str, layers: int, n: int, k: int) -> np.ndarray:
         w = np.random.default_rng(0).standard_normal((n, k), np.float32) * 0.02
         bf16 = np.ascontiguousarray(w.astype(jnp.bfloat16)).view(np.uint8)
         return np.broadcast_to(bf16[None], (layers, n, 2 * k))
-    one = np.frombuffer(np.random.default_rng(0).bytes(n * (k // qk) * nbytes), np.uint8)
-    one = one.reshape(n, k // qk, nbytes).copy()
+    # random rows for a few hundred features, repeated down the rest (the head's 49152 rows of
+    # random bytes alone took 0.8 s)
+    m = min(n, _RANDOM_ROWS)
+    one = np.frombuffer(np.random.default_rng(0).bytes(m * (k // qk) * nbytes), np.uint8)
+    one = np.resize(one.reshape(m, k // qk, nbytes), (n, k // qk, nbytes))
     for at in _SCALE_BYTES[fmt]:  # f16 0x1c00 = 2^-8
         one[..., at], one[..., at + 1] = 0x00, 0x1C
     return np.broadcast_to(one.reshape(1, n, row_bytes(fmt, k)),
@@ -330,8 +334,9 @@ def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str) -> dict[tup
     bfloat16 compute), from how many rows a step runs XLA's dot on the rows bitcast to bf16
     rather than the quantised matmul's float path: the smallest of BF16_XLA_ROWS from which
     XLA's dot measures at least BF16_XLA_MIN_SPEEDUP faster at it and every larger one (an AMX
-    CPU's bf16 dots at prefill sizes); absent where it never is. Measured once per machine and
-    shape (cached); decode-sized steps always run the kernel."""
+    CPU's bf16 dots at prefill sizes); absent where it never is. Timed from the largest size
+    down, stopping at the first the kernel holds; once per machine and shape (cached);
+    decode-sized steps always run the kernel."""
     from pallas_kernels.matmul import quant
 
     if jax.default_backend() != "cpu" or not shapes or not quant.available(jnp.bfloat16):
@@ -343,21 +348,33 @@ def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str) -> dict[tup
         path = os.path.join(cache_root, "precision", f"bf16-route-{key}.json")
 
         def measure(n: int = n, k: int = k) -> dict[str, float]:
-            return {f"{route} {rows}": _time_quant("BF16", n, k, act, rows, repeats=3)
-                    for rows in BF16_XLA_ROWS
-                    for route, act in (("kernel", "float"), ("xla", "xla"))}
+            # largest size first, down to the first where the kernel holds: the sizes below it
+            # cannot change the route (on a CPU without fast bf16 dots one size is timed)
+            seconds = {}
+            for rows in reversed(BF16_XLA_ROWS):
+                for route, act in (("kernel", "float"), ("xla", "xla")):
+                    seconds[f"{route} {rows}"] = _time_quant("BF16", n, k, act, rows, repeats=3)
+                if _kernel_holds(seconds, rows):
+                    break
+            return seconds
 
         seconds, source = _cached(path, ident, "seconds", measure)
         start = 0
         for rows in reversed(BF16_XLA_ROWS):
-            if seconds[f"kernel {rows}"] < BF16_XLA_MIN_SPEEDUP * seconds[f"xla {rows}"]:
+            if f"kernel {rows}" not in seconds or _kernel_holds(seconds, rows):
                 break
             start = rows
         if start:
             out[n, k] = start
+        timed = [r for r in BF16_XLA_ROWS if f"kernel {r}" in seconds]
         log.info("BF16 rows [%d x %d]: %s (%s: kernel / XLA ms %s)", n, k,
                  f"XLA's dot from {start} rows" if start else "the kernel at every step size",
                  source, ", ".join(f"{r} rows {1e3 * seconds[f'kernel {r}']:.1f} / "
-                                   f"{1e3 * seconds[f'xla {r}']:.1f}" for r in BF16_XLA_ROWS))
+                                   f"{1e3 * seconds[f'xla {r}']:.1f}" for r in timed))
     _device_blocks.cache_clear()
     return out
+
+
+def _kernel_holds(seconds: dict[str, float], rows: int) -> bool:
+    """The kernel is not clearly slower than XLA's dot at `rows` (timed)."""
+    return seconds[f"kernel {rows}"] < BF16_XLA_MIN_SPEEDUP * seconds[f"xla {rows}"]

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -94,14 +95,17 @@ class Runner:
     def __init__(self, arch: ModelArch, params: Any, cache: CacheConfig, max_model_len: int,
                  attention_fn: Any, mesh: Any = None, small_matmul_rows: int = 0,
                  quant_acts: dict[tuple[str, int, int], str] | None = None,
-                 bf16_xla_rows: dict[tuple[int, int], int] | None = None) -> None:
+                 bf16_xla_rows: dict[tuple[int, int], int] | None = None,
+                 kv_zeros: Callable[[tuple[int, ...], Any], jax.Array] | None = None) -> None:
         """`mesh`: a "tp" mesh (engine/sharding.py) to run on, else the default device.
         `small_matmul_rows`: bf16 weights also packed for the small-matmul kernel, which steps
         of at most that many tokens run (llama.as_run_on_cpu; the engine measures up to where
         it pays, engine/precision.py); 0: XLA's dot for every step. `quant_acts`: the quantised
         matmul's activation mode per (format, N, K); `bf16_xla_rows`: per (N, K) of BF16-row
         weights, from how many rows a step runs XLA's dot rather than the kernel (absent: never;
-        engine/precision.py measures both)."""
+        engine/precision.py measures both). `kv_zeros(shape, dtype)`: makes the unsharded KV
+        cache (default jnp.zeros; on CPU pallas_kernels/zeros.py's, which leaves its pages
+        untouched until written)."""
         self.placement: sharding.Placement | None = None
         if mesh is not None:  # tensor parallel (or one replica's devices): see sharding.py
             params, arch, self.placement = sharding.prepare(params, arch, mesh)
@@ -137,7 +141,7 @@ class Runner:
                                        self.cache_dtype)
         step = functools.partial(step_fn, arch=arch, attention_fn=attention_fn)
         if self.placement is None:
-            self.kv_cache = init_cache()
+            self.kv_cache = init_cache(zeros=kv_zeros or jnp.zeros)
             self._jitted = jax.jit(step, donate_argnums=(1,))
             # The sampler is compiled per sequence count only (it does not depend on T):
             # separating it from the step halves the per-bucket compile time (sorting and RNG

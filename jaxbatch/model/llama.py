@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,10 +90,13 @@ class OutInWeight:
         return (*self.wt.shape[:-2], self.wt.shape[-1], self.wt.shape[-2])
 
 
-def init_kv_cache(arch: ModelArch, num_pages: int, page_size: int, dtype) -> dict[str, jax.Array]:
-    """K and V [L, pages, page_size, Hkv, D] in `dtype` (uint16: bf16 values stored as bits)."""
+def init_kv_cache(arch: ModelArch, num_pages: int, page_size: int, dtype,
+                  zeros: Callable[[tuple[int, ...], Any], jax.Array] = jnp.zeros
+                  ) -> dict[str, jax.Array]:
+    """K and V [L, pages, page_size, Hkv, D] in `dtype` (uint16: bf16 values stored as bits),
+    zero-filled by `zeros(shape, dtype)`."""
     shape = (arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return {"k": zeros(shape, dtype), "v": zeros(shape, dtype)}
 
 
 def _kv_encode(x: jax.Array, store_dtype) -> jax.Array:

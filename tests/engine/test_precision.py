@@ -81,10 +81,10 @@ def test_small_matmul_rows_are_where_it_wins(tmp_path, monkeypatch, kernel_s, wa
 
 
 @pytest.mark.parametrize("int8_s,want", [
-    ({1: 0.5, 512: 0.5}, "int8"),    # faster at both step sizes
-    ({1: 0.5, 512: 1.5}, "int8"),    # geometric mean 0.87: decode's gain outweighs prefill's loss
-    ({1: 0.9, 512: 1.5}, "float"),   # geometric mean 1.16
-    ({1: 1.2, 512: 1.0}, "float"),
+    ({1: 0.5, 256: 0.5}, "int8"),    # faster at both step sizes
+    ({1: 0.5, 256: 1.5}, "int8"),    # geometric mean 0.87: decode's gain outweighs prefill's loss
+    ({1: 0.9, 256: 1.5}, "float"),   # geometric mean 1.16
+    ({1: 1.2, 256: 1.0}, "float"),
 ])
 def test_quant_activation_mode_is_the_faster_and_cached(tmp_path, monkeypatch, int8_s, want):
     from pallas_kernels.matmul import quant
@@ -125,15 +125,18 @@ def test_quant_activation_measurement_runs(tmp_path):
     assert got[("Q8_0", 64, 256)] in ("int8", "float")
 
 
-@pytest.mark.parametrize("xla_s, want", [
-    ({64: 1.0, 256: 1.0, 512: 1.0}, None),   # never clearly faster: the kernel everywhere
-    ({64: 2.0, 256: 0.8, 512: 0.5}, 256),    # faster from 256 rows on
-    ({64: 0.5, 256: 1.0, 512: 0.5}, 512),    # 256 not faster: only from 512 (every larger one)
-    ({64: 0.5, 256: 0.5, 512: 0.5}, 64),
+@pytest.mark.parametrize("xla_s, want, sizes_timed", [
+    ({64: 1.0, 256: 1.0, 512: 1.0}, None, 1),   # never clearly faster: the kernel everywhere
+    ({64: 2.0, 256: 0.8, 512: 0.5}, 256, 3),    # faster from 256 rows on
+    ({64: 0.5, 256: 1.0, 512: 0.5}, 512, 2),    # 256 not faster: only from 512 (every larger)
+    ({64: 0.5, 256: 0.5, 512: 0.5}, 64, 3),
+    ({64: 0.5, 256: 0.5, 512: 1.0}, None, 1),   # the kernel holds at 512: smaller sizes moot
 ])
-def test_bf16_route_from_the_measured_crossover_and_cached(tmp_path, monkeypatch, xla_s, want):
+def test_bf16_route_from_the_measured_crossover_and_cached(tmp_path, monkeypatch, xla_s, want,
+                                                           sizes_timed):
     """XLA's dot takes BF16-row steps from the smallest timed size where it is >= 1.1x faster
-    there and at every larger one; the kernel's time is 1.0 at each size here."""
+    there and at every larger one; the kernel's time is 1.0 at each size here. Sizes are timed
+    from the largest down, stopping at the first where the kernel holds."""
     from pallas_kernels.matmul import quant
 
     calls = []
@@ -147,10 +150,11 @@ def test_bf16_route_from_the_measured_crossover_and_cached(tmp_path, monkeypatch
     shapes = {(512, 2048), (2048, 512)}
     got = precision.choose_bf16_route(shapes, str(tmp_path))
     assert got == ({} if want is None else {s: want for s in shapes})
-    assert len(calls) == 2 * 2 * len(precision.BF16_XLA_ROWS)
+    assert len(calls) == 2 * 2 * sizes_timed  # 2 shapes x (kernel, XLA) per size
+    assert {rows for _, _, rows in calls} == set(sorted(precision.BF16_XLA_ROWS)[-sizes_timed:])
     assert {f for f, _, _ in calls} == {"BF16"}
     assert precision.choose_bf16_route(shapes, str(tmp_path)) == got  # cached
-    assert len(calls) == 2 * 2 * len(precision.BF16_XLA_ROWS)
+    assert len(calls) == 2 * 2 * sizes_timed
 
 
 def test_bf16_route_measurement_runs(tmp_path):
