@@ -112,14 +112,15 @@ class Engine:
         root = cache_dir(config.model.cache_dir)
         compile_guard.enable_persistent_cache(root)
         on_cpu = jax.default_backend() == "cpu"
-        if on_cpu:  # g++ runs while Python parses the model's metadata
+        if on_cpu:  # g++ (where not built at install) runs while Python parses the metadata
             cpu_library.build_in_background(root)
         precision: PrecisionChoice | None = None
         if config.model.dtype == "auto":  # decided before the weights are read (one copy)
             arch = model.arch if model is not None else load_arch(config.model.model, root)
             if on_cpu:  # the build done first: it would skew the timings
                 cpu_library.available(root)
-            precision = choose_compute_dtype(arch.hidden_size, arch.intermediate_size, root)
+            precision = choose_compute_dtype(arch.hidden_size, arch.intermediate_size, root,
+                                             on_cpu and config.runner.tensor_parallel_size == 1)
             config = dataclasses.replace(
                 config, model=dataclasses.replace(config.model, dtype=precision.dtype))
         if model is None:
@@ -186,9 +187,7 @@ class Engine:
         draft = build_draft_proposer(config, model, runner.num_pages * config.cache.page_size,
                                      cls.from_config)
         engine = cls(config, model, runner, scheduler, planner, draft)
-        engine.precision = precision
-        engine.replan = replan
-        engine.warmup_seconds = warmup
+        engine.precision, engine.replan, engine.warmup_seconds = precision, replan, warmup
         engine.startup_seconds = time.perf_counter() - t_start
         return engine
 

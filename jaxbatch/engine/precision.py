@@ -30,7 +30,7 @@ log = logging.getLogger("jaxbatch")
 
 # a clear win only: within 10% the f32 path keeps exactness against fp32 references
 BF16_MIN_SPEEDUP = 1.1
-_ROWS = (64, 512)  # a decode-heavy and a prefill-heavy step
+_ROWS = (64, 256)  # a decode-heavy and a prefill-heavy step (both compute-bound in XLA's dot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def device_identity() -> str:
     return ident
 
 
-def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 5) -> float:
+def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 3) -> float:
     """Median seconds of the model's up- and down-projection shapes at each of _ROWS rows, in
     the form the model runs them (operands in `dtype`, f32 accumulation)."""
     rng = np.random.default_rng(0)
@@ -130,20 +130,53 @@ def _cached(path: str, ident: str, field: str, measure: Callable[[], dict[str, f
     return values, "measured"
 
 
-def choose_compute_dtype(hidden: int, inner: int, cache_root: str) -> PrecisionChoice:
-    """Measure (or read the cached measurement) and pick the faster dtype."""
-    ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}|v1"
+def choose_compute_dtype(hidden: int, inner: int, cache_root: str,
+                         bf16_kernel: bool = False) -> PrecisionChoice:
+    """Measure (or read the cached measurement) and pick the faster dtype. `bf16_kernel`: in
+    bf16 the linears would run the quantised matmul's kernel (one CPU device: an HF
+    directory's BF16 rows, a GGUF's blocks), so that kernel is bf16's candidate ("bfloat16
+    kernel", on the BF16 rows of the model's up and down shapes) before XLA's bf16 dot, which
+    is timed only when the kernel does not already win. On an EPYC without AMX XLA's bf16 dot
+    ran at 296 GFLOP/s against f32's 290, so timing XLA alone chose float32 for a Q4_K_M
+    model, whose int8 and bf16 kernel paths are 2-3x faster than its f32 one."""
+    kernel = bf16_kernel and _bf16_kernel_available()
+    ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}|" \
+            f"{'kernel ' if kernel else ''}v3"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     path = os.path.join(cache_root, "precision", f"{key}.json")
     flops = sum(2 * 2 * rows * hidden * inner for rows in _ROWS)
-    gflops, source = _cached(path, ident, "gflops", lambda: {
-        name: flops / _time_matmuls(dt, hidden, inner) / 1e9
-        for name, dt in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16))})
-    dtype = "bfloat16" if gflops["bfloat16"] >= BF16_MIN_SPEEDUP * gflops["float32"] \
-        else "float32"
+
+    def measure() -> dict[str, float]:
+        rates = {"float32": flops / _time_matmuls(jnp.float32, hidden, inner) / 1e9}
+        if kernel:
+            rates["bfloat16 kernel"] = flops / _time_bf16_rows(hidden, inner) / 1e9
+            if rates["bfloat16 kernel"] >= BF16_MIN_SPEEDUP * rates["float32"]:
+                return rates
+        rates["bfloat16"] = flops / _time_matmuls(jnp.bfloat16, hidden, inner) / 1e9
+        return rates
+
+    gflops, source = _cached(path, ident, "gflops", measure)
+    bf16 = max(v for k, v in gflops.items() if k.startswith("bfloat16"))
+    dtype = "bfloat16" if bf16 >= BF16_MIN_SPEEDUP * gflops["float32"] else "float32"
     choice = PrecisionChoice(dtype, gflops, source)
     log.info("dtype auto: %s", choice.describe())
     return choice
+
+
+def _bf16_kernel_available() -> bool:
+    from pallas_kernels.matmul import quant
+
+    return jax.default_backend() == "cpu" and quant.available(jnp.bfloat16)
+
+
+def _time_bf16_rows(hidden: int, inner: int) -> float:
+    """Seconds of the up- and down-projection shapes at each of _ROWS rows through the
+    quantised matmul's float path on BF16 rows (bf16 x), as _time_matmuls times XLA's dot."""
+    try:
+        return sum(_time_quant("BF16", n, k, "float", rows, repeats=3)
+                   for rows in _ROWS for n, k in ((inner, hidden), (hidden, inner)))
+    finally:
+        _release_blocks()
 
 
 # ---- the small bf16 matmul (decode steps, small prefill chunks) --------------------------------
@@ -255,10 +288,33 @@ def _random_blocks(fmt: str, layers: int, n: int, k: int) -> np.ndarray:
                            (layers, n, row_bytes(fmt, k)))  # a view: jnp.asarray copies it once
 
 
+# the host memory under the timed stacks, reused from shape to shape: on a VM the first touch
+# of fresh memory is slow (a new 160 MB stack per shape was ~1 s each of a 1B first start)
+_host_stack: np.ndarray | None = None
+
+
 @functools.lru_cache(maxsize=1)
 def _device_blocks(fmt: str, layers: int, n: int, k: int) -> jax.Array:
-    """The stack on the device, made once per shape for its four timings (modes x rows)."""
-    return jnp.asarray(_random_blocks(fmt, layers, n, k))
+    """The stack on the device, made once per shape for its timings (modes x rows); on CPU an
+    alias of the reused host buffer (no copy)."""
+    global _host_stack
+    one = _random_blocks(fmt, 1, n, k)[0]
+    size = layers * one.nbytes
+    if _host_stack is None or _host_stack.nbytes < size:
+        _host_stack = None
+        _host_stack = np.empty(size, np.uint8)
+    stack = _host_stack[:size].reshape(layers, *one.shape)
+    stack[...] = one
+    if jax.default_backend() == "cpu":
+        return jax.device_put(stack, may_alias=True)
+    return jnp.asarray(stack)
+
+
+def _release_blocks() -> None:
+    """The timed stacks' memory is not kept while serving."""
+    global _host_stack
+    _device_blocks.cache_clear()
+    _host_stack = None
 
 
 def _time_quant(fmt: str, n: int, k: int, act: str, rows: int, repeats: int = 5) -> float:
@@ -320,7 +376,7 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
                  fmt, n, k, out[fmt, n, k], source, ", ".join(
                      f"{r} rows {seconds[f'int8 {r}'] / seconds[f'float {r}']:.2f}"
                      for r in QUANT_ACT_ROWS))
-    _device_blocks.cache_clear()  # the last stack's ~160 MB: not kept while serving
+    _release_blocks()
     return out
 
 
@@ -371,7 +427,7 @@ def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str) -> dict[tup
                  f"XLA's dot from {start} rows" if start else "the kernel at every step size",
                  source, ", ".join(f"{r} rows {1e3 * seconds[f'kernel {r}']:.1f} / "
                                    f"{1e3 * seconds[f'xla {r}']:.1f}" for r in timed))
-    _device_blocks.cache_clear()
+    _release_blocks()
     return out
 
 

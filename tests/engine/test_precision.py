@@ -33,6 +33,55 @@ def test_faster_dtype_is_chosen_and_cached(tmp_path, monkeypatch, f32_s, bf16_s,
     assert other.source == "measured"
 
 
+@pytest.mark.parametrize("kernel_s,bf16_xla_s,want,timed", [
+    (0.5, 1.0, "bfloat16", ["float32", "kernel"]),          # the kernel wins: XLA bf16 untimed
+    (0.95, 0.5, "bfloat16", ["float32", "kernel", "bfloat16"]),  # XLA's bf16 dot wins (AMX)
+    (0.95, 0.95, "float32", ["float32", "kernel", "bfloat16"]),
+])
+def test_bf16_kernel_is_bf16s_candidate(tmp_path, monkeypatch, kernel_s, bf16_xla_s, want, timed):
+    """Where the linears would run the quantised matmul's kernel in bf16 (one CPU device), the
+    kernel is timed for bf16 first, XLA's bf16 dot only if the kernel does not win; bf16's rate
+    is the better of the two, against XLA's f32 dot (1.0 s here)."""
+    calls = []
+
+    def fake_xla(dtype, hidden, inner, repeats=3):
+        calls.append(jnp.dtype(dtype).name)
+        return bf16_xla_s if jnp.dtype(dtype) == jnp.bfloat16 else 1.0
+
+    def fake_kernel(hidden, inner):
+        calls.append("kernel")
+        return kernel_s
+
+    monkeypatch.setattr(precision, "_time_matmuls", fake_xla)
+    monkeypatch.setattr(precision, "_time_bf16_rows", fake_kernel)
+    monkeypatch.setattr(precision, "_bf16_kernel_available", lambda: True)
+    choice = precision.choose_compute_dtype(64, 128, str(tmp_path), bf16_kernel=True)
+    assert (choice.dtype, calls) == (want, timed)
+    assert choice.gflops["bfloat16 kernel"] / choice.gflops["float32"] == \
+        pytest.approx(1.0 / kernel_s)
+    again = precision.choose_compute_dtype(64, 128, str(tmp_path), bf16_kernel=True)
+    assert (again.dtype, again.source, len(calls)) == (want, "cache", len(timed))
+    # without the kernel's path (another device, tensor parallel): XLA's dots, cached apart
+    plain = precision.choose_compute_dtype(64, 128, str(tmp_path), bf16_kernel=False)
+    assert plain.source == "measured" and "bfloat16 kernel" not in plain.gflops
+
+
+def test_real_bf16_kernel_measurement_runs(tmp_path):
+    from pallas_kernels import cpu_library
+
+    if cpu_library.available(str(tmp_path / "kernels")) is not None or \
+            not precision._bf16_kernel_available():
+        pytest.skip("no bf16 quantised matmul on this CPU (AVX512-BF16) or no C++ library")
+    saved = precision._QUANT_ACT_BYTES
+    try:
+        precision._QUANT_ACT_BYTES = 1 << 20
+        choice = precision.choose_compute_dtype(64, 128, str(tmp_path), bf16_kernel=True)
+    finally:
+        precision._QUANT_ACT_BYTES = saved
+    assert choice.dtype in ("float32", "bfloat16")
+    assert 0 < choice.gflops["bfloat16 kernel"] < 1e6
+
+
 def test_real_measurement_is_sane(tmp_path):
     choice = precision.choose_compute_dtype(64, 128, str(tmp_path))
     assert choice.dtype in ("float32", "bfloat16")
