@@ -361,7 +361,7 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
         if fmt in FLOAT_FORMATS:  # plain bf16 / f16 weights: nothing to quantise
             out[fmt, n, k] = "float"
             continue
-        ident = f"{device_identity()}|jax {jax.__version__}|{fmt} {n}x{k}|quant act v1"
+        ident = f"{device_identity()}|jax {jax.__version__}|{fmt} {n}x{k}|quant act v2"
         key = hashlib.sha256(ident.encode()).hexdigest()[:20]
         path = os.path.join(cache_root, "precision", f"quant-act-{key}.json")
         def measure(fmt: str = fmt, n: int = n, k: int = k) -> dict[str, float]:
