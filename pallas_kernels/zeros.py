@@ -10,6 +10,7 @@ jnp.zeros'.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -27,5 +28,12 @@ def untouched_zeros(shape: tuple[int, ...], dtype: Any, cache_dir: str) -> jax.A
     """A zero array of `shape` and `dtype` on the default device (see the module doc)."""
     if not available(cache_dir):
         return jnp.zeros(shape, dtype)
+    return _maker(tuple(int(d) for d in shape), jnp.dtype(dtype).name)()
+
+
+@functools.cache
+def _maker(shape: tuple[int, ...], dtype: str) -> Any:
+    """One compiled call per shape and dtype (K and V, and a second engine of the same
+    shapes, compile nothing more, as jnp.zeros' cache)."""
     out = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-    return jax.jit(jax.ffi.ffi_call("jaxbatch_untouched_zeros", out, has_side_effect=True))()
+    return jax.jit(jax.ffi.ffi_call("jaxbatch_untouched_zeros", out, has_side_effect=True))
