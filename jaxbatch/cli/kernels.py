@@ -5,7 +5,8 @@
 The kernels (ragged paged attention, the quantised and small bf16 matmuls) are compiled with
 -march=native for the CPU they run on, once per machine and jaxbatch version, into
 <cache>/kernels/ (pallas_kernels/cpu_library.py). An engine builds them on first use when they
-are missing; `make install` runs this so that no model's first start pays the ~15-25 s build.
+are missing; `make install` runs this so that no model's first start pays the build (23-31 s on a
+2-vCPU EPYC VM).
 Without a C++ compiler it says so and exits 0: the engine then runs its jnp fallbacks.
 """
 
