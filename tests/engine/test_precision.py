@@ -129,6 +129,22 @@ def test_small_matmul_rows_are_where_it_wins(tmp_path, monkeypatch, kernel_s, wa
     assert len(calls) == 2 * len(precision.SMALL_MATMUL_ROWS)
 
 
+def _fake_quant_timer(monkeypatch, seconds):
+    """The quantised kernel's timing replaced by `seconds(act, rows)` (and reported available);
+    returns the list the timed (format, act, rows) are appended to."""
+    from pallas_kernels.matmul import quant
+
+    calls = []
+
+    def fake_time(fmt, n, k, act, rows, repeats=5):
+        calls.append((fmt, act, rows))
+        return seconds(act, rows)
+
+    monkeypatch.setattr(precision, "_time_quant", fake_time)
+    monkeypatch.setattr(quant, "available", lambda dtype, act="float": True)
+    return calls
+
+
 @pytest.mark.parametrize("int8_s,want", [
     ({1: 0.5, 256: 0.5}, "int8"),    # faster at both step sizes
     ({1: 0.5, 256: 1.5}, "int8"),    # geometric mean 0.87: decode's gain outweighs prefill's loss
@@ -136,16 +152,8 @@ def test_small_matmul_rows_are_where_it_wins(tmp_path, monkeypatch, kernel_s, wa
     ({1: 1.2, 256: 1.0}, "float"),
 ])
 def test_quant_activation_mode_is_the_faster_and_cached(tmp_path, monkeypatch, int8_s, want):
-    from pallas_kernels.matmul import quant
-
-    calls = []
-
-    def fake_time(fmt, n, k, act, rows, repeats=5):
-        calls.append((fmt, act, rows))
-        return int8_s[rows] if act == "int8" else 1.0
-
-    monkeypatch.setattr(precision, "_time_quant", fake_time)
-    monkeypatch.setattr(quant, "available", lambda dtype, act="float": True)
+    calls = _fake_quant_timer(monkeypatch, lambda act, rows: int8_s[rows] if act == "int8"
+                              else 1.0)
     shapes = {("Q4_K", 512, 2048), ("Q6_K", 2048, 512)}
     got = precision.choose_quant_acts(shapes, "bfloat16", str(tmp_path))
     assert got == {s: want for s in shapes}
@@ -186,16 +194,8 @@ def test_bf16_route_from_the_measured_crossover_and_cached(tmp_path, monkeypatch
     """XLA's dot takes BF16-row steps from the smallest timed size where it is >= 1.1x faster
     there and at every larger one; the kernel's time is 1.0 at each size here. Sizes are timed
     from the largest down, stopping at the first where the kernel holds."""
-    from pallas_kernels.matmul import quant
-
-    calls = []
-
-    def fake_time(fmt, n, k, act, rows, repeats=5):
-        calls.append((fmt, act, rows))
-        return xla_s[rows] if act == "xla" else 1.0
-
-    monkeypatch.setattr(precision, "_time_quant", fake_time)
-    monkeypatch.setattr(quant, "available", lambda dtype, act="float": True)
+    calls = _fake_quant_timer(monkeypatch, lambda act, rows: xla_s[rows] if act == "xla"
+                              else 1.0)
     shapes = {(512, 2048), (2048, 512)}
     got = precision.choose_bf16_route(shapes, str(tmp_path))
     assert got == ({} if want is None else {s: want for s in shapes})
