@@ -17,7 +17,7 @@ bench64's token ids are valid prompts), the GGUF files from llama.cpp's converte
 Per MODEL, every measurement in its own child process (so its peak RSS, from wait4, is its own):
   0. once per run: `jaxbatch build-kernels` into an empty cache (the C++ kernels, built with
      -march=native once per machine and jaxbatch version: an install step, which `make install`
-     runs, as llama.cpp's build is); its time is reported as kernel_build_s.
+     runs, as llama.cpp's build is); its time goes to results.jsonl as the "kernel_build" line.
   1. first start: jaxbatch with a fresh cache_dir (inside --out) holding only those built kernels:
      process start -> `LLM(...)` ready (dtype and kernel measurements, weight conversion,
      compiles, step timing all included); then a warm restart: a second child on the same
