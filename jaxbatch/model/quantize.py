@@ -10,6 +10,10 @@ Layers of one leaf may come in different formats (a Q4_K_M file keeps about half
 attn_v and ffn_down in Q6_K): the stack is then one array per format, and `part_of_layer` /
 `index_in_part` say where each layer's weight is; the step switches on the layer (lax.switch).
 
+A GGUF file's stacked weights may instead be read where the file holds them (model/
+stack_files.py `file_offset`): every part is then the one mapped file, uint8 [G, 32], and
+`offsets` says where each layer's rows start (in 32-byte units); nothing is copied at load.
+
 Inside the step (`quant_matmul`) the CPU kernel (pallas_kernels/matmul/quant.py) dequantises in
 registers and dots, reading the whole stack with the layer index (slicing the stack in the layer
 scan made XLA copy each layer's weights per step); elsewhere (GPU, or without the kernel) the
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +77,9 @@ class QuantWeight:
     xla_from_rows: int = dataclasses.field(default=0, metadata={"static": True})
     # inside the layer scan: the parts are the whole stacks and this i32 scalar picks the layer
     layer: jax.Array | None = None
+    # the weight read in place from a mapped GGUF file (every part is that file, uint8 [G, 32]):
+    # i32 [L], layer l's [n, row_bytes] rows at byte 32 * offsets[l]; None: parts are stacks
+    offsets: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -81,9 +88,28 @@ class QuantWeight:
 
     @property
     def num_layers(self) -> int:
+        if self.offsets is not None:
+            return int(self.offsets.shape[0])
         if self.part_of_layer is not None:
             return int(self.part_of_layer.shape[0])
         return int(self.parts[0].shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the weight as held (in place: its layers' rows, not the whole file)."""
+        if self.offsets is None:
+            return int(sum(p.size for p in self.parts))
+        return sum(self.n * quant_formats.row_bytes(self.fmts[self._where(li)[0]], self.k)
+                   for li in range(self.num_layers))
+
+    def layer_rows(self, part: int, index: Any, li: Any) -> jax.Array:
+        """Layer `li`'s rows uint8 [n, row_bytes] (`index`: its index in `part`)."""
+        blocks = self.parts[part]
+        if self.offsets is None:
+            return blocks[index]
+        rb = quant_formats.row_bytes(self.fmts[part], self.k)
+        units = jax.lax.dynamic_slice(blocks, (self.offsets[li], 0), (self.n * rb // 32, 32))
+        return units.reshape(self.n, rb)
 
     def dequantized(self) -> jax.Array:
         """f32 [..., in, out]: the weight the quantised forward computes with (tests)."""
@@ -92,7 +118,8 @@ class QuantWeight:
         layers = []
         for li in range(self.num_layers):
             p, i = self._where(li)
-            layers.append(quant_formats.dequantize(self.parts[p][i], self.fmts[p], self.k).T)
+            layers.append(quant_formats.dequantize(self.layer_rows(p, i, li), self.fmts[p],
+                                                   self.k).T)
         return jnp.stack(layers)
 
     def _where(self, li: int) -> tuple[int, int]:
@@ -165,10 +192,25 @@ def _host_buffer(shape: tuple[int, ...], stacks: StackFiles | None, leaf: str, f
     return buf
 
 
+def _in_place(raw: Sequence[RawBlocks], stacks: StackFiles | None) -> list[int] | None:
+    """Each layer's byte offset in the mapped source file, if all of them can be read there."""
+    if stacks is None or stacks.source is None or jax.default_backend() != "cpu" \
+            or len(jax.devices()) != 1:
+        return None
+    offsets = []
+    for r in raw:
+        off = stacks.file_offset(r.rows)
+        if off is None or r.rows.nbytes % 32:
+            return None
+        offsets.append(off)
+    return offsets
+
+
 def from_raw(raw: RawBlocks | Sequence[RawBlocks], stacks: StackFiles | None = None,
              leaf: str = "") -> QuantWeight:
     """One tensor's blocks, or one per layer (a stack, grouped by format), as a QuantWeight
-    (copied once into device memory, or into / from a file of `stacks` named by `leaf`; the
+    (read in place from the mapped source file where it can be (`stacks.file_offset`), else
+    copied once into device memory, or into / from a file of `stacks` named by `leaf`; the
     source file's pages are dropped as they are copied)."""
     if isinstance(raw, RawBlocks):
         def fill_one(buf: np.ndarray) -> None:
@@ -182,8 +224,15 @@ def from_raw(raw: RawBlocks | Sequence[RawBlocks], stacks: StackFiles | None = N
     k, n = raw[0].k, raw[0].n
     if any(r.k != k or r.n != n for r in raw):
         raise ValueError("the layers of one weight have different shapes")
-    parts, part_of, index_of = [], [], []
-    for fmt in fmts:
+    parts: list[jax.Array] = []
+    part_of, index_of = [], []
+    offsets = _in_place(raw, stacks)
+    if offsets is not None:
+        assert stacks is not None
+        if stacks.device_array is None:
+            stacks.device_array = _to_device(stacks.mapped_source())
+        parts = [cast(jax.Array, stacks.device_array)] * len(fmts)
+    for fmt in ([] if offsets is not None else fmts):
         members = [r for r in raw if r.fmt == fmt]
 
         def fill(buf: np.ndarray, members: list[RawBlocks] = members) -> None:
@@ -201,7 +250,8 @@ def from_raw(raw: RawBlocks | Sequence[RawBlocks], stacks: StackFiles | None = N
     one = len(fmts) == 1
     return QuantWeight(tuple(parts), None if one else jnp.asarray(part_of, jnp.int32),
                        None if one else jnp.asarray(index_of, jnp.int32), fmts, k, n,
-                       stacked=True)
+                       stacked=True, offsets=None if offsets is None else jnp.asarray(
+                           np.asarray(offsets, np.int64) // 32, jnp.int32))
 
 
 def check_quantization(name: str | None) -> str | None:
@@ -257,11 +307,14 @@ def quant_matmul(x: jax.Array, w: QuantWeight, out_dtype: Any = None) -> jax.Arr
         if w.kernel and not to_xla:
             from pallas_kernels.matmul import quant
 
+            act = w.acts[part] if w.acts else "float"
+            if w.offsets is not None:  # read in place from the mapped file
+                return quant.quant_matmul(x, blocks, w.offsets[li], fmt=fmt, k=w.k, act=act,
+                                          out_dtype=out_dtype, n=w.n)
             stack = blocks if w.stacked else blocks[None]
             return quant.quant_matmul(x, stack, 0 if index is None else index, fmt=fmt, k=w.k,
-                                      act=w.acts[part] if w.acts else "float",
-                                      out_dtype=out_dtype)
-        rows = blocks if index is None else blocks[index]
+                                      act=act, out_dtype=out_dtype)
+        rows = blocks if index is None else w.layer_rows(part, index, li)
         if fmt == "BF16" and x.dtype == jnp.bfloat16:  # the rows are bf16 values: bitcast
             wf = jax.lax.bitcast_convert_type(rows.reshape(w.n, w.k, 2), jnp.bfloat16)
         else:
@@ -280,7 +333,9 @@ def quant_matmul(x: jax.Array, w: QuantWeight, out_dtype: Any = None) -> jax.Arr
 
 
 def _nbytes(tree: Any) -> int:
-    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+    leaves = jax.tree.leaves(tree, is_leaf=lambda a: isinstance(a, QuantWeight))
+    return int(sum(a.nbytes if isinstance(a, QuantWeight) else a.size * a.dtype.itemsize
+                   for a in leaves))
 
 
 def weight_bytes(params: dict) -> dict[str, int]:

@@ -15,6 +15,12 @@ maps them instead of copying. XLA:CPU aliases the mapping (64-byte aligned, read
 weight buffer is ever donated). Each file is written under a temporary name and renamed when
 complete, so a crashed start leaves nothing half-written behind a valid name.
 
+A GGUF file's layers need no stack at all where the kernel can read them in place
+(`file_offset`): the whole file is mapped once (`mapped_source`, uint8 [G, 32]) and each layer's
+rows are found by their offset in it (a 1B bf16 GGUF: 2.15 GB not copied at its first start,
+nothing written to the cache folder). Rows the loader had to rearrange (a Llama GGUF's q and k
+rows, stored permuted) are not a view of the file and are stacked as above.
+
 The folder is keyed by the source's identity (path, size and mtime of its files) and the layout
 version; `remove_stale` keeps one folder per source. Disk use: one copy of the stacked weights
 per model (2.15 GB for a 1B bf16 model, ~0.7 GB for its Q4_K_M).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 from collections.abc import Sequence
@@ -38,8 +45,11 @@ _VERSION = "stacks v1"
 class StackFiles:
     """The folder of one source's stack files (`for_source`), or None where not used."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, source: str | None = None) -> None:
         self.folder = folder
+        self.source = source  # a GGUF file whose layers may be read in place
+        self.mapped: np.ndarray | None = None  # `mapped_source`'s map, made on first use
+        self.device_array: object = None  # its device array (model/quantize.py sets it)
 
     @classmethod
     def for_source(cls, cache_dir: str, source: str) -> StackFiles | None:
@@ -60,7 +70,38 @@ class StackFiles:
             log.warning("weight stacks are built in memory: cannot create %s (%s)", folder, e)
             return None
         remove_stale(root, name, keep=folder)
-        return cls(folder)
+        return cls(folder, source if os.path.isfile(source) else None)
+
+    def file_offset(self, rows: np.ndarray) -> int | None:
+        """The byte offset in the source file where `rows` (a view of a memory map of that
+        file) start, if the kernel can read them there: C-contiguous, 32-byte aligned and
+        inside the file's whole 32-byte units; else None (the rows are then stacked)."""
+        base: object = rows
+        while base is not None and getattr(base, "_mmap", None) is None:
+            base = getattr(base, "base", None)
+        if self.source is None or base is None or not rows.flags.c_contiguous:
+            return None
+        name = getattr(base, "filename", None)
+        try:
+            if name is None or not os.path.samefile(name, self.source):
+                return None
+            start = np.frombuffer(getattr(base, "_mmap"), np.uint8).ctypes.data  # noqa: B009
+        except (OSError, TypeError, ValueError):
+            return None
+        skew = int(getattr(base, "offset", 0)) % mmap.ALLOCATIONGRANULARITY
+        offset = rows.ctypes.data - start + int(getattr(base, "offset", 0)) - skew
+        if offset < 0 or offset % 32 or offset + rows.nbytes > os.path.getsize(self.source) // 32 * 32:
+            return None
+        return offset
+
+    def mapped_source(self) -> np.ndarray:
+        """The source file's whole 32-byte units, read-only, uint8 [G, 32]: one mapping that
+        every in-place weight reads."""
+        assert self.source is not None
+        if self.mapped is None:
+            units = os.path.getsize(self.source) // 32
+            self.mapped = np.memmap(self.source, np.uint8, mode="r", shape=(units, 32))
+        return self.mapped
 
     def buffer(self, leaf: str, fmt: str, shape: Sequence[int]
                ) -> tuple[np.ndarray | None, bool]:

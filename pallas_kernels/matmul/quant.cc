@@ -10,6 +10,9 @@
 // ggml shape [K, N] (ne0 = K innermost): K / QK blocks of BYTES each (ggml-common.h's
 // block_q8_0 etc.), RB = K / QK * BYTES. `layer` picks one of the L layers (a layer scan passes
 // the whole stack: slicing it in the scan makes XLA copy each layer's weights).
+// Or (attribute n > 0) w is a whole mapped .gguf file, u8 [G, 32], and `layer` is where the
+// layer's [n, RB] rows start in it, in 32-byte units (GGUF aligns tensor data to 32 bytes): the
+// weights are read where the file holds them, with no stack copied at load.
 //
 // Numerics ("dot form", batch invariant): each output out[m, n] has one f32 accumulator, a zmm of
 // 16 lane partial sums over K in order (bf16 x: VDPBF16PS on 32-weight vectors; f32 x: FMA on
@@ -817,35 +820,41 @@ namespace {
 
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, int64_t fmt,
-                       int64_t k, int64_t act) {
+                       int64_t k, int64_t act, int64_t n) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   const bool bf16 =
       x.element_type() == ffi::DataType::U16 || x.element_type() == ffi::DataType::BF16;
   const bool f32 = x.element_type() == ffi::DataType::F32;
   const bool out_f32 = out->element_type() == ffi::DataType::F32;
-  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || layer.element_count() != 1 ||
+  const bool in_file = n > 0;  // w: a mapped file u8 [G, 32], `layer`: an offset in 32 B units
+  if (xd.size() != 2 || wd.size() != (in_file ? 2u : 3u) || od.size() != 2 ||
+      layer.element_count() != 1 || (in_file && wd[1] != 32) ||
       !(bf16 || f32) || w.element_type() != ffi::DataType::U8 ||
       (bf16 && !(out_f32 || out->element_type() == ffi::DataType::U16 ||
                  out->element_type() == ffi::DataType::BF16)) ||
       (f32 && !out_f32))
     return ffi::Error::InvalidArgument(
-        "quant_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, N, RB], one layer index, out [M, N] "
-        "in x's dtype or f32");
+        "quant_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, N, RB] (or a file u8 [G, 32] with "
+        "n > 0), one layer index (or offset), out [M, N] in x's dtype or f32");
   if (fmt < 0 || fmt > kF16) return ffi::Error::InvalidArgument("quant_matmul: unknown format");
   if (act != 0 && act != 1) return ffi::Error::InvalidArgument("quant_matmul: act is 0 or 1");
   if (act == 1 && fmt > kQ6_K)
     return ffi::Error::InvalidArgument("quant_matmul: BF16 and F16 weights take float activations");
-  const int64_t M = xd[0], K = xd[1], N = wd[1];
-  if (K != k || K % kBlockWeights[fmt] != 0 || wd[2] != K / kBlockWeights[fmt] * kBlockBytes[fmt] ||
-      od[0] != M || od[1] != N)
+  const int64_t M = xd[0], K = xd[1], N = in_file ? n : wd[1];
+  const int64_t rb = K / kBlockWeights[fmt] * kBlockBytes[fmt];
+  if (K != k || K % kBlockWeights[fmt] != 0 || (!in_file && wd[2] != rb) || od[0] != M ||
+      od[1] != N)
     return ffi::Error::InvalidArgument("quant_matmul: bad shapes");
   const int64_t li = layer.typed_data()[0];
-  if (li < 0 || li >= wd[0]) return ffi::Error::InvalidArgument("quant_matmul: layer out of range");
+  if (li < 0 || (in_file ? li * 32 + N * rb > wd[0] * 32 : li >= wd[0]))
+    return ffi::Error::InvalidArgument(in_file ? "quant_matmul: offset out of the file"
+                                               : "quant_matmul: layer out of range");
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const uint8_t* wl = static_cast<const uint8_t*>(w.untyped_data()) + li * N * wd[2];
+  const uint8_t* wl =
+      static_cast<const uint8_t*>(w.untyped_data()) + (in_file ? li * 32 : li * N * rb);
   if (act == 1) {
     if (jaxbatch_quant::QuantMatmulInt8(pool, x.untyped_data(), bf16, wl, out->untyped_data(),
-                                        out_f32, fmt, M, N, K, wd[2]))
+                                        out_f32, fmt, M, N, K, rb))
       return ffi::Error::Success();
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "quant_matmul: act int8 needs AVX512-VNNI (and BW, VL)");
@@ -857,7 +866,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   j->M = M;
   j->N = N;
   j->K = K;
-  j->rb = wd[2];
+  j->rb = rb;
   j->w = wl;
   j->out_f32 = out_f32;
   if (f32) {
@@ -880,12 +889,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] (bf16 as u16, or f32)
-                                  .Arg<ffi::AnyBuffer>()  // w u8 [L, N, RB]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Arg<ffi::AnyBuffer>()  // w u8 [L, N, RB] or a file [G, 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer (or offset / 32) [1]
                                   .Ret<ffi::AnyBuffer>()  // out [M, N]
                                   .Attr<int64_t>("fmt")
                                   .Attr<int64_t>("k")
-                                  .Attr<int64_t>("act"));  // 0 float, 1 int8 (quant_int8.cc)
+                                  .Attr<int64_t>("act")  // 0 float, 1 int8 (quant_int8.cc)
+                                  .Attr<int64_t>("n"));  // > 0: w is a file, N = n
 
 // 1 when this build has the bf16-x path (AVX512-BF16), the f32-x path (AVX512F)
 extern "C" int JaxbatchQuantMatmulBf16() {

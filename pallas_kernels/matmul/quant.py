@@ -51,7 +51,7 @@ def available(x_dtype, act: str = "float") -> bool:
 
 
 def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str, k: int,
-                 act: str = "float", out_dtype=None) -> jax.Array:
+                 act: str = "float", out_dtype=None, n: int = 0) -> jax.Array:
     """x [M, K] bfloat16 or float32 @ W(w[layer])^T -> [M, N] in out_dtype (default x's dtype;
     float32 is allowed for bfloat16 x).
 
@@ -59,7 +59,12 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
     raw blocks, as a .gguf file stores a 2-D tensor of ggml shape [K, N]. `layer` (an i32 scalar,
     traced in a layer scan) picks one: pass the stack rather than slicing it in the scan, where
     XLA copies the slice for the call. A layer out of range is an error at run time. `act`:
-    "float" (weights dequantised) or "int8" (x quantised to int8 blocks, integer dots)."""
+    "float" (weights dequantised) or "int8" (x quantised to int8 blocks, integer dots).
+
+    With `n` > 0, w is instead a whole mapped .gguf file as uint8 [G, 32] and `layer` the
+    offset of the layer's [n, RB] rows in it, in 32-byte units (GGUF aligns tensor data to 32
+    bytes): the weights are read where the file holds them. Rows past the file: a run-time
+    error."""
     rb = row_bytes(fmt, k)
     if act not in ACTS:
         raise ValueError(f"quant_matmul: act must be one of {list(ACTS)}, got {act!r}")
@@ -67,7 +72,11 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
         raise ValueError(f"quant_matmul: {fmt} weights take float activations")
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"quant_matmul: x must be [M, {k}], got {x.shape}")
-    if w.dtype != jnp.uint8 or w.ndim != 3 or w.shape[2] != rb:
+    if n > 0:
+        if w.dtype != jnp.uint8 or w.ndim != 2 or w.shape[1] != 32:
+            raise ValueError(f"quant_matmul: a file w must be uint8 [G, 32], got {w.dtype} "
+                             f"{w.shape}")
+    elif w.dtype != jnp.uint8 or w.ndim != 3 or w.shape[2] != rb:
         raise ValueError(f"quant_matmul: w must be uint8 [L, N, {rb}] for {fmt} at K = {k}, "
                          f"got {w.dtype} {w.shape}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
@@ -75,12 +84,12 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     if out_dtype not in (x.dtype, jnp.float32):
         raise ValueError(f"quant_matmul: out_dtype must be x's dtype or float32, got {out_dtype}")
-    m, n = x.shape[0], w.shape[1]
+    m, n_out = x.shape[0], (n if n > 0 else w.shape[1])
     bits = x.dtype == jnp.bfloat16
     out_bits = out_dtype == jnp.bfloat16
     call = jax.ffi.ffi_call(
-        TARGET, jax.ShapeDtypeStruct((m, n), jnp.uint16 if out_bits else jnp.float32))
+        TARGET, jax.ShapeDtypeStruct((m, n_out), jnp.uint16 if out_bits else jnp.float32))
     out = call(jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x, w,
                jnp.asarray(layer, jnp.int32).reshape(1), fmt=np.int64(_CODES[fmt]),
-               k=np.int64(k), act=np.int64(ACTS[act]))
+               k=np.int64(k), act=np.int64(ACTS[act]), n=np.int64(n))
     return jax.lax.bitcast_convert_type(out, jnp.bfloat16) if out_bits else out

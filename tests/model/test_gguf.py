@@ -5,6 +5,7 @@ Qwen3, Gemma 2/3 and Phi-3 against transformers' GGUF name mapping."""
 from __future__ import annotations
 
 import math
+import os
 import types
 
 import gguf
@@ -173,6 +174,41 @@ def test_bf16_kernel_and_jnp_paths_agree(tmp_path, fmt):
     a = prefill_logits(arch, params, IDS, jnp.uint16)
     b = prefill_logits(arch, llama.as_run_on_cpu(params, arch), IDS, jnp.uint16)
     np.testing.assert_allclose(b, a, atol=0.05 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_layers_read_in_place_from_the_file(tmp_path, compute):
+    """On CPU a GGUF's stacked weights are read where the mapped file holds them (no stack
+    copied): the same logits as the stacked copy, bit for bit (the same kernel or jnp ops on the
+    same bytes), with layers of two formats in one weight (Q4_K_M's attn_v, ffn_down); only the
+    q and k rows, which the loader un-permutes, are stacked into files."""
+    from jaxbatch.model.stack_files import StackFiles
+
+    dtype = jnp.dtype(compute)
+    model = _tiny(transformers.LlamaConfig(**_K_COMMON, rope_theta=10000.0,
+                                           tie_word_embeddings=False))
+    path = gguf_files.write_gguf(str(tmp_path / "m.gguf"), model, qtype=_q4_k_m)
+    arch, stacked, _ = model_gguf.load_gguf(path, dtype)
+    stacks = StackFiles.for_source(str(tmp_path / "cache"), path)
+    _, mapped, _ = model_gguf.load_gguf(path, dtype, stacks=stacks)
+    in_place = {name for name, w in mapped["layers"].items()
+                if isinstance(w, QuantWeight) and w.offsets is not None}
+    assert in_place == {"wv", "wo", "w_gate", "w_up", "w_down"}
+    assert mapped["layers"]["wv"].fmts == ("Q6_K", "Q4_K")  # two formats, one file
+    assert sorted(f.split("-")[0] for f in os.listdir(stacks.folder)) == [
+        "embed", "lm_head", "wk", "wq"]
+    for name in in_place:
+        np.testing.assert_array_equal(np.asarray(mapped["layers"][name].dequantized()),
+                                      np.asarray(stacked["layers"][name].dequantized()))
+    out = jnp.uint16 if compute == "bfloat16" else jnp.float32
+    np.testing.assert_array_equal(prefill_logits(arch, mapped, IDS, out),
+                                  prefill_logits(arch, stacked, IDS, out))  # the jnp path
+    cpu_library.available(str(tmp_path / "kernels"))
+    if not quant.available(dtype):
+        pytest.skip(f"the quantised matmul kernel for {compute} is not built on this CPU")
+    np.testing.assert_array_equal(
+        prefill_logits(arch, llama.as_run_on_cpu(mapped, arch), IDS, out),
+        prefill_logits(arch, llama.as_run_on_cpu(stacked, arch), IDS, out))
 
 
 # ---------------------------------------------------------------------------------------------
