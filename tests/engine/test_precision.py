@@ -183,11 +183,11 @@ def test_quant_activation_measurement_runs(tmp_path):
 
 
 @pytest.mark.parametrize("xla_s, want, sizes_timed", [
-    ({64: 1.0, 256: 1.0, 512: 1.0}, None, 1),   # never clearly faster: the kernel everywhere
-    ({64: 2.0, 256: 0.8, 512: 0.5}, 256, 3),    # faster from 256 rows on
-    ({64: 0.5, 256: 1.0, 512: 0.5}, 512, 2),    # 256 not faster: only from 512 (every larger)
-    ({64: 0.5, 256: 0.5, 512: 0.5}, 64, 3),
-    ({64: 0.5, 256: 0.5, 512: 1.0}, None, 1),   # the kernel holds at 512: smaller sizes moot
+    ({64: 1.0, 96: 1.0, 128: 1.0, 256: 1.0, 512: 1.0}, None, 1),  # never clearly faster
+    ({64: 2.0, 96: 2.0, 128: 1.0, 256: 0.8, 512: 0.5}, 256, 3),   # faster from 256 rows on
+    ({64: 0.5, 96: 0.5, 128: 0.5, 256: 1.0, 512: 0.5}, 512, 2),   # 256 not: only from 512
+    ({64: 0.5, 96: 0.5, 128: 0.5, 256: 0.5, 512: 0.5}, 64, 5),
+    ({64: 0.5, 96: 0.5, 128: 0.5, 256: 0.5, 512: 1.0}, None, 1),  # the kernel holds at 512
 ])
 def test_bf16_route_from_the_measured_crossover_and_cached(tmp_path, monkeypatch, xla_s, want,
                                                            sizes_timed):
