@@ -8,8 +8,10 @@ computes (llama.forward over paged sequences, weights and KV held as on this dev
     python scripts/perplexity.py --protocol llamacpp --files A.gguf B.gguf ... \
         [--runs float32,bfloat16] [--ctx 512] [--reference A.gguf=42.66,B.gguf=42.86 | refs.json]
 
-Each run is DTYPE or DTYPE+int8 (`quantization: int8`); every file (`--files`, else `--model`)
-is loaded in each run's dtype (GGUF blocks of the kept formats stay blocks).
+Each run is DTYPE, DTYPE+int8 (`quantization: int8`) or DTYPE+q8act (the quantised weights'
+kernel in its int8 activation mode, llama.cpp's CPU scheme: activations quantised per row to
+int8 blocks before the dot, which is what `llama-perplexity` computes); every file (`--files`,
+else `--model`) is loaded in each run's dtype (GGUF blocks of the kept formats stay blocks).
 
 --protocol single (the default): the text's first `--tokens` tokens (no BOS added) are one
 sequence; perplexity = exp(mean negative log-likelihood of tokens 2..N given those before).
@@ -57,17 +59,34 @@ CHUNK = 500  # logits rows per call: [CHUNK, V] f32 at a time instead of [T, V]
 SINGLE_RUNS = "float32,bfloat16,float32+int8,bfloat16+int8"
 
 
-def engine_params(model: LoadedModel) -> dict:
+def engine_params(model: LoadedModel, q8act: bool = False) -> dict:
     """The params as the runner holds them on CPU (bf16 as uint16 bits, a tied bf16 head as its
-    own [H, V] copy)."""
-    return llama.as_run_on_cpu(model.params, model.arch)
+    own [H, V] copy); `q8act`: every quantised weight's kernel in int8 activation mode."""
+    if not q8act:
+        return llama.as_run_on_cpu(model.params, model.arch)
+    from pallas_kernels.matmul import quant
+
+    dtype = model.params["final_norm"].dtype
+    if not quant.available(dtype, act="int8"):
+        raise SystemExit("q8act: this CPU has no int8 quantised matmul (AVX512-VNNI)")
+    return llama.as_run_on_cpu(model.params, model.arch, quant_acts=lambda f, n, k: (
+        "float" if f in quant.FLOAT_FORMATS else "int8"))
 
 
-def sequence_nll(model: LoadedModel, T: int, first: int = 0) -> Callable[[np.ndarray], np.ndarray]:
+def run_spec(run: str) -> tuple[str, str | None, bool]:
+    """DTYPE[+int8][+q8act] -> (dtype, quantization, q8act)."""
+    dtype, *mods = run.split("+")
+    if any(m not in ("int8", "q8act") for m in mods):
+        raise SystemExit(f"unknown run {run!r}: DTYPE[+int8][+q8act]")
+    return dtype, "int8" if "int8" in mods else None, "q8act" in mods
+
+
+def sequence_nll(model: LoadedModel, T: int, first: int = 0, q8act: bool = False
+                 ) -> Callable[[np.ndarray], np.ndarray]:
     """A function ids [T] -> -log p(ids[t+1] | ids[:t+1]) for t in [first, T-1), float64
     [T-1-first]: each call one fresh sequence (an empty KV cache), compiled once for `model`
     and `T`."""
-    arch, params = model.arch, engine_params(model)
+    arch, params = model.arch, engine_params(model, q8act)
     n_pages, attn = llama.one_sequence_inputs(T, PAGE)
     cache_dtype = kv_storage_dtype(model.params["final_norm"].dtype)
     rpa = functools.partial(ragged_paged_attention_reference, nan_safe=False)
@@ -105,14 +124,6 @@ def sequence_nll(model: LoadedModel, T: int, first: int = 0) -> Callable[[np.nda
     return nll
 
 
-def token_nll(model: LoadedModel, ids: np.ndarray) -> np.ndarray:
-    """-log p(ids[t] | ids[:t]) for t = 1..T-1, float64 [T-1]: one sequence."""
-    return sequence_nll(model, len(ids))(ids)
-
-
-# ---------------------------------------------------------------------------------------------
-# llama.cpp's protocol
-# ---------------------------------------------------------------------------------------------
 def gguf_add_bos(path: str) -> tuple[bool, int | None]:
     """(tokenizer.ggml.add_bos_token, tokenizer.ggml.bos_token_id) of a GGUF file; (False, None)
     when absent. llama.cpp adds BOS only when the key says so (llama-vocab.cpp reads it over
@@ -204,14 +215,14 @@ def run_llamacpp(args: argparse.Namespace, files: list[str], runs: list[str], te
     rows: list[tuple[str, str, float, int, float]] = []
     for path in files:
         for run in runs:
-            dtype, _, quant = run.partition("+")
+            dtype, quant, q8act = run_spec(run)
             t = time.perf_counter()
-            model = load_model(path, dtype).quantized(quant or None)
+            model = load_model(path, dtype).quantized(quant)
             add_bos, bos_id = model_bos(model)
             ids = llamacpp_tokens(model.tokenizer, text, add_bos, bos_id)
             chunks = llamacpp_chunks(ids, args.ctx, add_bos, bos_id, args.chunks)
             ppl, running, count = llamacpp_perplexity(
-                sequence_nll(model, args.ctx, first=args.ctx // 2), chunks)
+                sequence_nll(model, args.ctx, first=args.ctx // 2, q8act=q8act), chunks)
             secs = time.perf_counter() - t
             name = os.path.basename(model.source)
             print(f"{name} {run}: {len(ids)} tokens (add_bos {add_bos}), {len(chunks)} chunks "
@@ -269,10 +280,10 @@ def run_single(args: argparse.Namespace, path: str, runs: list[str], text: str) 
         results.append(("transformers float32", math.exp(nll.mean()), None,
                         time.perf_counter() - t))
     for run in runs:
-        dtype, _, quant = run.partition("+")
+        dtype, quant, q8act = run_spec(run)
         t = time.perf_counter()
-        model = base.with_dtype(dtype).quantized(quant or None)
-        nll = token_nll(model, ids)
+        model = base.with_dtype(dtype).quantized(quant)
+        nll = sequence_nll(model, len(ids), q8act=q8act)(ids)
         step_mb = weight_bytes(engine_params(model))["decode_step"] / 2**20
         results.append((run, math.exp(nll.mean()), step_mb, time.perf_counter() - t))
     ref = results[0][1]
@@ -297,7 +308,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=None,
                    help="llamacpp: at most this many chunks (its --chunks)")
     p.add_argument("--runs", default=None,
-                   help=f"comma-separated DTYPE[+int8] (default: {SINGLE_RUNS} for the single "
+                   help=f"comma-separated DTYPE[+int8][+q8act] (default: {SINGLE_RUNS} for the single "
                         "protocol, float32 for llamacpp)")
     p.add_argument("--reference", default=None,
                    help="llamacpp: llama.cpp's PPLs, NAME=PPL,... or a .json {name: PPL}; "

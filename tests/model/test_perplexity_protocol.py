@@ -73,3 +73,12 @@ def test_reference_parsing(ppl, tmp_path):
     path.write_text(json.dumps({"/m/c.gguf": 3.25}))
     assert ppl.parse_reference(str(path)) == {"c.gguf": 3.25}
     assert ppl.parse_reference(None) == {}
+
+
+def test_run_specs(ppl):
+    assert ppl.run_spec("float32") == ("float32", None, False)
+    assert ppl.run_spec("bfloat16+int8") == ("bfloat16", "int8", False)
+    assert ppl.run_spec("float32+q8act") == ("float32", None, True)
+    assert ppl.run_spec("float32+int8+q8act") == ("float32", "int8", True)
+    with pytest.raises(SystemExit, match="unknown run"):
+        ppl.run_spec("float32+int4")
