@@ -32,11 +32,11 @@
 // so a sub-block's values are computed once into a table (one zmm of f32 or bf16) and the
 // weights are looked up with VPERMW / VPERMPS / VPERMT2PS by their 4-5 bit codes; Q8_0 and Q6_K
 // convert the codes (cvt + mul).
-// Two paths. M <= 16 (decode; fused_tile): a tile of all M rows x C columns walks K block by
+// Two paths. M <= 8 (decode; fused_tile): a tile of all M rows x C columns walks K block by
 // block; each block is dequantised once and used for every row: in registers, straight into the
 // dot, for M = 1 (6 columns side by side; BF16 / F16 one, see tile_cols), through a few KB of L1
-// for M = 2..16 (then an M x C register tile). The tile's C rows are C streams, so the next
-// tile's bytes are prefetched (without it Q6_K and Q8_0 read ~3x slower from memory). M > 16
+// for M = 2..8 (then an M x C register tile). The tile's C rows are C streams, so the next
+// tile's bytes are prefetched (without it Q6_K and Q8_0 read ~3x slower from memory). M > 8
 // (prefill; dot_tile): a block of >= 16 columns is dequantised into a per-thread buffer (bf16 or
 // f32, ~L2-sized), then 4x4 register tiles run over it, K in L1-sized chunks, so dequantisation
 // is paid once per column.
@@ -537,16 +537,12 @@ JB_INLINE void finish(const Job& j, __m512 (&acc)[R][C], int64_t m0, int64_t n0)
     }
 }
 
-// Decode (M <= 16): tiles of all M rows x C columns, each block dequantised once for all rows.
-// 9-16 rows (a batch of decode rows) take one column at a time: the buffered path below
-// dequantises into L2 and re-reads every weight per 4 rows, which made 9-16 rows 2.5x slower
-// than 8 (llama-1b gate [8192, 2048], BF16, one layer, AMX Xeon VM: 8 rows 3.75 ms, 9 rows 9.85,
-// 16 rows 8.0)
-constexpr int kFusedMaxRows = 16;
+// Decode (M <= 8): tiles of all M rows x C columns, each block dequantised once for all rows
+constexpr int kFusedMaxRows = 8;
 // columns side by side for r rows: r * C <= 16 accumulators (one reduction); a thread claims a
 // multiple of this many columns
 constexpr int fused_cols(int r) {
-  return r == 1 ? 6 : r == 2 ? 8 : r == 3 ? 5 : r == 4 ? 4 : r == 5 ? 3 : r <= 8 ? 2 : 1;
+  return r == 1 ? 6 : r == 2 ? 8 : r == 3 ? 5 : r == 4 ? 4 : r == 5 ? 3 : 2;
 }
 // ... except one row of plain 16-bit weights: one column at a time, so that each thread reads one
 // stream. Their dot is a load and a VDPBF16PS per 32 weights, so one accumulator keeps up with
@@ -608,7 +604,7 @@ void fused_tile(const Job& j, int64_t n0) {
   finish<P, R, C>(j, acc, 0, n0);
 }
 
-// x [M, K] -> [K / VW][M][VW] (M <= 16: 64-256 KB at K = 2048-8192)
+// x [M, K] -> [K / VW][M][VW] (M <= 8: a few KB)
 template <class X>
 void interleave(const X* x, int64_t M, int64_t K, int64_t vw, X* xi) {
   for (int64_t v = 0; v < K / vw; ++v)
@@ -628,7 +624,7 @@ void drain_fused(Job& j) {
   }
 }
 
-// Prefill (M > 16): a block of columns dequantised into a per-thread buffer, then 4x4 tiles
+// Prefill (M > 8): a block of columns dequantised into a per-thread buffer, then 4x4 tiles
 struct Scratch {
   void* p = nullptr;
   size_t n = 0;
@@ -757,14 +753,6 @@ Drain pick_rows(int64_t M) {
     case 6: return drain_fused<P, D, 6>;
     case 7: return drain_fused<P, D, 7>;
     case 8: return drain_fused<P, D, 8>;
-    case 9: return drain_fused<P, D, 9>;
-    case 10: return drain_fused<P, D, 10>;
-    case 11: return drain_fused<P, D, 11>;
-    case 12: return drain_fused<P, D, 12>;
-    case 13: return drain_fused<P, D, 13>;
-    case 14: return drain_fused<P, D, 14>;
-    case 15: return drain_fused<P, D, 15>;
-    case 16: return drain_fused<P, D, 16>;
     default: return drain_buffered<P, D>;
   }
 }

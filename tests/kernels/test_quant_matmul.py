@@ -122,7 +122,7 @@ def test_within_the_bound_of_the_exact_product(fmt, dt):
     dtype = DTYPES[dt]
     _need(dtype)
     rng = np.random.default_rng(list(quant.FORMATS).index(fmt) * 10 + len(dt))
-    cases = [(256, 16, (1, 2, 3, 7, 8, 9, 12, 16, 17, 33, 100, 512)),
+    cases = [(256, 16, (1, 2, 3, 7, 8, 9, 16, 33, 100, 512)),
              (512, 48, (4, 9)),
              (2048, 1000, (1, 5, 512)),  # N not a multiple of 16
              (512, 2048, (2, 64))]
@@ -147,7 +147,7 @@ def test_within_the_bound_of_the_exact_product(fmt, dt):
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
 def test_one_hot_rows_read_the_weights_back_exactly(fmt, dt):
     """x = rows of the identity: out[m, n] = w[n, k_m], one product and exact zeros, so the
-    kernel's dequantised weights (both paths: registers at M <= 16, the buffer above) are the gguf
+    kernel's dequantised weights (both paths: registers at M <= 8, the buffer above) are the gguf
     package's, bit for bit (bf16 x: their round-to-nearest-even bf16)."""
     dtype = DTYPES[dt]
     _need(dtype)
@@ -159,12 +159,12 @@ def test_one_hot_rows_read_the_weights_back_exactly(fmt, dt):
 
     @jax.jit
     def read_back(w):
-        # all K rows in one call (the buffered path), and in calls of 1, 4 and 16 rows (the
-        # register paths: in registers, through L1), every position of K
+        # all K rows in one call (the buffered path), and in calls of 1 and of 4 rows (the two
+        # register paths), every position of K
         return [quant.quant_matmul(jnp.asarray(eye), w[None], 0, fmt=fmt, k=k)] + [
             jax.lax.map(lambda e: quant.quant_matmul(e, w[None], 0, fmt=fmt, k=k),
                         jnp.asarray(eye.reshape(k // m, m, k))).reshape(k, n)
-            for m in (1, 4, 16)]
+            for m in (1, 4)]
 
     for got in read_back(jnp.asarray(w)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), want)
