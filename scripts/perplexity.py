@@ -61,7 +61,13 @@ SINGLE_RUNS = "float32,bfloat16,float32+int8,bfloat16+int8"
 
 def engine_params(model: LoadedModel, q8act: bool = False) -> dict:
     """The params as the runner holds them on CPU (bf16 as uint16 bits, a tied bf16 head as its
-    own [H, V] copy); `q8act`: every quantised weight's kernel in int8 activation mode."""
+    own [H, V] copy), through the C++ kernels as the engine runs them (built into the cache
+    if missing); `q8act`: every quantised weight's kernel in int8 activation mode."""
+    from jaxbatch.config import cache_dir
+    from pallas_kernels import cpu_library
+
+    if jax.default_backend() == "cpu":
+        cpu_library.available(cache_dir())
     if not q8act:
         return llama.as_run_on_cpu(model.params, model.arch)
     from pallas_kernels.matmul import quant
