@@ -22,8 +22,8 @@ nothing written to the cache folder). Rows the loader had to rearrange (a Llama 
 rows, stored permuted) are not a view of the file and are stacked as above.
 
 The folder is keyed by the source's identity (path, size and mtime of its files) and the layout
-version; `remove_stale` keeps one folder per source. Disk use: one copy of the stacked weights
-per model (2.15 GB for a 1B bf16 model, ~0.7 GB for its Q4_K_M).
+version; `remove_stale` keeps one folder per source. Disk use: one copy of what is stacked
+(2.15 GB for a 1B bf16 HF directory; for a GGUF only its q / k rows, embedding and head).
 """
 
 from __future__ import annotations
@@ -88,9 +88,12 @@ class StackFiles:
             start = np.frombuffer(getattr(base, "_mmap"), np.uint8).ctypes.data  # noqa: B009
         except (OSError, TypeError, ValueError):
             return None
-        skew = int(getattr(base, "offset", 0)) % mmap.ALLOCATIONGRANULARITY
-        offset = rows.ctypes.data - start + int(getattr(base, "offset", 0)) - skew
-        if offset < 0 or offset % 32 or offset + rows.nbytes > os.path.getsize(self.source) // 32 * 32:
+        # the map starts at the file offset np.memmap asked for, rounded down to a granule
+        map_start = int(getattr(base, "offset", 0)) // mmap.ALLOCATIONGRANULARITY \
+            * mmap.ALLOCATIONGRANULARITY
+        offset = map_start + rows.ctypes.data - start
+        whole_units = os.path.getsize(self.source) // 32 * 32
+        if offset < 0 or offset % 32 or offset + rows.nbytes > whole_units:
             return None
         return offset
 
