@@ -130,6 +130,9 @@ def sequence_nll(model: LoadedModel, T: int, first: int = 0, q8act: bool = False
     return nll
 
 
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's protocol
+# ---------------------------------------------------------------------------------------------
 def gguf_add_bos(path: str) -> tuple[bool, int | None]:
     """(tokenizer.ggml.add_bos_token, tokenizer.ggml.bos_token_id) of a GGUF file; (False, None)
     when absent. llama.cpp adds BOS only when the key says so (llama-vocab.cpp reads it over
