@@ -2,8 +2,8 @@
 use, loaded once a process, each kernel registered as an XLA FFI custom call for the CPU platform.
 
 Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the
-small bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` (matmuls over GGUF blocks,
-float and int8 activations) and `zeros.cc` (a zeroed KV cache without touching its pages); one
+small bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` and `matmul/quant_amx.cc`
+(matmuls over GGUF blocks, float and int8 activations; AMX tiles for bf16 rows) and `zeros.cc` (a zeroed KV cache without touching its pages); one
 `.so`, one FFI target each (TARGETS). The build is cached by
 everything that changes the binary: the sources, the compiler's version, the CPU's instruction
 set flags (it is built with -march=native, so a library built on one CPU model is never loaded on
@@ -35,6 +35,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "small_bf16.cc"),
            os.path.join(_HERE, "matmul", "quant.cc"),
            os.path.join(_HERE, "matmul", "quant_int8.cc"),
+           os.path.join(_HERE, "matmul", "quant_amx.cc"),
            os.path.join(_HERE, "zeros.cc"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512",
          "-std=c++17", "-fPIC"]
@@ -50,7 +51,8 @@ TARGETS = {
 FEATURES = {"small_matmul": "JaxbatchSmallMatmulSupported",
             "quant_matmul_bf16": "JaxbatchQuantMatmulBf16",
             "quant_matmul_f32": "JaxbatchQuantMatmulF32",
-            "quant_matmul_int8": "JaxbatchQuantMatmulInt8"}
+            "quant_matmul_int8": "JaxbatchQuantMatmulInt8",
+            "quant_matmul_amx": "JaxbatchQuantMatmulAmx"}
 
 _lock = threading.Lock()
 _registered: str | None = None

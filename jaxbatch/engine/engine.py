@@ -161,7 +161,8 @@ class Engine:
         # BF16 rows: XLA's dot from the step size where it measures faster (not if invariant)
         bf16_shapes = {(w.n, w.k) for w in model.params["layers"].values()
                        if isinstance(w, QuantWeight) and "BF16" in w.fmts}
-        bf16_xla_rows = choose_bf16_route(bf16_shapes, root) \
+        bf16_xla_rows = choose_bf16_route(bf16_shapes, root, {
+            (n, k): a for (f, n, k), a in quant_acts.items() if f == "BF16"}) \
             if mesh is None and not invariant and config.model.dtype == "bfloat16" else {}
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                         attention, mesh, small_matmul_rows=small_rows, quant_acts=quant_acts,

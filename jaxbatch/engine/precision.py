@@ -346,37 +346,54 @@ def _time_quant(fmt: str, n: int, k: int, act: str, rows: int, repeats: int = 5)
     return float(np.min(times))
 
 
-def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root: str
-                      ) -> dict[tuple[str, int, int], str]:
-    """Per (format, n, k) of the model's quantised weights, the quantised matmul's activation
-    mode: "int8" (llama.cpp's scheme) where it is faster than "float" by the geometric mean of
-    the two step sizes' times (QUANT_ACT_ROWS), else "float"; measured once per machine and
-    shape (cached). Only for bfloat16 compute (already rounded activations); float32 keeps
-    "float" (its exactness against float32 references)."""
+def _quant_modes(fmt: str, n: int) -> tuple[str, ...]:
+    """The activation modes the quantised matmul has for this machine, format and N (bf16 x):
+    "float" and, for the block formats, "int8" (AVX512-VNNI); for BF16 rows "amx" (AMX-BF16,
+    N a multiple of 16)."""
     from pallas_kernels.matmul import quant
 
-    if dtype != "bfloat16" or not shapes or not quant.available(jnp.bfloat16, act="int8") \
-            or not quant.available(jnp.bfloat16):
+    if not quant.available(jnp.bfloat16):
+        return ()
+    if fmt == "BF16":
+        return ("float", "amx") if n % 16 == 0 and quant.available(jnp.bfloat16, "amx") \
+            else ("float",)
+    if fmt in FLOAT_FORMATS:
+        return ("float",)
+    return ("float", "int8") if quant.available(jnp.bfloat16, "int8") else ("float",)
+
+
+def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root: str
+                      ) -> dict[tuple[str, int, int], str]:
+    """Per (format, n, k) of the model's quantised (or BF16-row) weights, the quantised matmul's
+    activation mode: the other mode ("int8", llama.cpp's scheme, for block formats; "amx", Intel
+    AMX tiles, for BF16 rows) where it is faster than "float" by the geometric mean of the two
+    step sizes' times (QUANT_ACT_ROWS), else "float"; measured once per machine and shape
+    (cached). Only for bfloat16 compute (already rounded activations); float32 keeps "float"
+    (its exactness against float32 references)."""
+    if dtype != "bfloat16" or not shapes:
         return {}
     out: dict[tuple[str, int, int], str] = {}
     for fmt, n, k in sorted(shapes):
-        if fmt in FLOAT_FORMATS:  # plain bf16 / f16 weights: nothing to quantise
+        modes = _quant_modes(fmt, n)
+        if len(modes) < 2:  # nothing to choose (plain f16 weights; no int8 / AMX path)
             out[fmt, n, k] = "float"
             continue
+        other = modes[1]
         ident = f"{device_identity()}|jax {jax.__version__}|{fmt} {n}x{k}|quant act v2"
         key = hashlib.sha256(ident.encode()).hexdigest()[:20]
         path = os.path.join(cache_root, "precision", f"quant-act-{key}.json")
-        def measure(fmt: str = fmt, n: int = n, k: int = k) -> dict[str, float]:
+        def measure(fmt: str = fmt, n: int = n, k: int = k,
+                    modes: tuple[str, ...] = modes) -> dict[str, float]:
             return {f"{act} {rows}": _time_quant(fmt, n, k, act, rows)
-                    for rows in QUANT_ACT_ROWS for act in ("float", "int8")}
+                    for rows in QUANT_ACT_ROWS for act in modes}
 
         seconds, source = _cached(path, ident, "seconds", measure)
-        ratio = float(np.prod([seconds[f"int8 {r}"] / seconds[f"float {r}"]
+        ratio = float(np.prod([seconds[f"{other} {r}"] / seconds[f"float {r}"]
                                for r in QUANT_ACT_ROWS])) ** (1 / len(QUANT_ACT_ROWS))
-        out[fmt, n, k] = "int8" if ratio < 1.0 else "float"
-        log.info("quantised matmul %s [%d x %d]: %s activations (%s: int8 / float time %s)",
-                 fmt, n, k, out[fmt, n, k], source, ", ".join(
-                     f"{r} rows {seconds[f'int8 {r}'] / seconds[f'float {r}']:.2f}"
+        out[fmt, n, k] = other if ratio < 1.0 else "float"
+        log.info("quantised matmul %s [%d x %d]: %s activations (%s: %s / float time %s)",
+                 fmt, n, k, out[fmt, n, k], source, other, ", ".join(
+                     f"{r} rows {seconds[f'{other} {r}'] / seconds[f'float {r}']:.2f}"
                      for r in QUANT_ACT_ROWS))
     _release_blocks()
     return out
@@ -391,30 +408,35 @@ BF16_XLA_ROWS = (64, 96, 128, 256, 512)
 BF16_XLA_MIN_SPEEDUP = 1.1  # a clear win only: the kernel's rows are batch invariant
 
 
-def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str) -> dict[tuple[int, int], int]:
+def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str,
+                      acts: dict[tuple[int, int], str] | None = None
+                      ) -> dict[tuple[int, int], int]:
     """Per (N, K) of the model's stacked BF16-row weights (an HF directory's or a bf16 GGUF's,
     bfloat16 compute), from how many rows a step runs XLA's dot on the rows bitcast to bf16
     rather than the quantised matmul's float path: the smallest of BF16_XLA_ROWS from which
     XLA's dot measures at least BF16_XLA_MIN_SPEEDUP faster at it and every larger one (an AMX
     CPU's bf16 dots at prefill sizes); absent where it never is. Timed from the largest size
     down, stopping at the first the kernel holds; once per machine and shape (cached);
-    decode-sized steps always run the kernel."""
+    decode-sized steps always run the kernel. `acts`: the kernel's mode per (N, K) (default
+    "float"; "amx" where choose_quant_acts chose AMX tiles)."""
     from pallas_kernels.matmul import quant
 
     if jax.default_backend() != "cpu" or not shapes or not quant.available(jnp.bfloat16):
         return {}
     out: dict[tuple[int, int], int] = {}
     for n, k in sorted(shapes):
-        ident = f"{device_identity()}|jax {jax.__version__}|BF16 {n}x{k}|bf16 route v2"
+        kernel_act = (acts or {}).get((n, k), "float")
+        ident = f"{device_identity()}|jax {jax.__version__}|BF16 {n}x{k}|bf16 route v2" + (
+            f"|{kernel_act}" if kernel_act != "float" else "")
         key = hashlib.sha256(ident.encode()).hexdigest()[:20]
         path = os.path.join(cache_root, "precision", f"bf16-route-{key}.json")
 
-        def measure(n: int = n, k: int = k) -> dict[str, float]:
+        def measure(n: int = n, k: int = k, kernel_act: str = kernel_act) -> dict[str, float]:
             # largest size first, down to the first where the kernel holds: the sizes below it
             # cannot change the route (on a CPU without fast bf16 dots one size is timed)
             seconds = {}
             for rows in reversed(BF16_XLA_ROWS):
-                for route, act in (("kernel", "float"), ("xla", "xla")):
+                for route, act in (("kernel", kernel_act), ("xla", "xla")):
                     seconds[f"{route} {rows}"] = _time_quant("BF16", n, k, act, rows, repeats=3)
                 if _kernel_holds(seconds, rows):
                     break
@@ -429,9 +451,9 @@ def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str) -> dict[tup
         if start:
             out[n, k] = start
         timed = [r for r in BF16_XLA_ROWS if f"kernel {r}" in seconds]
-        log.info("BF16 rows [%d x %d]: %s (%s: kernel / XLA ms %s)", n, k,
+        log.info("BF16 rows [%d x %d]: %s (%s: kernel (%s) / XLA ms %s)", n, k,
                  f"XLA's dot from {start} rows" if start else "the kernel at every step size",
-                 source, ", ".join(f"{r} rows {1e3 * seconds[f'kernel {r}']:.1f} / "
+                 source, kernel_act, ", ".join(f"{r} rows {1e3 * seconds[f'kernel {r}']:.1f} / "
                                    f"{1e3 * seconds[f'xla {r}']:.1f}" for r in timed))
     _release_blocks()
     return out

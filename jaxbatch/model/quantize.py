@@ -67,9 +67,10 @@ class QuantWeight:
     stacked: bool = dataclasses.field(metadata={"static": True})
     # run through the CPU kernel (set by llama.as_run_on_cpu where it is built), else jnp
     kernel: bool = dataclasses.field(default=False, metadata={"static": True})
-    # per part, the kernel's activations: "float" (weights dequantised into the dot) or "int8"
-    # (x quantised per row to int8 blocks, integer dots: llama.cpp's scheme); chosen per format
-    # and shape by measurement (engine/precision.py), never per step size; () = all "float"
+    # per part, the kernel's activations: "float" (weights dequantised into the dot), "int8"
+    # (x quantised per row to int8 blocks, integer dots: llama.cpp's scheme) or, for BF16 rows,
+    # "amx" (Intel AMX tiles); chosen per format and shape by measurement (engine/precision.py),
+    # never per step size; () = all "float"
     acts: tuple[str, ...] = dataclasses.field(default=(), metadata={"static": True})
     # BF16 parts on the kernel: steps of at least this many rows run XLA's dot on the rows
     # bitcast to bf16 instead (where measured faster: AMX's bf16 dots at prefill sizes, engine/

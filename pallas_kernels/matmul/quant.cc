@@ -25,8 +25,9 @@
 // model's float32 logits) is the same sum without the final rounding.
 //
 // This file is the float activation mode (act = 0); act = 1 is quant_int8.cc's int8 mode (x
-// quantised per row to int8 blocks, integer dots on the codes: llama.cpp's CPU scheme), also
-// batch invariant, with its own, equally fixed, sequence of operations per output.
+// quantised per row to int8 blocks, integer dots on the codes: llama.cpp's CPU scheme), act = 2
+// quant_amx.cc's AMX tiles for BF16 rows; both also batch invariant, each with its own, equally
+// fixed, sequence of operations per output.
 //
 // Dequantisation: the K-quants and Q4_0 have 16 or 32 possible values per 32-weight sub-block,
 // so a sub-block's values are computed once into a table (one zmm of f32 or bf16) and the
@@ -814,6 +815,9 @@ namespace jaxbatch_quant {
 bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
                      void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
                      int64_t rb);
+// quant_amx.cc: the AMX mode for BF16 rows and bf16 x (false: this build or process has none)
+bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
+                    bool out_f32, int64_t M, int64_t N, int64_t K);
 }  // namespace jaxbatch_quant
 
 namespace {
@@ -837,9 +841,11 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
         "quant_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, N, RB] (or a file u8 [G, 32] with "
         "n > 0), one layer index (or offset), out [M, N] in x's dtype or f32");
   if (fmt < 0 || fmt > kF16) return ffi::Error::InvalidArgument("quant_matmul: unknown format");
-  if (act != 0 && act != 1) return ffi::Error::InvalidArgument("quant_matmul: act is 0 or 1");
+  if (act < 0 || act > 2) return ffi::Error::InvalidArgument("quant_matmul: act is 0, 1 or 2");
   if (act == 1 && fmt > kQ6_K)
     return ffi::Error::InvalidArgument("quant_matmul: BF16 and F16 weights take float activations");
+  if (act == 2 && (fmt != kBF16 || !bf16))
+    return ffi::Error::InvalidArgument("quant_matmul: act amx is for BF16 weights and bf16 x");
   const int64_t M = xd[0], K = xd[1], N = in_file ? n : wd[1];
   const int64_t rb = K / kBlockWeights[fmt] * kBlockBytes[fmt];
   if (K != k || K % kBlockWeights[fmt] != 0 || (!in_file && wd[2] != rb) || od[0] != M ||
@@ -852,6 +858,15 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (M == 0 || N == 0) return ffi::Error::Success();
   const uint8_t* wl =
       static_cast<const uint8_t*>(w.untyped_data()) + (in_file ? li * 32 : li * N * rb);
+  if (act == 2) {
+    if (N % 16 != 0)
+      return ffi::Error::InvalidArgument("quant_matmul: act amx needs N % 16 == 0");
+    if (jaxbatch_quant::QuantMatmulAmx(pool, x.untyped_data(), wl, out->untyped_data(), out_f32,
+                                       M, N, K))
+      return ffi::Error::Success();
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "quant_matmul: act amx needs AMX-BF16 and the OS's permission to use it");
+  }
   if (act == 1) {
     if (jaxbatch_quant::QuantMatmulInt8(pool, x.untyped_data(), bf16, wl, out->untyped_data(),
                                         out_f32, fmt, M, N, K, rb))
@@ -894,7 +909,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
                                   .Ret<ffi::AnyBuffer>()  // out [M, N]
                                   .Attr<int64_t>("fmt")
                                   .Attr<int64_t>("k")
-                                  .Attr<int64_t>("act")  // 0 float, 1 int8 (quant_int8.cc)
+                                  .Attr<int64_t>("act")  // 0 float, 1 int8, 2 amx (BF16)
                                   .Attr<int64_t>("n"));  // > 0: w is a file, N = n
 
 // 1 when this build has the bf16-x path (AVX512-BF16), the f32-x path (AVX512F)

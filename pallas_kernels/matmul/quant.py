@@ -13,7 +13,11 @@ call has, nor on tiles or threads):
   amax))), dotted with the weights' integer codes exactly (AVX512-VNNI), block scales applied in
   f32 per block in K order. Fewer instructions per weight: faster where the float mode is
   compute-bound (see quant_int8.cc's header for the measured table), at the price of x's int8
-  rounding (~0.5% relative error). Choose the mode per weight (format, N, K), never per M.
+  rounding (~0.5% relative error).
+- act="amx" (quant_amx.cc; BF16 weights, bf16 x, N a multiple of 16, a CPU with AMX-BF16): Intel
+  AMX tiles, the weights' rows read as they are; each output one f32 accumulator over K in 32-k
+  steps (TDPBF16PS).
+Choose the mode per weight (format, N, K), never per M: each has its own rounding.
 
 The result is in x's dtype, or float32 (out_dtype) from bfloat16 x: the f32 sums unrounded.
 """
@@ -34,12 +38,13 @@ from pallas_kernels.matmul.quant_formats import (  # noqa: F401 - one place
 from pallas_kernels.matmul.quant_formats import FORMAT_IDS as _CODES
 
 TARGET = "jaxbatch_quant_matmul"
-ACTS = {"float": 0, "int8": 1}  # the kernel's `act` attribute
+ACTS = {"float": 0, "int8": 1, "amx": 2}  # the kernel's `act` attribute
 
 
 def available(x_dtype, act: str = "float") -> bool:
     """The CPU library is registered and this build has the path for x's dtype and `act`: float
-    mode bf16 needs AVX512-BF16, f32 AVX512F; int8 mode (either dtype) AVX512-VNNI."""
+    mode bf16 needs AVX512-BF16, f32 AVX512F; int8 mode (either dtype) AVX512-VNNI; amx mode
+    (bf16 only) AMX-BF16 and the OS's permission to use the tiles."""
     dt = jnp.dtype(x_dtype)
     if act not in ACTS:
         raise ValueError(f"act must be one of {list(ACTS)}, got {act!r}")
@@ -47,6 +52,8 @@ def available(x_dtype, act: str = "float") -> bool:
         return False
     if act == "int8":
         return cpu_library.has("quant_matmul_int8")
+    if act == "amx":
+        return dt == jnp.bfloat16 and cpu_library.has("quant_matmul_amx")
     return cpu_library.has("quant_matmul_bf16" if dt == jnp.bfloat16 else "quant_matmul_f32")
 
 
@@ -59,7 +66,8 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
     raw blocks, as a .gguf file stores a 2-D tensor of ggml shape [K, N]. `layer` (an i32 scalar,
     traced in a layer scan) picks one: pass the stack rather than slicing it in the scan, where
     XLA copies the slice for the call. A layer out of range is an error at run time. `act`:
-    "float" (weights dequantised) or "int8" (x quantised to int8 blocks, integer dots).
+    "float" (weights dequantised), "int8" (x quantised to int8 blocks, integer dots) or "amx"
+    (BF16 rows on AMX tiles).
 
     With `n` > 0, w is instead a whole mapped .gguf file as uint8 [G, 32] and `layer` the
     offset of the layer's [n, RB] rows in it, in 32-byte units (GGUF aligns tensor data to 32
@@ -70,6 +78,9 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
         raise ValueError(f"quant_matmul: act must be one of {list(ACTS)}, got {act!r}")
     if act == "int8" and fmt in FLOAT_FORMATS:
         raise ValueError(f"quant_matmul: {fmt} weights take float activations")
+    if act == "amx" and (fmt != "BF16" or x.dtype != jnp.bfloat16 or (n or w.shape[1]) % 16):
+        raise ValueError("quant_matmul: act amx is for BF16 weights, bfloat16 x and N a multiple "
+                         f"of 16 (got {fmt}, {x.dtype}, N = {n or w.shape[1]})")
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"quant_matmul: x must be [M, {k}], got {x.shape}")
     if n > 0:

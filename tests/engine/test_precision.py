@@ -182,6 +182,50 @@ def test_quant_activation_measurement_runs(tmp_path):
     assert got[("Q8_0", 64, 256)] in ("int8", "float")
 
 
+@pytest.mark.parametrize("amx_s,want", [
+    ({1: 0.9, 256: 0.3}, "amx"),
+    ({1: 1.5, 256: 0.5}, "amx"),     # geometric mean 0.87
+    ({1: 2.0, 256: 0.6}, "float"),   # geometric mean 1.10
+])
+def test_bf16_rows_take_amx_tiles_where_faster(tmp_path, monkeypatch, amx_s, want):
+    """BF16 rows choose between the float mode and AMX tiles as the block formats choose int8;
+    F16 rows and an N that is not a multiple of 16 (no AMX path) keep "float" untimed."""
+    calls = _fake_quant_timer(monkeypatch, lambda act, rows: amx_s[rows] if act == "amx"
+                              else 1.0)
+    shapes = {("BF16", 512, 2048), ("F16", 512, 2048), ("BF16", 40, 64)}
+    got = precision.choose_quant_acts(shapes, "bfloat16", str(tmp_path))
+    assert got == {("BF16", 512, 2048): want, ("F16", 512, 2048): "float",
+                   ("BF16", 40, 64): "float"}
+    assert sorted(calls) == sorted(("BF16", act, rows) for act in ("float", "amx")
+                                   for rows in precision.QUANT_ACT_ROWS)
+
+
+def test_bf16_route_times_the_kernel_in_its_chosen_mode(tmp_path, monkeypatch):
+    calls = _fake_quant_timer(monkeypatch, lambda act, rows: 2.0 if act == "float" else 1.0)
+    got = precision.choose_bf16_route({(512, 2048)}, str(tmp_path), {(512, 2048): "amx"})
+    assert got == {}  # AMX tiles hold at 512 rows: never XLA's dot
+    assert {act for _, act, _ in calls} == {"amx", "xla"}
+    # the float mode's route is cached apart (another mode, another crossover)
+    assert precision.choose_bf16_route({(512, 2048)}, str(tmp_path)) == {(512, 2048): 64}
+
+
+def test_amx_measurement_runs(tmp_path):
+    """The real measurement on a small BF16 shape (skipped without AMX-BF16)."""
+    from pallas_kernels import cpu_library
+    from pallas_kernels.matmul import quant
+
+    if cpu_library.available(str(tmp_path / "kernels")) is not None or \
+            not quant.available(jnp.bfloat16, act="amx"):
+        pytest.skip("no AMX-BF16 on this CPU (or OS, or build) or no C++ library")
+    saved = precision._QUANT_ACT_BYTES
+    try:
+        precision._QUANT_ACT_BYTES = 1 << 20
+        got = precision.choose_quant_acts({("BF16", 64, 256)}, "bfloat16", str(tmp_path))
+    finally:
+        precision._QUANT_ACT_BYTES = saved
+    assert got[("BF16", 64, 256)] in ("amx", "float")
+
+
 @pytest.mark.parametrize("xla_s, want, sizes_timed", [
     ({64: 1.0, 96: 1.0, 128: 1.0, 256: 1.0, 512: 1.0}, None, 1),  # never clearly faster
     ({64: 2.0, 96: 2.0, 128: 1.0, 256: 0.8, 512: 0.5}, 256, 3),   # faster from 256 rows on

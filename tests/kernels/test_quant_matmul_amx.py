@@ -1,0 +1,142 @@
+"""The quantised matmul's AMX mode for BF16 rows (pallas_kernels/matmul/quant_amx.cc: Intel AMX
+tiles, TDPBF16PS, one f32 accumulator per output over K in 32-k steps).
+
+Against exact references: with small-integer bf16 values every product and partial sum is an
+integer below 2^24, so f32 holds it exactly whatever the order and the kernel must equal the
+integer dot bit for bit; on random values the f32 sum is within K * 2^-24 * sum |x w| of the
+float64 dot (K / 2 + 1 roundings, one per 32-k step's pair sums and per accumulation, each at most
+2^-24 relative to the running magnitude). Also: each row's bits do not depend on how many rows the
+call has (one group of <= 16 rows, several groups with a zero-padded last one), bf16 output is
+the f32 output rounded to nearest even, a layer read in place from a "file" equals the stacked
+copy, and bad arguments are refused. Skipped where the library did not build or the CPU (or the
+OS) gives no AMX-BF16: the AMD EPYC machines have none.
+
+Timing (not a test; the figures in quant_amx.cc's header): see scripts/bench_quant_amx.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_library
+from pallas_kernels.matmul import quant
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built(tmp_path_factory):
+    why = cpu_library.available(str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+    if why is not None:
+        pytest.skip(f"the CPU kernel library did not build: {why}")
+    if not quant.available(jnp.bfloat16, act="amx"):
+        pytest.skip("this CPU (or the OS, or the build) gives no AMX-BF16: no amx quant matmul")
+
+
+def _rows(w: np.ndarray) -> np.ndarray:
+    """bf16 [N, K] -> the BF16 format's rows, uint8 [N, 2K]."""
+    return np.ascontiguousarray(w.astype(ml_dtypes.bfloat16)).view(np.uint8)
+
+
+@jax.jit(static_argnames=("out_dtype",))
+def _jit_calls(xs, w, *, out_dtype=None):
+    return [quant.quant_matmul(x, w[None], 0, fmt="BF16", k=x.shape[1], act="amx",
+                               out_dtype=out_dtype) for x in xs]
+
+
+def _calls(x, w, ms, **kw):
+    """One call per m in ms on x's first m rows, in one program (one compile)."""
+    return _jit_calls([jnp.asarray(x[:m]) for m in ms], jnp.asarray(_rows(w)), **kw)
+
+
+def _bf16(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("k,n", [(32, 16), (96, 48), (2048, 272), (8192, 64)])
+def test_integer_values_give_the_exact_dot(k, n):
+    """|x|, |w| <= 8 integers: every sum is an integer < 8 * 8 * 8192 = 2^19, exact in f32."""
+    rng = np.random.default_rng(k + n)
+    x = rng.integers(-8, 9, (40, k)).astype(ml_dtypes.bfloat16)
+    w = rng.integers(-8, 9, (n, k)).astype(ml_dtypes.bfloat16)
+    want = (x.astype(np.int64) @ w.astype(np.int64).T).astype(np.float32)
+    ms = (1, 2, 5, 16, 17, 40)
+    for m, got in zip(ms, _calls(x, w, ms, out_dtype=jnp.float32)):
+        np.testing.assert_array_equal(np.asarray(got), want[:m], err_msg=f"m={m}")
+
+
+@pytest.mark.parametrize("k,n", [(64, 32), (2048, 272), (8192, 80)])
+def test_within_the_f32_bound_of_the_float64_dot(k, n):
+    rng = np.random.default_rng(k)
+    x, w = _bf16(rng, (33, k)), _bf16(rng, (n, k), 0.05)
+    xd, wd = x.astype(np.float64), w.astype(np.float64)
+    want, mag = xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+    for m, got in zip((1, 16, 33), _calls(x, w, (1, 16, 33), out_dtype=jnp.float32)):
+        err = np.abs(np.asarray(got, np.float64) - want[:m])
+        assert np.all(err <= k * 2.0**-24 * mag[:m]), (m, float((err / mag[:m]).max()))
+
+
+def test_rows_are_the_same_bits_whatever_the_row_count():
+    """Row i of a call on rows [0, m) equals row i of a call on all 300 rows, for every m (one
+    group of m columns; several groups of 16, the last zero-padded; 2 or 4 C tiles an item)."""
+    rng = np.random.default_rng(11)
+    k, n = 512, 112  # 112 = 3 chunks of 32 + a 16 tail; 1 chunk of 64 + 48
+    x, w = _bf16(rng, (300, k)), _bf16(rng, (n, k), 0.05)
+    ms = (300, *range(1, 18), 31, 32, 33, 64, 100)
+    outs = [np.asarray(o).view(np.uint16) for o in _calls(x, w, ms)]
+    for m, got in zip(ms, outs):
+        np.testing.assert_array_equal(got, outs[0][:m], err_msg=f"m={m}")
+
+
+def test_bf16_out_is_the_f32_sum_rounded():
+    rng = np.random.default_rng(5)
+    x, w = _bf16(rng, (20, 256)), _bf16(rng, (48, 256), 0.05)
+    ms = (1, 3, 20)
+    for m, a, b in zip(ms, _calls(x, w, ms, out_dtype=jnp.float32), _calls(x, w, ms)):
+        assert a.dtype == jnp.float32 and b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a).astype(ml_dtypes.bfloat16), np.asarray(b))
+
+
+def test_read_in_place_from_a_file_equals_the_stack():
+    """n > 0: the layer's rows at a 32-byte offset inside a uint8 [G, 32] file (not 64-byte
+    aligned on purpose: GGUF aligns tensor data to 32 bytes only)."""
+    rng = np.random.default_rng(7)
+    k, n = 256, 64
+    x, w = _bf16(rng, (9, k)), _bf16(rng, (n, k), 0.05)
+    rows = _rows(w)
+    file = np.zeros((1 + rows.size // 32 + 1, 32), np.uint8)
+    file.reshape(-1)[32 : 32 + rows.size] = rows.reshape(-1)
+    f = jax.jit(lambda x, file: quant.quant_matmul(x, file, 1, fmt="BF16", k=k, act="amx", n=n))
+    got = np.asarray(f(jnp.asarray(x), jnp.asarray(file)))
+    (want,) = _calls(x, w, (9,))
+    np.testing.assert_array_equal(got.view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_stack_and_layer_index_inside_a_scan():
+    rng = np.random.default_rng(8)
+    k, n, layers = 128, 32, 3
+    ws = [_bf16(rng, (n, k), 0.05) for _ in range(layers)]
+    stack = jnp.asarray(np.stack([_rows(w) for w in ws]))
+    x = _bf16(rng, (5, k))
+    f = jax.jit(lambda x, stack: jax.lax.scan(
+        lambda c, i: (c, quant.quant_matmul(x, stack, i, fmt="BF16", k=k, act="amx",
+                                            out_dtype=jnp.float32)), 0, jnp.arange(layers))[1])
+    got = np.asarray(f(jnp.asarray(x), stack))
+    for li, w in enumerate(ws):
+        (want,) = _calls(x, w, (5,), out_dtype=jnp.float32)
+        np.testing.assert_array_equal(got[li], np.asarray(want))
+
+
+def test_bad_arguments():
+    w = jnp.zeros((1, 32, 512), jnp.uint8)
+    x = jnp.zeros((2, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="act amx"):
+        quant.quant_matmul(x.astype(jnp.float32), w, 0, fmt="BF16", k=256, act="amx")
+    with pytest.raises(ValueError, match="act amx"):
+        quant.quant_matmul(x, jnp.zeros((1, 32, quant.row_bytes("Q4_K", 256)), jnp.uint8), 0,
+                           fmt="Q4_K", k=256, act="amx")
+    with pytest.raises(ValueError, match="act amx"):
+        quant.quant_matmul(x, jnp.zeros((1, 24, 512), jnp.uint8), 0, fmt="BF16", k=256,
+                           act="amx")
