@@ -96,7 +96,8 @@ def test_bf16_out_is_the_f32_sum_rounded():
     ms = (1, 3, 20)
     for m, a, b in zip(ms, _calls(x, w, ms, out_dtype=jnp.float32), _calls(x, w, ms)):
         assert a.dtype == jnp.float32 and b.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(a).astype(ml_dtypes.bfloat16), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a).astype(ml_dtypes.bfloat16), np.asarray(b),
+                                      err_msg=f"m={m}")
 
 
 def test_read_in_place_from_a_file_equals_the_stack():
