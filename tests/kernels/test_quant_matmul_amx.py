@@ -11,10 +11,15 @@ the f32 output rounded to nearest even, a layer read in place from a "file" equa
 copy, and bad arguments are refused. Skipped where the library did not build or the CPU (or the
 OS) gives no AMX-BF16: the AMD EPYC machines have none.
 
-Timing (not a test; the figures in quant_amx.cc's header): see scripts/bench_quant_amx.py.
+Timing (not a test; the figures in quant_amx.cc's header): AMX tiles against the float mode and
+XLA's own bf16 dot on the same rows, llama-1b's shapes:
+  .venv/bin/python -m tests.kernels.test_quant_matmul_amx
 """
 
 from __future__ import annotations
+
+import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -141,3 +146,46 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="act amx"):
         quant.quant_matmul(x, jnp.zeros((1, 24, 512), jnp.uint8), 0, fmt="BF16", k=256,
                            act="amx")
+
+
+# ---- timing ----
+
+def _bench():
+    """ms per call, medians of 15, bf16 x, the layers cycled through a > 200 MB stack (each call
+    reads its rows from memory): AMX tiles, the float mode, XLA's dot on the rows bitcast to
+    bf16 (what an HF directory's weights ran before the kernel)."""
+    import tempfile
+
+    assert cpu_library.available(tempfile.gettempdir() + "/jaxbatch-quant-bench") is None
+    assert quant.available(jnp.bfloat16, act="amx"), "no AMX-BF16 here"
+    rng = np.random.default_rng(0)
+
+    def xla_dot(x, w, li):
+        n, k = w.shape[1], w.shape[2] // 2
+        wl = jax.lax.bitcast_convert_type(w[li].reshape(n, k, 2), jnp.bfloat16)
+        return jax.lax.dot_general(x, wl, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32).astype(x.dtype)
+
+    for n, k in ((8192, 2048), (2048, 8192), (2048, 2048), (512, 2048)):
+        layers = max(2, -(-(200 << 20) // (n * k * 2)))
+        stack = jnp.asarray(np.broadcast_to(_rows(_bf16(rng, (n, k), 0.05)),
+                                            (layers, n, 2 * k)).copy())
+        for m in (1, 8, 16, 64, 256, 512):
+            x = jnp.asarray(_bf16(rng, (m, k)))
+            line = f"[{n:5d} x {k:5d}] M={m:3d}"
+            for name in ("amx", "float", "xla"):
+                call = jax.jit(xla_dot if name == "xla" else functools.partial(
+                    quant.quant_matmul, fmt="BF16", k=k, act=name))
+                jax.block_until_ready(call(x, stack, 0))
+                times = []
+                for i in range(15):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(call(x, stack, (i + 1) % layers))
+                    times.append(time.perf_counter() - t0)
+                t = float(np.median(times))
+                line += f" | {name} {t * 1e3:7.3f} ms {2 * m * n * k / t / 1e9:6.0f} GFLOP/s"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    _bench()
