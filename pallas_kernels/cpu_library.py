@@ -3,9 +3,9 @@ use, loaded once a process, each kernel registered as an XLA FFI custom call for
 
 Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the
 small bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` and `matmul/quant_amx.cc`
-(matmuls over GGUF blocks, float and int8 activations; AMX tiles for bf16 rows) and `zeros.cc` (a zeroed KV cache without touching its pages); one
-`.so`, one FFI target each (TARGETS). The build is cached by
-everything that changes the binary: the sources, the compiler's version, the CPU's instruction
+(matmuls over GGUF blocks, float and int8 activations; AMX tiles for bf16 rows) and `zeros.cc`
+(a zeroed KV cache without touching its pages); one `.so`, one FFI target each (TARGETS). The
+build is cached by everything that changes the binary: the sources, the compiler's version, the CPU's instruction
 set flags (it is built with -march=native, so a library built on one CPU model is never loaded on
 another) and jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when
 there is no compiler or the build fails; callers fall back to jnp and say so.

@@ -413,7 +413,7 @@ def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str,
                       ) -> dict[tuple[int, int], int]:
     """Per (N, K) of the model's stacked BF16-row weights (an HF directory's or a bf16 GGUF's,
     bfloat16 compute), from how many rows a step runs XLA's dot on the rows bitcast to bf16
-    rather than the quantised matmul's float path: the smallest of BF16_XLA_ROWS from which
+    rather than the quantised matmul (in its mode, `acts`): the smallest of BF16_XLA_ROWS from which
     XLA's dot measures at least BF16_XLA_MIN_SPEEDUP faster at it and every larger one (an AMX
     CPU's bf16 dots at prefill sizes); absent where it never is. Timed from the largest size
     down, stopping at the first the kernel holds; once per machine and shape (cached);

@@ -173,13 +173,19 @@ def test_quant_activation_measurement_runs(tmp_path):
     if cpu_library.available(str(tmp_path / "kernels")) is not None or \
             not quant.available(jnp.bfloat16, act="int8"):
         pytest.skip("no quantised int8 matmul on this CPU (AVX512-VNNI) or no C++ library")
-    monkeypatch_bytes = precision._QUANT_ACT_BYTES
+    got = _small_stacks(lambda: precision.choose_quant_acts({("Q8_0", 64, 256)}, "bfloat16",
+                                                            str(tmp_path)))
+    assert got[("Q8_0", 64, 256)] in ("int8", "float")
+
+
+def _small_stacks(choose):
+    """choose() with the timed weight stacks at 1 MB (a real measurement, kept short)."""
+    saved = precision._QUANT_ACT_BYTES
     try:
         precision._QUANT_ACT_BYTES = 1 << 20
-        got = precision.choose_quant_acts({("Q8_0", 64, 256)}, "bfloat16", str(tmp_path))
+        return choose()
     finally:
-        precision._QUANT_ACT_BYTES = monkeypatch_bytes
-    assert got[("Q8_0", 64, 256)] in ("int8", "float")
+        precision._QUANT_ACT_BYTES = saved
 
 
 @pytest.mark.parametrize("amx_s,want", [
@@ -217,12 +223,8 @@ def test_amx_measurement_runs(tmp_path):
     if cpu_library.available(str(tmp_path / "kernels")) is not None or \
             not quant.available(jnp.bfloat16, act="amx"):
         pytest.skip("no AMX-BF16 on this CPU (or OS, or build) or no C++ library")
-    saved = precision._QUANT_ACT_BYTES
-    try:
-        precision._QUANT_ACT_BYTES = 1 << 20
-        got = precision.choose_quant_acts({("BF16", 64, 256)}, "bfloat16", str(tmp_path))
-    finally:
-        precision._QUANT_ACT_BYTES = saved
+    got = _small_stacks(lambda: precision.choose_quant_acts({("BF16", 64, 256)}, "bfloat16",
+                                                            str(tmp_path)))
     assert got[("BF16", 64, 256)] in ("amx", "float")
 
 
@@ -259,10 +261,5 @@ def test_bf16_route_measurement_runs(tmp_path):
     if cpu_library.available(str(tmp_path / "kernels")) is not None or \
             not quant.available(jnp.bfloat16):
         pytest.skip("no bf16 quantised matmul on this CPU (AVX512-BF16) or no C++ library")
-    saved = precision._QUANT_ACT_BYTES
-    try:
-        precision._QUANT_ACT_BYTES = 1 << 20
-        got = precision.choose_bf16_route({(64, 256)}, str(tmp_path))
-    finally:
-        precision._QUANT_ACT_BYTES = saved
+    got = _small_stacks(lambda: precision.choose_bf16_route({(64, 256)}, str(tmp_path)))
     assert got.get((64, 256), 0) in (0, *precision.BF16_XLA_ROWS)
