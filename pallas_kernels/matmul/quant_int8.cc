@@ -369,7 +369,7 @@ JB_INLINE __m512i reduce8x2(const __m512i* a) {
 template <class D>
 struct TreeW {
   __m512i c[D::NV];
-  __m512i s01, s23;  // K-quants: the scales of merge32(P0, P1), merge32(P2, P3)
+  __m512i s01, s23;  // K-quants: word pairs (scale of P0's lane, of P1's), (P2's, P3's)
   __m128i m;         // Q4_K, Q5_K: m_0..7 as words
 };
 
@@ -377,29 +377,39 @@ template <class D>
 JB_INLINE void tree_decode(const uint8_t* p, bool two, TreeW<D>& w) {
   D::codes(p, two, w.c);
   if constexpr (D::kMins) {
-    const __m128i b = k4_bytes(p);
-    w.m = _mm_cvtepu8_epi16(_mm_srli_si128(b, 8));
-    const __m512i sw = _mm512_cvtepu8_epi32(b);  // sc_0..7 (and m_0..7)
-    // vector v's 128-bit lanes 0-1: sub-block sub(v, 0), 2-3: sub(v, 1)
-    w.s01 = _mm512_permutexvar_epi32(
-        _mm512_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3), sw);
-    w.s23 = _mm512_permutexvar_epi32(
-        _mm512_setr_epi32(4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7), sw);
+    // words: sc_0..7, m_0..7; vector v's lanes 0-7 hold sub-block sub(v, 0), 8-15 sub(v, 1), so
+    // dword lane i of s01 is (sc_0, sc_1) for i < 8, else (sc_2, sc_3); s23 likewise (4, 5), (6, 7)
+    const __m256i sm = _mm256_cvtepu8_epi16(k4_bytes(p));
+    w.m = _mm256_extracti128_si256(sm, 1);
+    const __m512i sw = _mm512_castsi256_si512(sm);
+    w.s01 = _mm512_permutexvar_epi32(halves32(0, 1), sw);
+    w.s23 = _mm512_permutexvar_epi32(halves32(2, 3), sw);
   } else if constexpr (D::kInit) {
-    // scales (int8, one per 16 weights) as words in dwords; vector v's 128-bit lane k: group
-    // 4v + k
-    const __m512i sw = _mm512_cvtepu16_epi32(_mm256_cvtepi8_epi16(load128(p + 192)));
-    w.s01 = _mm512_permutexvar_epi32(
-        _mm512_setr_epi32(0, 4, 0, 4, 1, 5, 1, 5, 2, 6, 2, 6, 3, 7, 3, 7), sw);
-    w.s23 = _mm512_permutexvar_epi32(
-        _mm512_setr_epi32(8, 12, 8, 12, 9, 13, 9, 13, 10, 14, 10, 14, 11, 15, 11, 15), sw);
+    // scales (int8, one per 16 weights) as words; vector v's 128-bit lane k: group 4v + k, so
+    // dword lane i (k = i / 4) of s01 is (sc_k, sc_4+k), of s23 (sc_8+k, sc_12+k)
+    const __m512i sw = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(load128(p + 192)));
+    w.s01 = _mm512_permutexvar_epi16(
+        _mm512_setr_epi32(0x40000, 0x40000, 0x40000, 0x40000, 0x50001, 0x50001, 0x50001,
+                          0x50001, 0x60002, 0x60002, 0x60002, 0x60002, 0x70003, 0x70003,
+                          0x70003, 0x70003),
+        sw);
+    w.s23 = _mm512_permutexvar_epi16(
+        _mm512_setr_epi32(0xC0008, 0xC0008, 0xC0008, 0xC0008, 0xD0009, 0xD0009, 0xD0009,
+                          0xD0009, 0xE000A, 0xE000A, 0xE000A, 0xE000A, 0xF000B, 0xF000B,
+                          0xF000B, 0xF000B),
+        sw);
   }
+}
+
+// P_a's and P_b's lanes (each |.| < 2^15) as word pairs (P_a low): one VPDPWSSD then takes both
+JB_INLINE __m512i pack_words(__m512i a, __m512i b) {
+  return _mm512_mask_blend_epi16(0xAAAAAAAAu, a, _mm512_slli_epi32(b, 16));
 }
 
 // one row's dot with a decoded group: 16 lanes summing to I (pairs: lanes 0-7 the first block's,
 // 8-15 the second's, before the offset). K-quants: P_v (16 lanes of 4 products; Q6_K's from
-// -32 * their q sums) merged pairwise (merge32: exact, still < 2^15), each merged lane times its
-// sub-block scale by VPDPWSSD on the low words.
+// -32 * their q sums, all < 2^15) packed pairwise into words, each word times its sub-block's
+// scale by VPDPWSSD.
 template <class D>
 JB_INLINE __m512i tree_row(const TreeW<D>& w, const int8_t* x, const int32_t* init) {
   if constexpr (D::kPairs) {
@@ -410,8 +420,8 @@ JB_INLINE __m512i tree_row(const TreeW<D>& w, const int8_t* x, const int32_t* in
       pv[v] = _mm512_dpbusd_epi32(D::kInit ? load512(init + 16 * v) : _mm512_setzero_si512(),
                                   w.c[v], load512(x + 64 * v));
     return _mm512_dpwssd_epi32(
-        _mm512_dpwssd_epi32(_mm512_setzero_si512(), merge32(pv[0], pv[1]), w.s01),
-        merge32(pv[2], pv[3]), w.s23);
+        _mm512_dpwssd_epi32(_mm512_setzero_si512(), pack_words(pv[0], pv[1]), w.s01),
+        pack_words(pv[2], pv[3]), w.s23);
   }
 }
 
