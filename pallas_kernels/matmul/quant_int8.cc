@@ -33,10 +33,10 @@
 // - Few rows (tree; M <= 4 for the K-quants, <= 2 for Q8_0/Q4_0): tiles of R = M rows x C
 //   columns (R * C <= 8) walk K a block at a time (Q8_0/Q4_0: two), each column's block decoded
 //   from the file's layout into registers once for all R rows; each dot's 16 lanes (sub-block
-//   scales by VPDPWSSD on pairwise-merged lane sums, < 2^15) go through one transposing tree of
-//   integer adds to give I_b; the f32 steps run on the tile's outputs side by side. The next
-//   tile's rows are prefetched a block's share at a time (C rows side by side are C streams, which
-//   the hardware prefetcher follows badly).
+//   scales by VPDPWSSD on lane sums packed pairwise into words, each < 2^15) go through one
+//   transposing tree of integer adds to give I_b; the f32 steps run on the tile's outputs side
+//   by side. The next tile's short rows are prefetched into L2 a block's share at a time (C rows
+//   side by side are C streams, which the hardware prefetcher follows badly).
 // - More rows (wide): a zmm holds one row x 16 columns, so there is no reduction: 16 columns'
 //   blocks are unpacked (codes transposed by a 16 x 16 dword transpose into 64-byte units of 4
 //   codes per column; scales likewise), a unit's codes are loaded once for all rows and each
