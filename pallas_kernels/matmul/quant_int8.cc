@@ -299,6 +299,10 @@ JB_INLINE __m512i sums4(__m512i q) {
 
 // ---- one call ----
 
+// rows shorter than this are prefetched a tile ahead (into L2) by the few-row paths; longer
+// rows are left to the hardware prefetcher (measured: tree_tile's comment)
+constexpr int64_t kPrefetchMaxRowBytes = 4096;
+
 struct Job {
   const uint8_t* w;  // the layer's [N, RB]
   void* out;
@@ -458,7 +462,7 @@ void tree_tile(const Job& j, int64_t n0) {
     // slower; long rows (>= 4 KB) are left to the hardware (prefetching them ran up to 10%
     // slower). Measured at one row on the Intel Xeon (AMX) VM, 8B Q4_K/Q6_K shapes in a layer
     // loop: [14336, 4096] Q4_K 1.46 -> 1.28 ms, [4096, 14336] Q6_K 2.32 -> 1.77 ms.
-    if (rb < 4096)
+    if (rb < kPrefetchMaxRowBytes)
       for (int64_t l = g * C * D::GB / 64; l < (g + 1) * C * D::GB / 64; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
     const bool two = !D::kPairs || 2 * g + 1 < nb;
@@ -761,7 +765,8 @@ void wide_decode_tile(const Job& j, int64_t n0, uint8_t* buf) {
   const uint8_t* w[CG];
   for (int c = 0; c < CG; ++c) w[c] = buf + c * wstride;
   for (int64_t g = 0; g < j.ng; ++g) {
-    if (j.rb < 4096)  // as the tree path (M = 6: [4096, 14336] Q6_K 3.6 -> 2.9 ms)
+    // as the tree path (M = 6: [4096, 14336] Q6_K 3.6 -> 2.9 ms)
+    if (j.rb < kPrefetchMaxRowBytes)
       for (int64_t l = g * 16 * CG * D::GB / 64; l < (g + 1) * 16 * CG * D::GB / 64; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
     for (int c = 0; c < CG; ++c) unpack_cols<D>(j, n0 + 16 * c, g, buf + c * wstride);
