@@ -13,8 +13,8 @@ there is no compiler or the build fails; callers fall back to jnp and say so.
 The sources compile one process each, side by side (os.cpu_count() at a time), then link: on 2
 vCPUs 26.6 -> ~13 s of a 1B model's first start (quant.cc alone is ~11 s). `build_in_background`
 starts that build on a thread, so the engine's Python-bound metadata parsing runs meanwhile.
-`make install` builds it ahead (`jaxbatch build-kernels`: 23-31 s on a 2-vCPU EPYC VM in
-session 14), so that no model's first start waits for it.
+`make install` builds it ahead (`jaxbatch build-kernels`: 23-31 s on a 2-vCPU AMD EPYC VM,
+measured 2026-12-03), so that no model's first start waits for it.
 """
 
 from __future__ import annotations
