@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch.config import cache_dir
 from pallas_kernels import cpu_library
 from pallas_kernels.attention import cpu as cpu_kernel
 from pallas_kernels.attention.reference import ragged_paged_attention_reference
@@ -63,7 +62,9 @@ def layout(rng, kv_lens: np.ndarray) -> tuple[int, np.ndarray]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "jaxbatch-kernels"))
+    ap.add_argument("--cache-dir", default=cache_dir(),
+                    help="where the kernel library is built (default: the engine's cache, "
+                         "$JAXBATCH_CACHE or ~/.cache/jaxbatch)")
     args = ap.parse_args()
     cpu_library.register(args.cache_dir)
     rng = np.random.default_rng(0)

@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                    or shutil.which("llama-server"))
     p.add_argument("--peer-spec", default=PEER_SPEC)
     p.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--out-dir", default=None, help="server logs, answers (default /tmp/...)")
+    p.add_argument("--out-dir", default=None, help="server logs, answers (default runs/bench-spec-TIME in the repository)")
     p.add_argument("--json-out", default=None, help="append one JSON line per run")
     p.add_argument("--burst-ms", type=float, default=1.0,
                    help="chunks closer than this are one burst for the per-token ITL")
@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="per request")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
-    args.out_dir = args.out_dir or f"/tmp/bench-spec-{time.strftime('%H%M%S')}"
+    args.out_dir = args.out_dir or os.path.join(
+        REPO, "runs", f"bench-spec-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(args.out_dir, exist_ok=True)
     with open(args.workload) as f:
         rows = [json.loads(line) for line in f if line.strip()]

