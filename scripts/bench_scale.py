@@ -5,14 +5,17 @@
         [--threads 2] [--prompt 512] [--decode 128] [--repeat 3] [--rounds 1]
         [--engine-kwargs JSON]
 
-Each MODEL is a .gguf file or an HF directory, made outside the repo. The shapes come from
-../shared/peers/make_scale_model.py (llama-1b, llama-8b: random weights, SmolLM2's vocabulary, so
-bench64's token ids are valid prompts), the GGUF files from llama.cpp's converter and quantiser;
-../shared/peers/README.md ("Models at the sizes users run", "llama.cpp") gives the commands:
+Each MODEL is a .gguf file or an HF directory. scripts/make_scale_model.py makes HF directories
+with Llama-3.2-1B's and Llama-3.1-8B's shapes (random weights, SmolLM2's vocabulary, so bench64's
+token ids are valid prompts); llama.cpp's converter and quantiser make the GGUF files from them
+(LLAMACPP_SRC: a llama.cpp checkout; LLAMACPP: a llama.cpp build directory, bin/ holding its
+tools, which --llamacpp also takes; SMOLLM2.gguf: the GGUF jaxbatch fetches for its default
+model, under ~/.cache/jaxbatch/models/smollm2-135m-instruct/):
 
-    python ../shared/peers/make_scale_model.py llama-1b $MODELS/llama-1b --tokenizer-gguf ...
-    $PEERS/llamacpp/convert_hf_to_gguf.sh $MODELS/llama-1b $MODELS/llama-1b-bf16.gguf bf16
-    $PEERS/llamacpp/bin/llama-quantize $MODELS/llama-1b-bf16.gguf $MODELS/llama-1b-Q4_K_M.gguf Q4_K_M
+    python scripts/make_scale_model.py llama-1b runs/models/llama-1b --tokenizer-gguf SMOLLM2.gguf
+    python LLAMACPP_SRC/convert_hf_to_gguf.py runs/models/llama-1b --outtype bf16 \
+        --outfile runs/models/llama-1b-bf16.gguf
+    LLAMACPP/bin/llama-quantize runs/models/llama-1b-bf16.gguf runs/models/llama-1b-Q4_K_M.gguf Q4_K_M
 
 Per MODEL, every measurement in its own child process (so its peak RSS, from wait4, is its own):
   0. once per run: `jaxbatch build-kernels` into an empty cache (the C++ kernels, built with
@@ -30,7 +33,7 @@ Per MODEL, every measurement in its own child process (so its peak RSS, from wai
      a cache hit would time the cache, and llama-bench computes every prompt from scratch).
   4. --llamacpp DIR and a .gguf MODEL: `llama-bench -p PROMPT -n DECODE -t THREADS -r REPEAT -o json`
      with --repack 0 and the default, with DIR/bin and DIR/bin-noamx when it exists; the best pp
-     and tg over those (the peers README: quote llama.cpp's best build per figure), the median of
+     and tg over those (llama.cpp's best build per figure is the fair comparison), the median of
      its samples (avg_ts is recorded too). jaxbatch / llama.cpp ratios. With --rounds N, 2-4 run
      N times alternated (warm child, llama-bench, warm child, ...); each figure is the median
      over rounds and each round's ratio is recorded (a VM's memory speed drifts by 10-20% over
@@ -322,13 +325,13 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         if r.get("llama_pp_by"):
             print(f"{r['model']}: llama.cpp pp from {r['llama_pp_by']}, tg from {r['llama_tg_by']}")
     hf = [r["model"] for r in rows if r["format"].startswith("hf-")]
-    print("\nvLLM-CPU bf16 on bench64 (not run here; ../shared/peers/README.md sets it up):")
+    print("\nvLLM-CPU bf16 on bench64 (not run here; vLLM is installed outside this repository):")
     # bench_throughput.py takes the dtype from --dtypes (auto by default)
     engine_kwargs = {k: v for k, v in ENGINE_DEFAULTS.items() if k != "dtype"}
     for m in hf or ["HF_DIR"]:
         print(f"  python scripts/bench_throughput.py --passes 3 --engine-kwargs "
               f"'{json.dumps({'model': m, **engine_kwargs})}' --peer vllm --peer-dtypes bfloat16 "
-              f"--peer-python $PEERS/venv/bin/python --peer-model {m} --peer-env $PEERS/env.sh")
+              f"--peer-python PATH/TO/vllm-venv/bin/python --peer-model {m}")
 
 
 def main() -> None:
@@ -336,7 +339,9 @@ def main() -> None:
     p.add_argument("models", nargs="*", help=".gguf files or HF directories")
     p.add_argument("--llamacpp", default=None, help="llama.cpp folder with bin/ (and bin-noamx/)")
     p.add_argument("--bench64", action="store_true", help="also bench64 throughput")
-    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for results and logs")
+    p.add_argument("--out", default=os.environ.get("OUT"),
+                   help="folder for results and logs (default runs/bench_scale-DATE-TIME in the "
+                        "repository)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=128)
@@ -358,7 +363,8 @@ def main() -> None:
         return worker(args)
     if not args.models:
         p.error("give at least one MODEL")
-    args.out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="bench_scale-"))
+    args.out = os.path.abspath(args.out or os.path.join(
+        REPO, "runs", f"bench_scale-{time.strftime('%Y%m%d-%H%M%S')}"))
     os.makedirs(args.out, exist_ok=True)
     run_id = time.strftime("%Y-%m-%dT%H:%M:%S")
     results = os.path.join(args.out, "results.jsonl")

