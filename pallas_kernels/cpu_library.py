@@ -39,6 +39,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "zeros.cc"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512",
          "-std=c++17", "-fPIC"]
+_PREFIX = "jaxbatch-cpu-"  # the library's file name: _PREFIX, its build key, ".so"
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
     "jaxbatch_ragged_paged_attention": "JaxbatchRaggedPagedAttention",
@@ -108,8 +109,28 @@ def library_path(cache_dir: str) -> tuple[str, list[str]]:
     key = hashlib.sha256(b"\0".join([
         *sources, version.encode(), _cpu_flags().encode(), jaxlib.__version__.encode(),
         " ".join(FLAGS).encode()])).hexdigest()[:16]
-    path = os.path.join(cache_dir, "kernels", f"jaxbatch-cpu-{key}.so")
+    path = os.path.join(cache_dir, "kernels", f"{_PREFIX}{key}.so")
     return path, [cxx, *FLAGS, "-I", include, "-c"]
+
+
+def content_hash() -> str:
+    """The kernels this process runs, as a hash, for the caches of their measured speed
+    (engine/precision.py, engine/calibration.py: a changed kernel is measured again by itself):
+    the registered library's build key (its sources, FLAGS, the compiler's version, the CPU's
+    flags, jaxlib's version); with none registered (not a CPU, no compiler, not built yet) the
+    hash of the sources and FLAGS alone."""
+    if _registered is not None:
+        return os.path.basename(_registered).removeprefix(_PREFIX).removesuffix(".so")
+    return _sources_hash()
+
+
+@functools.cache
+def _sources_hash() -> str:
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            digest.update(b"\0" + f.read())
+    return digest.hexdigest()[:16]
 
 
 def _run(cmd: list[str]) -> None:

@@ -6,8 +6,10 @@ compiled bucket (Runner.time_bucket: four all-padding steps each) took 22 s of a
 restart on a 1B model. A saved time is reused only where the same step would run: the key holds
 the model (its dimensions and its weight files' path, size and mtime), the compute and KV dtypes,
 quantization, the KV cache's page size and pages, the attention backend, tensor parallelism,
-the device and jax, and FORMAT. A reused time is not measured again; JAXBATCH_RECALIBRATE=1
-times every bucket afresh (and saves the new times).
+and what every measurement depends on (precision.measurement_identity: the device, the kernel
+library's content hash, jaxbatch's and jax's versions), so a changed kernel is timed again by
+itself. A reused time is not measured again; JAXBATCH_RECALIBRATE=1 times every bucket afresh
+(and saves the new times).
 
 A step that holds another (as many or more tokens and sequences) timed cheaper than it is
 almost always noise (a load spike in one bucket's few steps), and the planner would then run
@@ -29,14 +31,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxbatch.config import EngineConfig
-from jaxbatch.engine.precision import device_identity, load_measurements, save_measurements
+from jaxbatch.engine.precision import load_measurements, measurement_identity, save_measurements
 from jaxbatch.engine.runner import Runner
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.planner import Bucket, StepPlanner
 
 log = logging.getLogger("jaxbatch")
 
-FORMAT = "step times v2"  # bump when what is measured, or how, changes
 _WEIGHT_FILES = (".safetensors", ".gguf", ".bin")
 RECHECK_ROUNDS = 2
 
@@ -46,8 +47,8 @@ def calibration_ident(model: LoadedModel, config: EngineConfig, runner: Runner,
     """Everything a bucket's step time depends on (`config`: dtype and max_model_len resolved;
     `attention_backend`: as resolved on this machine, not auto)."""
     return json.dumps({
-        "format": FORMAT, "device": device_identity(), "jax": jax.__version__,
-        "processes": jax.process_count(), "weights": _weights_identity(model.source),
+        "measured_by": measurement_identity(), "processes": jax.process_count(),
+        "weights": _weights_identity(model.source),
         "arch": dataclasses.asdict(model.arch), "dtype": config.model.dtype,
         "quantization": config.model.quantization, "kv_dtype": jnp.dtype(runner.kv_dtype).name,
         "page_size": runner.page_size, "num_pages": runner.num_pages,

@@ -3,8 +3,10 @@ by measuring the model's own layer-shaped matmuls at start-up, never assumed.
 
 Machines differ: an AMX Xeon ran a [512 x 576] x [576 x 1536] bf16 dot (f32 accumulation) at
 ~960 GFLOP/s against ~180 in f32, while an EPYC without bf16 matrix units ran bf16 no faster
-than f32. The measurement takes about a second and is cached per (device, jax version, shapes)
-under the cache directory, so a restart reuses it.
+than f32. The measurement takes about a second and is cached under the cache directory, so a
+restart reuses it, keyed by what the speed depends on (`measurement_identity`: the device, the
+kernel library's content hash, jaxbatch's and jax's versions) and the shapes: a changed kernel,
+or another release, measures again by itself.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -24,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import cpu_library
 from pallas_kernels.matmul.quant_formats import FLOAT_FORMATS
 
 log = logging.getLogger("jaxbatch")
@@ -63,8 +67,33 @@ def device_identity() -> str:
                         break
         except OSError:
             model = platform.processor()
-        ident += f":{model}:{flags}:{os.cpu_count()}"
+        ident += f":{model}:{flags}:{_usable_cpus()}"
     return ident
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or `taskset`'s share of
+    the machine), which is what XLA's and the kernels' threads get; os.cpu_count() where the
+    platform has no affinity."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def measurement_identity() -> str:
+    """Everything a cached measurement (here and engine/calibration.py) depends on besides its
+    shapes: the device, the kernels (the CPU kernel library's content hash), jaxbatch's version
+    and jax's. Any change is a new cache key, measured again by itself (no hand-bumped tags)."""
+    return f"{device_identity()}|kernels {cpu_library.content_hash()}|" \
+           f"jaxbatch {_package_version()}|jax {jax.__version__}"
+
+
+@functools.cache
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("jaxbatch")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
 
 
 def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 3) -> float:
@@ -140,8 +169,7 @@ def choose_compute_dtype(hidden: int, inner: int, cache_root: str,
     ran at 296 GFLOP/s against f32's 290, so timing XLA alone chose float32 for a Q4_K_M
     model, whose int8 and bf16 kernel paths are 2-3x faster than its f32 one."""
     kernel = bf16_kernel and _bf16_kernel_available()
-    ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}|" \
-            f"{'kernel ' if kernel else ''}v3"
+    ident = f"{measurement_identity()}|dtype {hidden}x{inner}" + (" kernel" if kernel else "")
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     path = os.path.join(cache_root, "precision", f"{key}.json")
     flops = sum(2 * 2 * rows * hidden * inner for rows in _ROWS)
@@ -240,7 +268,7 @@ def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -
     if jax.default_backend() != "cpu" or not small_bf16.available() \
             or inner % 16 or hidden % 2:
         return 0
-    ident = f"{device_identity()}|jax {jax.__version__}|{hidden}x{inner}x{layers}|small v4"
+    ident = f"{measurement_identity()}|small matmul {hidden}x{inner}x{layers}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     path = os.path.join(cache_root, "precision", f"small-{key}.json")
     seconds, source = _cached(path, ident, "seconds", lambda: {
@@ -379,7 +407,7 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
             out[fmt, n, k] = "float"
             continue
         other = modes[1]
-        ident = f"{device_identity()}|jax {jax.__version__}|{fmt} {n}x{k}|quant act v2"
+        ident = f"{measurement_identity()}|quant act {fmt} {n}x{k}"
         key = hashlib.sha256(ident.encode()).hexdigest()[:20]
         path = os.path.join(cache_root, "precision", f"quant-act-{key}.json")
         def measure(fmt: str = fmt, n: int = n, k: int = k,
@@ -426,8 +454,8 @@ def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str,
     out: dict[tuple[int, int], int] = {}
     for n, k in sorted(shapes):
         kernel_act = (acts or {}).get((n, k), "float")
-        ident = f"{device_identity()}|jax {jax.__version__}|BF16 {n}x{k}|bf16 route v2" + (
-            f"|{kernel_act}" if kernel_act != "float" else "")
+        ident = f"{measurement_identity()}|bf16 route {n}x{k}" + (
+            f" {kernel_act}" if kernel_act != "float" else "")
         key = hashlib.sha256(ident.encode()).hexdigest()[:20]
         path = os.path.join(cache_root, "precision", f"bf16-route-{key}.json")
 

@@ -1,7 +1,8 @@
 """Warm-up calibration is remembered (engine/calibration.py): a restart of the same engine times
 no bucket and prices its buckets as the first start measured them; a changed bucket set times
-only its new buckets; new weights change the key; JAXBATCH_RECALIBRATE=1 or an unreadable cache
-file time them all again (the latter with a warning, never a crash)."""
+only its new buckets; new weights or a changed kernel library change the key;
+JAXBATCH_RECALIBRATE=1 or an unreadable cache file time them all again (the latter with a
+warning, never a crash)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from jaxbatch.engine.runner import Runner
 from jaxbatch.model.loader import load_model
 from jaxbatch.planner import Bucket, StepPlanner
 from jaxbatch.planner.cost import token_cost
+from pallas_kernels import cpu_library
 from tests.helpers.tiny_models import make_tiny_model
 
 
@@ -43,7 +45,7 @@ def start(model_dir: str, cache: str, planner: str) -> Engine:
     return Engine.from_config(config, model=load_model(model_dir, "float32"))
 
 
-def test_restart_times_only_the_buckets_it_has_no_time_for(tmp_path, timed):
+def test_restart_times_only_the_buckets_it_has_no_time_for(tmp_path, timed, monkeypatch):
     model_dir = str(tmp_path / "model")
     make_tiny_model("llama_gqa", model_dir)
     cache = str(tmp_path / "cache")
@@ -63,7 +65,11 @@ def test_restart_times_only_the_buckets_it_has_no_time_for(tmp_path, timed):
     ident = calibration_ident(first.model, first.config, first.runner, "reference")
     (weights,) = glob.glob(os.path.join(model_dir, "*.safetensors"))
     os.utime(weights, ns=(0, os.stat(weights).st_mtime_ns + 10**9))
-    assert calibration_ident(first.model, first.config, first.runner, "reference") != ident
+    moved = calibration_ident(first.model, first.config, first.runner, "reference")
+    assert moved != ident
+    # a changed kernel library (its content hash) times the steps again by itself
+    monkeypatch.setattr(cpu_library, "content_hash", lambda: "another kernel build")
+    assert calibration_ident(first.model, first.config, first.runner, "reference") != moved
 
 
 class FakeRunner:

@@ -1,5 +1,6 @@
 """dtype auto: the engine measures its own matmul shapes in both dtypes, computes in the faster
-one (a clear win for bf16 only), and caches the measurement per device and jax version."""
+one (a clear win for bf16 only), and caches the measurement per device, kernel library, jaxbatch
+and jax version."""
 
 from __future__ import annotations
 
@@ -31,6 +32,65 @@ def test_faster_dtype_is_chosen_and_cached(tmp_path, monkeypatch, f32_s, bf16_s,
     assert len(calls) == 2  # read from the cache, not measured again
     other = precision.choose_compute_dtype(64, 256, str(tmp_path))  # other shapes: measured
     assert other.source == "measured"
+
+
+def test_a_changed_kernel_library_is_measured_again(tmp_path, monkeypatch):
+    """The cache key holds the kernel library's content hash: a kernel change (here: another
+    hash) measures again by itself; the same hash reads the cache."""
+    from pallas_kernels import cpu_library
+    from pallas_kernels.matmul import small_bf16
+
+    calls = []
+    monkeypatch.setattr(precision, "_time_matmuls",
+                        lambda dtype, *a, **k: calls.append("dtype") or 1.0)
+    monkeypatch.setattr(precision, "_time_layer_stack",
+                        lambda *a, **k: calls.append("small") or 1.0)
+    monkeypatch.setattr(small_bf16, "available", lambda: True)
+
+    def choose() -> tuple[str, int]:
+        return (precision.choose_compute_dtype(64, 128, str(tmp_path)).source,
+                precision.choose_small_matmul(64, 128, 2, str(tmp_path)))
+
+    monkeypatch.setattr(cpu_library, "content_hash", lambda: "kernels-a")
+    assert choose() == ("measured", 0) and len(calls) == 2 + 2 * 4
+    assert choose() == ("cache", 0) and len(calls) == 2 + 2 * 4
+    monkeypatch.setattr(cpu_library, "content_hash", lambda: "kernels-b")
+    assert choose() == ("measured", 0) and len(calls) == 2 * (2 + 2 * 4)
+    monkeypatch.setattr(cpu_library, "content_hash", lambda: "kernels-a")  # both kept
+    assert choose() == ("cache", 0) and len(calls) == 2 * (2 + 2 * 4)
+
+
+def test_kernel_library_hash_follows_its_sources(tmp_path, monkeypatch):
+    """Unregistered, the hash is of the sources and flags: an edited source is another hash."""
+    from pallas_kernels import cpu_library
+
+    monkeypatch.setattr(cpu_library, "_registered", None)
+    before = cpu_library.content_hash()
+    edited = tmp_path / "edited.cc"
+    edited.write_bytes(open(cpu_library.SOURCES[0], "rb").read() + b"\n// edited\n")
+    monkeypatch.setattr(cpu_library, "SOURCES", (str(edited), *cpu_library.SOURCES[1:]))
+    cpu_library._sources_hash.cache_clear()
+    try:
+        assert cpu_library.content_hash() != before
+    finally:
+        cpu_library._sources_hash.cache_clear()  # not kept for the real sources
+    # registered: the built library's own key (its file name)
+    monkeypatch.setattr(cpu_library, "_registered", "/c/kernels/jaxbatch-cpu-0123abcd.so")
+    assert cpu_library.content_hash() == "0123abcd"
+
+
+def test_device_identity_counts_the_cpus_this_process_may_use(monkeypatch):
+    """A process pinned to 3 CPUs (taskset, a container's cpuset) is another device than the
+    whole machine; without affinity (not Linux) os.cpu_count() stands in."""
+    import os
+
+    if precision.jax.default_backend() != "cpu":
+        pytest.skip("the CPU count is part of a CPU device's identity only")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    assert precision.device_identity().endswith(":3")
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    assert precision.device_identity().endswith(":7")
 
 
 @pytest.mark.parametrize("kernel_s,bf16_xla_s,want,timed", [
