@@ -812,6 +812,35 @@ void run(ffi::ThreadPool& pool, std::shared_ptr<Job> j, Drain drain) {
 }  // namespace
 
 namespace jaxbatch_quant {
+// this file's float activation mode over one layer's rows w [N, RB] (false: this build has no
+// path for x's dtype); moe.cc calls it once per routed expert
+bool QuantMatmulFloat(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
+                      void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
+                      int64_t rb) {
+#if defined(__AVX512F__)
+  auto j = std::make_shared<Job>();
+  j->x = x;
+  j->out = out;
+  j->M = M;
+  j->N = N;
+  j->K = K;
+  j->rb = rb;
+  j->w = w;
+  j->out_f32 = out_f32;
+  if (!x_bf16) {
+    run<PathF32>(pool, j, pick<PathF32>(fmt, M));
+    return true;
+  }
+#if defined(__AVX512BF16__)
+  run<PathBF16>(pool, j, pick<PathBF16>(fmt, M));
+  return true;
+#endif
+#endif
+  (void)pool, (void)x, (void)x_bf16, (void)w, (void)out, (void)out_f32, (void)fmt, (void)M;
+  (void)N, (void)K, (void)rb;
+  return false;
+}
+
 // quant_int8.cc: the int8 activation mode (false: this build has none)
 bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
                      void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
@@ -875,25 +904,9 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "quant_matmul: act int8 needs AVX512-VNNI (and BW, VL)");
   }
-#if defined(__AVX512F__)
-  auto j = std::make_shared<Job>();
-  j->x = x.untyped_data();
-  j->out = out->untyped_data();
-  j->M = M;
-  j->N = N;
-  j->K = K;
-  j->rb = rb;
-  j->w = wl;
-  j->out_f32 = out_f32;
-  if (f32) {
-    run<PathF32>(pool, j, pick<PathF32>(fmt, M));
+  if (jaxbatch_quant::QuantMatmulFloat(pool, x.untyped_data(), bf16, wl, out->untyped_data(),
+                                       out_f32, fmt, M, N, K, rb))
     return ffi::Error::Success();
-  }
-#if defined(__AVX512BF16__)
-  run<PathBF16>(pool, j, pick<PathBF16>(fmt, M));
-  return ffi::Error::Success();
-#endif
-#endif
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     bf16 ? "quant_matmul: bf16 x needs AVX512-BF16"
                          : "quant_matmul: f32 x needs AVX512F");

@@ -1,0 +1,146 @@
+// Routed-expert matmul for XLA:CPU as an XLA FFI custom call (registered by
+// pallas_kernels/cpu_library.py, called through moe.py): the rows of x, sorted by the expert
+// each (token, expert) assignment chose, each multiplied by that expert's GGUF weight.
+//
+// Why: a mixture-of-experts layer holds E experts but each token uses k of them (Qwen3-30B-A3B:
+// 8 of 128). XLA:CPU lowers jax.lax.ragged_dot to a dense dot over every expert with the other
+// rows masked, so a decode token read all E experts' bytes (16x what it uses there). Here only
+// the experts some row chose are read, each once, straight from its blocks (llama.cpp's
+// mul_mat_id does the same on its side).
+//
+// Layout: w is one layer's experts as a .gguf file stores a 3-D tensor of ggml shape [K, N, E]:
+// uint8 [E * N, RB], expert e's N rows at row e * N, each row K / QK blocks (quant.cc's formats).
+// Stacked over layers, w is uint8 [L, E * N, RB] and `layer` picks one; or (in_file = 1) w is a
+// whole mapped .gguf file, uint8 [G, 32], and `layer` is where the layer's rows start, in
+// 32-byte units. group_sizes i32 [E]: how many of x's rows (consecutive, in expert order) each
+// expert has; rows past their sum are padding (the step's unused tokens) and come out zero.
+//
+// Numerics: each expert's rows go through quant.cc's float mode, quant_int8.cc's int8 mode or
+// quant_amx.cc's AMX mode (`act`) exactly as a dense layer's rows do, so a row's bits are those
+// of the dense kernel on that expert's weight, whatever the other rows and their experts (batch
+// invariant, like the dense kernels).
+//
+// Threads: each expert's call splits its output features over the pool (at decode one row per
+// expert: N / 2 features a thread of 2).
+
+#include <cstdint>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxbatch_quant {
+bool QuantMatmulFloat(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
+                      void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
+                      int64_t rb);
+bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
+                     void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
+                     int64_t rb);
+bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
+                    bool out_f32, int64_t M, int64_t N, int64_t K);
+}  // namespace jaxbatch_quant
+
+namespace {
+
+// quant.cc's format codes and block sizes (quant_formats.py's FORMATS order)
+constexpr int64_t kNumFormats = 7;
+constexpr int64_t kBF16 = 5;
+constexpr int64_t kLastIntFormat = 4;  // Q6_K: the int8 mode's formats are 0..4
+constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 256, 256, 256, 32, 32};
+constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 144, 176, 210, 64, 64};
+
+ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> group_sizes,
+                     ffi::Result<ffi::AnyBuffer> out, int64_t fmt, int64_t k, int64_t n,
+                     int64_t experts, int64_t act, int64_t in_file) {
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const bool bf16 =
+      x.element_type() == ffi::DataType::U16 || x.element_type() == ffi::DataType::BF16;
+  const bool f32 = x.element_type() == ffi::DataType::F32;
+  const bool out_f32 = out->element_type() == ffi::DataType::F32;
+  const bool out_16 =
+      out->element_type() == ffi::DataType::U16 || out->element_type() == ffi::DataType::BF16;
+  if (xd.size() != 2 || od.size() != 2 || wd.size() != (in_file ? 2u : 3u) ||
+      w.element_type() != ffi::DataType::U8 || !(bf16 || f32) || (f32 && !out_f32) ||
+      (bf16 && !(out_f32 || out_16)) || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "moe_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, E * N, RB] (or a file u8 [G, 32] "
+        "with in_file), one layer index (or offset), out [M, N] in x's dtype or f32");
+  if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moe_matmul: bad format");
+  if (act < 0 || act > 2) return ffi::Error::InvalidArgument("moe_matmul: act is 0, 1 or 2");
+  if (act == 1 && fmt > kLastIntFormat)
+    return ffi::Error::InvalidArgument("moe_matmul: BF16 and F16 weights take float activations");
+  if (act == 2 && (fmt != kBF16 || !bf16 || n % 16 != 0))
+    return ffi::Error::InvalidArgument(
+        "moe_matmul: act amx is for BF16 weights, bf16 x and N % 16 == 0");
+  const int64_t M = xd[0], K = xd[1], N = n, E = experts;
+  if (K != k || K <= 0 || K % kBlockWeights[fmt] != 0 || N <= 0 || E <= 0 || od[0] != M ||
+      od[1] != N || group_sizes.element_count() != static_cast<size_t>(E))
+    return ffi::Error::InvalidArgument("moe_matmul: bad shapes");
+  const int64_t rb = K / kBlockWeights[fmt] * kBlockBytes[fmt];
+  const int64_t layer_bytes = E * N * rb;
+  if (!in_file && (wd[1] != E * N || wd[2] != rb))
+    return ffi::Error::InvalidArgument("moe_matmul: w is not [L, E * N, RB]");
+  if (in_file && wd[1] != 32)
+    return ffi::Error::InvalidArgument("moe_matmul: a file w is u8 [G, 32]");
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || (in_file ? li * 32 + layer_bytes > wd[0] * 32 : li >= wd[0]))
+    return ffi::Error::InvalidArgument(in_file ? "moe_matmul: offset out of the file"
+                                               : "moe_matmul: layer out of range");
+  const int32_t* gs = group_sizes.typed_data();
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (gs[e] < 0) return ffi::Error::InvalidArgument("moe_matmul: a negative group size");
+    total += gs[e];
+  }
+  if (total > M)
+    return ffi::Error::InvalidArgument("moe_matmul: the group sizes add up to more than M rows");
+  const uint8_t* wl = static_cast<const uint8_t*>(w.untyped_data()) +
+                      (in_file ? li * 32 : li * layer_bytes);
+  const int64_t x_elt = bf16 ? 2 : 4, o_elt = out_f32 ? 4 : 2;
+  const char* xb = static_cast<const char*>(x.untyped_data());
+  char* ob = static_cast<char*>(out->untyped_data());
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = gs[e];
+    if (rows == 0) continue;
+    const void* xe = xb + row * K * x_elt;
+    void* oe = ob + row * N * o_elt;
+    const uint8_t* we = wl + e * N * rb;
+    bool ok;
+    if (act == 2) {
+      ok = jaxbatch_quant::QuantMatmulAmx(pool, xe, we, oe, out_f32, rows, N, K);
+    } else if (act == 1) {
+      ok = jaxbatch_quant::QuantMatmulInt8(pool, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
+    } else {
+      ok = jaxbatch_quant::QuantMatmulFloat(pool, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
+    }
+    if (!ok)
+      return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                        act == 2   ? "moe_matmul: act amx needs AMX-BF16 and the OS's permission"
+                        : act == 1 ? "moe_matmul: act int8 needs AVX512-VNNI (and BW, VL)"
+                        : bf16     ? "moe_matmul: bf16 x needs AVX512-BF16"
+                                   : "moe_matmul: f32 x needs AVX512F");
+    row += rows;
+  }
+  if (row < M) std::memset(ob + row * N * o_elt, 0, (M - row) * N * o_elt);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchMoeMatmul, MoeMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x [M, K] (bf16 as u16, or f32)
+                                  .Arg<ffi::AnyBuffer>()  // w u8 [L, E * N, RB] or a file
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer (or offset / 32) [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [E]
+                                  .Ret<ffi::AnyBuffer>()  // out [M, N]
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("experts")
+                                  .Attr<int64_t>("act")  // 0 float, 1 int8, 2 amx (BF16)
+                                  .Attr<int64_t>("in_file"));
