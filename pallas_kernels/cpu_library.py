@@ -36,6 +36,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "quant.cc"),
            os.path.join(_HERE, "matmul", "quant_int8.cc"),
            os.path.join(_HERE, "matmul", "quant_amx.cc"),
+           os.path.join(_HERE, "matmul", "moe.cc"),
            os.path.join(_HERE, "zeros.cc"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512",
          "-std=c++17", "-fPIC"]
@@ -45,6 +46,7 @@ TARGETS = {
     "jaxbatch_ragged_paged_attention": "JaxbatchRaggedPagedAttention",
     "jaxbatch_small_matmul": "JaxbatchSmallMatmul",
     "jaxbatch_quant_matmul": "JaxbatchQuantMatmul",
+    "jaxbatch_moe_matmul": "JaxbatchMoeMatmul",
     "jaxbatch_untouched_zeros": "JaxbatchUntouchedZeros",
 }
 # feature name -> an exported `int f(void)` saying whether this build has it (what the CPU's
