@@ -34,6 +34,18 @@ from jaxbatch.core.structured_outputs import StructuredOutputsParams
 _COMPILED_KEPT = 64  # compiled grammars kept for reuse (LRU)
 
 
+class MatcherError(Exception):
+    """One sequence's grammar failed while the step's mask was made (its matcher could not be
+    built or replayed, or computing its mask failed or left it in llguidance's error state).
+    `row`: the sequence's index in the step's sequences; the engine fails that request alone,
+    as it does a RowError (engine/step_inputs.py), and builds the step without it."""
+
+    def __init__(self, row: int, cause: BaseException) -> None:
+        super().__init__(f"sequence {row}: {type(cause).__name__}: {cause}")
+        self.row = row
+        self.cause = cause
+
+
 def bitmask_words(vocab_size: int) -> int:
     """Width of a bitmask row: 32 tokens per int32 word."""
     return (vocab_size + 31) // 32
@@ -143,14 +155,20 @@ class GrammarMatchers:
         """i32[num_rows, words]: the logit row of each sequence that samples, of requests with
         a grammar, the tokens its grammar allows next; every other row all ones. Steps without a
         constrained row share one read-only array per row count. (A sequence takes
-        num_logit_rows rows; constrained ones never speculate: engine/speculation.py.)"""
-        todo = []
+        num_logit_rows rows; constrained ones never speculate: engine/speculation.py.)
+        MatcherError names the first sequence whose grammar failed."""
+        todo: list[tuple[llguidance.LLMatcher, int]] = []
+        which: list[int] = []  # todo[k] is sequence which[k]'s
         row = 0
-        for s in seqs:
+        for i, s in enumerate(seqs):
             params = s.request.sampling_params.structured_outputs
             if s.samples and params is not None:
                 assert not s.spec_token_ids, "a constrained request does not speculate"
-                todo.append((self._matcher(s.request, params), row))
+                try:
+                    todo.append((self._matcher(s.request, params), row))
+                except Exception as e:  # noqa: BLE001 - this request's grammar alone
+                    raise MatcherError(i, e) from e
+                which.append(i)
             row += s.num_logit_rows
         if not todo:
             mask = self._unconstrained.get(num_rows)
@@ -163,7 +181,25 @@ class GrammarMatchers:
             self._executor = llguidance.LLExecutor()
         t = time.perf_counter()
         mask = np.full((num_rows, self.words), -1, np.int32)
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, todo, mask)
+        try:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, todo, mask)
+        except Exception as e:  # noqa: BLE001 - find the matcher that failed, one by one
+            _blame(todo, which, mask, e)
         self.mask_seconds += time.perf_counter() - t
         self.masks_computed += len(todo)
+        for (matcher, _), i in zip(todo, which):
+            if matcher.is_error():  # llguidance's mask then allows only EOS: a silent stop
+                raise MatcherError(i, RuntimeError(f"the grammar failed: {matcher.get_error()}"))
         return mask
+
+
+def _blame(todo: list[tuple[llguidance.LLMatcher, int]], which: list[int], mask: np.ndarray,
+           error: Exception) -> None:
+    """The parallel fill raised `error`: fill the rows one at a time -> MatcherError for the first
+    that raises; `error` itself when none does (then it is no request's doing)."""
+    for (matcher, row), i in zip(todo, which):
+        try:
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, row)
+        except Exception as e:  # noqa: BLE001 - this request's grammar alone
+            raise MatcherError(i, e) from e
+    raise error

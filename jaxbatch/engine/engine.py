@@ -25,14 +25,14 @@ import jax
 from jaxbatch.config import EngineConfig, cache_dir
 from jaxbatch.core import parallel_sampling
 from jaxbatch.core.detokenizer import IncrementalDetokenizer
-from jaxbatch.core.grammar import GrammarMatchers
+from jaxbatch.core.grammar import GrammarMatchers, MatcherError
 from jaxbatch.core.kv_pages import PageAllocator
 from jaxbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from jaxbatch.engine import compile_guard, invariance, multihost, prompt_logprobs
+from jaxbatch.engine import compile_guard, invariance, isolation, multihost, prompt_logprobs
 from jaxbatch.engine.attention import attention_fn, resolve_backend
 from jaxbatch.engine.calibration import calibrate, calibration_ident, calibration_path
 from jaxbatch.engine.client import EngineStats
@@ -275,7 +275,7 @@ class Engine:
             return
         self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
         req.finish_time = time.time()
-        self._pending.append(self._output(req, finished=True))
+        self._pending.append(isolation.final_output(req, lambda: self._output(req, True)))
         self._forget(req)
 
     def drain_aborted(self) -> list[RequestOutput]:
@@ -343,8 +343,8 @@ class Engine:
             self.idle_since = time.monotonic()
 
     def _build_inputs(self, sub: SubStep, outputs: list[RequestOutput]) -> StepInputs | None:
-        """The sub-step's inputs; a request whose data cannot be written (RowError) is failed
-        alone and the rest rebuilt. None when no request is left to run."""
+        """The sub-step's inputs; a request whose row cannot be written (RowError) or whose
+        grammar fails (MatcherError) fails alone, the rest rebuilt. None: no request is left."""
         while sub.seqs:
             try:
                 mask = self.grammars.step_bitmask(sub.seqs, sub.bucket.num_seqs)
@@ -352,7 +352,7 @@ class Engine:
                                          self.runner.pages_per_seq, self.eos_token_ids,
                                          self.arch.vocab_size, self.runner.history_len,
                                          token_bitmask=mask)
-            except RowError as e:
+            except (RowError, MatcherError) as e:
                 self._fail(sub.seqs.pop(e.row).request, e.cause, outputs)
         return None
 
@@ -393,19 +393,15 @@ class Engine:
         """Finish one request with an error (its pages freed) and let the engine go on."""
         log.error("request %s failed in the engine: %s: %s", req.request_id,
                   type(cause).__name__, cause, exc_info=cause)
-        if req.status.finished:
-            return
-        self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+        if self.requests.get(req.request_id) is not req:
+            return  # its final output has gone out already
+        if req.status.finished:  # finished, then its final output failed: it ends in error
+            req.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
         req.error = f"{type(cause).__name__}: {cause}"
         req.finish_time = time.time()
-        try:
-            out = self._output(req, finished=True)
-        except Exception:  # noqa: BLE001 - the detokenizer may be what failed
-            out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                                [CompletionOutput(req.choice_index, "", list(req.output_token_ids),
-                                                  "error")],
-                                True, RequestMetrics(req.arrival_time, req.first_token_time,
-                                                     req.finish_time))
+        out = isolation.final_output(req, lambda: self._output(req, True))
         out.error = req.error
         outputs.append(out)
         self._forget(req)
@@ -490,7 +486,6 @@ class Engine:
             replan_predicted_gain=self.replan.last_gain if self.replan else 0.0,
             **(self.speculator.stats.engine_fields() if self.speculator else {}),
         )
-
 
 
 def _logprob_dict(tok: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:
