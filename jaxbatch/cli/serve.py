@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from jaxbatch.cli import distributed
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("jaxbatch.server")
 
 EXIT_ENGINE_DEAD = 1
+API_KEY_ENV = "JAXBATCH_API_KEY"  # as vLLM's VLLM_API_KEY: the key without a flag
+
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxbatch.server.state import ServerLimits  # light: aiohttp, no jax
@@ -37,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* routes")
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* routes (default: "
+                        f"${API_KEY_ENV}, else none)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (its first line), out of the process "
+                        "list; not with --api-key")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; default: the --model value")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -66,6 +73,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def api_key_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+                      ) -> str | None:
+    """The key /v1/* routes require: --api-key, else --api-key-file's first line, else
+    $JAXBATCH_API_KEY (an empty one is no key); None: no key. SystemExit for both flags, or a
+    file that cannot be read or holds no key."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise SystemExit("give --api-key or --api-key-file, not both")
+    if args.api_key is not None:
+        if not args.api_key:
+            raise SystemExit("--api-key is empty")
+        return str(args.api_key)
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"--api-key-file: cannot read {args.api_key_file}: {e}") from None
+        if not key:
+            raise SystemExit(f"--api-key-file: {args.api_key_file} holds no key")
+        return key
+    return environ.get(API_KEY_ENV) or None
+
+
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     from jaxbatch.server.state import ServerLimits
 
@@ -81,11 +111,11 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
                         step_timeout=args.step_timeout, request=request)
 
 
-async def _serve(args: argparse.Namespace, engine: EngineClient) -> int:
+async def _serve(args: argparse.Namespace, engine: EngineClient, api_key: str | None) -> int:
     from jaxbatch.server.app import Server
 
     names = args.served_model_name or [engine.config.model.model]
-    server = await Server.start(engine, args.host, args.port, names, args.api_key,
+    server = await Server.start(engine, args.host, args.port, names, api_key,
                                 limits_from_args(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -145,6 +175,7 @@ def main(argv: list[str] | None = None,
     logging.getLogger("jaxbatch").setLevel(args.log_level.upper())
     require_readable(args.config, "config file", "jaxbatch serve")  # before the slow start
     limits = limits_from_args(args)  # refuse bad limits before the (slow) engine start
+    api_key = api_key_from_args(args)  # and an unreadable key file
     _raise_fd_limit(limits.max_connections)
     if distributed.enabled(args):  # several processes: process 0 serves, the others follow
         config = distributed.start(args, engine_config_from_args(args))
@@ -153,11 +184,11 @@ def main(argv: list[str] | None = None,
         from jaxbatch.engine.engine import Engine
 
         try:
-            return asyncio.run(_serve(args, Engine.from_config(config)))
+            return asyncio.run(_serve(args, Engine.from_config(config), api_key))
         finally:
             distributed.finish()
     engine = (make_engine or _default_engine)(args)
-    return asyncio.run(_serve(args, engine))
+    return asyncio.run(_serve(args, engine, api_key))
 
 
 if __name__ == "__main__":
