@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("limits")
     g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="429 with Retry-After when this many requests already wait for the "
-                        "engine (default %(default)s; 0: no limit)")
+                        "engine; a 400 for one request of more prompts x n than this "
+                        "(default %(default)s; 0: no limit)")
     g.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="open connections beyond this are answered 503 and closed "
                         "(default %(default)s)")

@@ -36,7 +36,12 @@ class EngineDeadError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    pass
+    """The waiting queue is full now: retry later (a 429)."""
+
+
+class RequestTooLargeError(ValueError):
+    """One call asks for more engine requests (prompts x n) than may ever wait at once: it can
+    never be admitted, so retrying is pointless (a 400, not a 429)."""
 
 
 # ---- commands: event loop -> engine thread ------------------------------------------------------
@@ -175,13 +180,17 @@ class AsyncEngine:
                   ) -> RequestStream:
         """Submit one engine request per prompt (ids request_id-0, -1, ...; params.n choices
         each), all or none.
-        Raises ValueError (bad prompt, from the engine: none was added), QueueFullError or
-        EngineDeadError; on success the requests are in the engine."""
+        Raises ValueError (bad prompt, from the engine: none was added; RequestTooLargeError),
+        QueueFullError or EngineDeadError; on success the requests are in the engine."""
         if not self.healthy or self.stopped:
             raise EngineDeadError("the engine has failed" if self.error is not None else
                                   "the engine is not running")
         limit = self.max_waiting_requests
         n = len(prompts) * params.n
+        if limit is not None and n > limit:
+            raise RequestTooLargeError(
+                f"this request needs {n} completions ({len(prompts)} prompt(s) x n={params.n}); "
+                f"the server lets at most {limit} wait at once (--max-waiting-requests)")
         if limit is not None and self._submitted + self.num_waiting + n > limit:
             raise QueueFullError(f"the server has {self._submitted + self.num_waiting} "
                                  f"requests waiting (limit {limit}); retry later")

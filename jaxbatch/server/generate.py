@@ -22,7 +22,12 @@ from jaxbatch.api import protocol as protocol
 from jaxbatch.api.protocol import ApiError
 from jaxbatch.api.tool_calls import ToolCallStream
 from jaxbatch.core.outputs import RequestOutput
-from jaxbatch.server.async_engine import EngineDeadError, QueueFullError, RequestStream
+from jaxbatch.server.async_engine import (
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+    RequestTooLargeError,
+)
 from jaxbatch.server.middleware import ClientGone, internal_error, read_json_body
 from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
 
@@ -63,7 +68,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         stream = await st.engine.add(response_id, parsed.prompts, parsed.sampling_params)
     except ValueError as e:  # the engine refused a prompt (token out of range, KV capacity ...)
         msg, param = str(e), "prompt" if kind == "completion" else "messages"
-        if msg.startswith("SamplingParams."):  # e.g. a logit_bias id past the vocabulary
+        if isinstance(e, RequestTooLargeError) and len(parsed.prompts) == 1:
+            param = "n"  # one prompt: its choices are too many
+        elif msg.startswith("SamplingParams."):  # e.g. a logit_bias id past the vocabulary
             param, msg = msg.removeprefix("SamplingParams.").split(":", 1)[0], \
                 msg.removeprefix("SamplingParams.")
         raise protocol.bad_request(msg, param) from None

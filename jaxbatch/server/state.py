@@ -18,7 +18,8 @@ from jaxbatch.server.metrics import ServerMetrics
 class ServerLimits:
     """The server's protection against load and abuse (`jaxbatch serve` flags in brackets)."""
 
-    # 429 (with Retry-After) when this many engine requests already wait [--max-waiting-requests]
+    # 429 (with Retry-After) when this many engine requests already wait; a 400 for one request
+    # of more prompts x n than this, which could never wait [--max-waiting-requests]
     max_waiting_requests: int | None = 256
     # open connections beyond this are answered 503 (Retry-After) and closed [--max-connections]
     max_connections: int = 1024
