@@ -5,6 +5,8 @@ architectures refused by name, and layers of different kinds kept in one scan.""
 from __future__ import annotations
 
 import dataclasses
+import decimal
+import math
 import os
 
 import jax
@@ -160,6 +162,40 @@ def test_layer_kinds_stay_in_one_scan():
     assert num_eqns(7) == num_eqns(19)
 
 
+def _exact_pow_f32(base: np.float32, exponent: np.float32) -> np.float32:
+    """base ** exponent of float32 operands, rounded once to float32: to 40 digits, then the
+    nearer of the float32 neighbours (a float64 pow and a second rounding could miss it)."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 40
+        exact = decimal.Decimal(float(base)) ** decimal.Decimal(float(exponent))
+        near = np.float32(float(exact))
+        return min((np.nextafter(near, np.float32(-np.inf)), near,
+                    np.nextafter(near, np.float32(np.inf))),
+                   key=lambda c: abs(decimal.Decimal(float(c)) - exact))
+
+
+def _transformers_inv_freq(theta: float, d: int, scaling: dict | None) -> np.ndarray:
+    """transformers' rotary inverse frequencies (modeling_rope_utils: default, linear, llama3),
+    every step in float32 as torch computes them, the power rounded exactly: IEEE float32
+    arithmetic rounds alike on every CPU, while torch's vectorised powf (another library's
+    kernel) is only within an ulp of the exact power, so it is not the reference."""
+    f32 = np.float32
+    exponent = np.arange(0, d, 2).astype(f32) / f32(d)
+    inv = f32(1) / np.array([_exact_pow_f32(f32(theta), e) for e in exponent], f32)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / f32(scaling["factor"])
+    elif kind == "llama3":
+        factor, low, high, old = (f32(scaling[k]) for k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
+        wavelen = f32(2 * math.pi) / inv
+        llama3 = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (f32(1) - smooth) * llama3 / factor + smooth * llama3
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, smoothed, llama3)
+    return inv.astype(f32)
+
 
 @pytest.mark.parametrize("theta,head_dim,scaling", [
     (100000.0, 64, None),  # SmolLM2
@@ -168,23 +204,28 @@ def test_layer_kinds_stay_in_one_scan():
     (500000.0, 128, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 ])
-def test_inv_freq_bitwise_transformers(theta, head_dim, scaling):
-    """The rope frequencies are transformers' float32 ones bit for bit (in float64 rounded
-    once, a third of SmolLM2's differed and moved its bf16 cos/sin tables), and so are the
-    bf16 cos/sin tables that the model builds from them."""
+def test_rope_frequencies_and_tables_against_exact(theta, head_dim, scaling):
+    """The rope frequencies are transformers' float32 ones (in float64 rounded once, a third of
+    SmolLM2's differed and moved its bf16 cos/sin tables): bit for bit the float32 steps with
+    the power rounded exactly (ours: a float64 pow, within a few float64 ulps on any CPU,
+    rounded once: the same float32 unless within ~2^-50 of a rounding boundary). The cos/sin
+    tables are the cos/sin of the float32 angles positions * inv_freq within 2^-22 (XLA's
+    float32 cos/sin: 3.2e-8 measured, a few ulps of 1 allowed on any CPU; angles taken in
+    float64 instead would move them by ~1e-4)."""
     params = {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
     cfg = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=head_dim,
                                    max_position_embeddings=131072, rope_parameters=params)
-    rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
     arch = ModelArch.from_hf_config(cfg)
     got = arch.inv_freq()
     assert got.dtype == np.float32
-    np.testing.assert_array_equal(got, rope.inv_freq.numpy())
+    np.testing.assert_array_equal(got, _transformers_inv_freq(theta, head_dim, scaling))
+    # transformers' own (torch's powf): the same formula, within a few float32 ulps
+    rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
+    np.testing.assert_allclose(got, rope.inv_freq.numpy(), rtol=2**-20)
     pos = jnp.arange(0, 4096, 7, dtype=jnp.int32)
     cos, sin = llama.rope_tables(arch, pos)
-    x = torch.zeros(1, 1, head_dim, dtype=torch.bfloat16)
-    hcos, hsin = rope(x, torch.tensor(np.asarray(pos))[None])
-    for ours, theirs in ((cos, hcos), (sin, hsin)):
-        np.testing.assert_array_equal(np.asarray(ours.astype(jnp.bfloat16).astype(jnp.float32)),
-                                      theirs[0].float().numpy())
+    angle = (np.asarray(pos).astype(np.float32)[:, None] * got[None, :]).astype(np.float64)
+    angle = np.concatenate([angle, angle], axis=-1)  # HF's rotate_half layout
+    np.testing.assert_allclose(np.asarray(cos, np.float64), np.cos(angle), atol=2**-22, rtol=0)
+    np.testing.assert_allclose(np.asarray(sin, np.float64), np.sin(angle), atol=2**-22, rtol=0)
