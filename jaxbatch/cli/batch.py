@@ -4,7 +4,7 @@ Every line goes through one Engine (continuous batching), each result is appende
 as it finishes, and running the same command again after a crash completes what is missing.
 A run reads the input as it was when the run started (lines appended meanwhile are left for the
 next run) and repairs a damaged output first (see jaxbatch.batch.files.recover).
-The README's "Offline batch jobs" section shows the format. Exit status: 0 every line succeeded,
+docs/batch.md shows the format. Exit status: 0 every line succeeded,
 1 the job finished but some lines failed (their error lines are in the output; a line never
 stops the job), 2 refused to start (bad arguments, duplicate custom_ids, an output file that is
 locked or is not a batch output), 3 stopped by an error outside any one line (the engine broke,
