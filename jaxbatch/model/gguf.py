@@ -18,6 +18,11 @@ Layout changes undone (each as transformers' GGUF loader does it):
   * a `rope_freqs` tensor (Llama 3.1's rope scaling, written by convert_hf_to_gguf instead of
     metadata) becomes the equivalent `llama3` rope parameters (`llama3_rope_from_freq_factors`).
 
+MoE experts (`blk.N.ffn_{gate,up,down}_exps`, 3-D, ggml shape [K, N, E]) are cut into the
+per-expert HF tensors the strict check expects, each remembering its 3-D parent, which the
+assembly puts back together: the experts stay one tensor in their blocks (one copy, read in place
+where the file allows), or are dequantised once per tensor where the format is not kept.
+
 The tensors go through the same strict `assemble_params` as a safetensors checkpoint. The HF
 config, tokenizer and chat template come from the file's metadata via transformers' own GGUF
 support, so they match what `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` sees.
@@ -29,12 +34,14 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.gguf_moe import moe_config
 from jaxbatch.model.quantize import RawBlocks
 from jaxbatch.model.stack_files import StackFiles
 from jaxbatch.model.weights import (
@@ -104,6 +111,32 @@ def gguf_to_hf_names(gguf_arch: str, num_layers: int, hf_names: set[str]) -> dic
         if g is not None:
             out[f"{g}.{suffix}"] = hf
     return out
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.*)$")
+
+
+def gguf_expert_names(gguf_arch: str, num_layers: int, hf_names: set[str]
+                      ) -> dict[str, list[str]]:
+    """{gguf 3-D expert tensor name: its per-expert HF names, in expert order}: HF's
+    `...experts.{e}.gate_proj.weight` are one merged tensor `...experts.gate_proj` in llama.cpp's
+    map (`blk.N.ffn_gate_exps`)."""
+    import gguf
+
+    arch_ids = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    if gguf_arch not in arch_ids:
+        raise WeightLoadError(f"GGUF architecture {gguf_arch!r} is unknown to the gguf package")
+    name_map = gguf.get_tensor_name_map(arch_ids[gguf_arch], num_layers)
+    groups: dict[str, dict[int, str]] = {}
+    for hf in hf_names:
+        m = _EXPERT.match(hf)
+        if m is None:
+            continue
+        stem, _, suffix = f"{m.group(1)}.{m.group(3)}".rpartition(".")
+        g = name_map.get_name(stem)
+        if g is not None:
+            groups.setdefault(f"{g}.{suffix}", {})[int(m.group(2))] = hf
+    return {g: [by_e[e] for e in sorted(by_e)] for g, by_e in groups.items()}
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -269,8 +302,23 @@ def read_gguf_tensors(reader: Any, arch: ModelArch, hf_names: set[str] | None = 
     if hf_names is None:
         hf_names = expected_hf_names(arch) | {"lm_head.weight"}
     names = gguf_to_hf_names(gguf_arch, arch.num_layers, hf_names)
+    expert_names = gguf_expert_names(gguf_arch, arch.num_layers, hf_names)
+    wholes: dict[str, RawBlocks | np.ndarray] = {}  # the 3-D tensor being read (one at a time)
 
-    def read(item: tuple[Any, str]) -> np.ndarray | RawBlocks:
+    def read_expert(t: Any, e: int) -> np.ndarray | RawBlocks:
+        if t.name not in wholes:
+            wholes.clear()
+            wholes[t.name] = _experts_tensor(t, keep_blocks)
+        whole = wholes[t.name]
+        if isinstance(whole, RawBlocks):
+            n = whole.n
+            return RawBlocks(whole.fmt, whole.rows[e * n:(e + 1) * n], whole.k, parent=whole,
+                             expert=e)
+        return whole[e]
+
+    def read(item: tuple[Any, ...]) -> np.ndarray | RawBlocks:
+        if len(item) == 3:  # one expert of a 3-D tensor
+            return read_expert(item[0], item[2])
         t, name = item
         w: np.ndarray | RawBlocks
         if keep_blocks and keeps_blocks(t, name):
@@ -289,11 +337,36 @@ def read_gguf_tensors(reader: Any, arch: ModelArch, hf_names: set[str] | None = 
         elif gguf_arch in _NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight"):
             assert isinstance(w, np.ndarray)
             w = w - 1.0
+        elif name.endswith(".shared_expert_gate.weight") and isinstance(w, np.ndarray) \
+                and w.ndim == 1:  # llama.cpp may write Qwen2-MoE's [1, H] gate as a vector
+            w = w[None, :]
         return w
 
-    items = {names.get(t.name, t.name): (t, names.get(t.name, t.name)) for t in reader.tensors
-             if t.name != ROPE_FREQS}  # rope_freqs is consumed by the config (load_gguf_config)
+    items: dict[str, tuple[Any, ...]] = {}
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # consumed by the config (load_gguf_config)
+            continue
+        per_expert = expert_names.get(t.name)
+        if per_expert is not None and len(t.shape) == 3 and int(t.shape[2]) == len(per_expert):
+            for e, hf in enumerate(per_expert):
+                items[hf] = (t, hf, e)
+            continue
+        items[names.get(t.name, t.name)] = (t, names.get(t.name, t.name))
     return LazyTensors(items, read)
+
+
+def _experts_tensor(t: Any, keep_blocks: bool) -> RawBlocks | np.ndarray:
+    """A 3-D expert tensor (ggml [K, N, E]): its blocks uint8 [E * N, RB] (a kept format), else
+    float32 [E, N, K] (HF's per-expert [out, in])."""
+    k, n, e = (int(d) for d in t.shape.tolist())
+    fmt = t.tensor_type.name
+    if keep_blocks and fmt in FORMATS and k % FORMATS[fmt][0] == 0:
+        rows = np.asarray(t.data).view(np.uint8).reshape(e * n, -1)
+        if rows.shape[1] != row_bytes(fmt, k):
+            raise WeightLoadError(f"GGUF tensor {t.name!r}: {rows.shape[1]} bytes per row, "
+                                  f"{row_bytes(fmt, k)} expected")
+        return RawBlocks(fmt, rows, k, experts=e)
+    return _tensor(None, t)
 
 
 def _unpermute(w: np.ndarray | RawBlocks, n_head: int) -> np.ndarray | RawBlocks:
@@ -309,7 +382,9 @@ def has_kept_blocks(reader: Any, arch: ModelArch) -> bool:
     gguf_arch = _field(reader, "general.architecture")
     hf_names = expected_hf_names(arch) | {"lm_head.weight"}
     names = gguf_to_hf_names(gguf_arch, arch.num_layers, hf_names)
-    return any(keeps_blocks(t, names.get(t.name, t.name)) for t in reader.tensors)
+    experts = gguf_expert_names(gguf_arch, arch.num_layers, hf_names)
+    return any(keeps_blocks(t, names.get(t.name, t.name)) or (
+        t.name in experts and t.tensor_type.name in FORMATS) for t in reader.tensors)
 
 
 @contextlib.contextmanager
@@ -349,6 +424,7 @@ def load_gguf_config(path: str, reader: Any | None = None) -> Any:
     except Exception as e:
         raise WeightLoadError(f"cannot derive an HF config from {path}: {e}") from e
     arch_name = _field(reader, "general.architecture")
+    cfg = moe_config(cfg, lambda key: _field(reader, key), arch_name)
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     kind = _field(reader, f"{arch_name}.rope.scaling.type")
     if kind not in (None, "none"):

@@ -188,9 +188,11 @@ def _layer_inputs(arch: ModelArch) -> dict[str, jax.Array]:
     return extra
 
 
-def mlp(h: jax.Array, lp: Params, arch: ModelArch) -> jax.Array:
+def mlp(h: jax.Array, lp: Params, arch: ModelArch, num_valid: jax.Array | None = None
+        ) -> jax.Array:
     """h [T, H] -> [T, H]: the gated MLP (SwiGLU / GeGLU), or the routed experts (plus
-    Qwen2-MoE's gated shared expert, held in the dense w_* leaves)."""
+    Qwen2-MoE's gated shared expert, held in the dense w_* leaves); `num_valid`: the step's
+    real tokens (the routed experts skip the padding)."""
     act = ACTIVATIONS[arch.hidden_act]
 
     def dense() -> jax.Array:
@@ -201,7 +203,7 @@ def mlp(h: jax.Array, lp: Params, arch: ModelArch) -> jax.Array:
 
     if not arch.num_experts:
         return dense()
-    out = moe.experts_mlp(h, lp, arch, act)
+    out = moe.experts_mlp(h, lp, arch, act, num_valid)
     if arch.shared_expert_intermediate_size:
         out = out + moe.shared_expert_gate(h, lp["shared_gate"]) * dense()
     return out
@@ -298,12 +300,15 @@ def forward(
         if gemma:
             o = norm(o, lp["post_attn_norm"])
         x = x + o
-        m = mlp(norm(x, lp["mlp_norm"]), lp, arch)
+        m = mlp(norm(x, lp["mlp_norm"]), lp, arch, num_valid)
         if gemma:
             m = norm(m, lp["post_mlp_norm"])
         x = x + m
         return (x, k_cache, v_cache), None
 
+    # the step's real tokens come first; padding tokens route to no expert (model/moe.py)
+    num_valid = jnp.asarray(attn.cu_q_lens)[jnp.asarray(attn.num_seqs).reshape(-1)[0]] \
+        if arch.num_experts else None
     idx = jnp.arange(arch.num_layers, dtype=jnp.int32)
     flat = (L * N_pages, P, K, D)
     (x, k_cache, v_cache), _ = jax.lax.scan(

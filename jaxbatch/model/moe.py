@@ -8,7 +8,12 @@ whatever the routing). The outputs, weighted, are summed back per token. Qwen2-M
 shared expert scaled by sigmoid(x @ shared_gate).
 
 On XLA:CPU ragged_dot lowers to a dense dot against every expert with the rows of other experts
-masked (E times the FLOPs of the routed work); on GPU XLA runs it as a grouped GEMM.
+masked (E times the FLOPs of the routed work); on GPU XLA runs it as a grouped GEMM. Experts held
+in GGUF blocks (`QuantWeight` with `experts`) go through the routed-expert kernel on CPU
+(pallas_kernels/matmul/moe.cc), which reads only the experts some row chose.
+
+A step's padding tokens (past `num_valid`) route to no expert: their assignments sort last, past
+every group, and come out zero, so they add no expert reads.
 
 Letter legend: T tokens, H hidden, E experts, k experts per token, I expert width.
 """
@@ -21,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.quantize import QuantWeight, grouped_quant_matmul
 
 
 def route(h: jax.Array, router: jax.Array, arch: ModelArch) -> tuple[jax.Array, jax.Array]:
@@ -33,23 +39,31 @@ def route(h: jax.Array, router: jax.Array, arch: ModelArch) -> tuple[jax.Array, 
     return weights, experts
 
 
-def _grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [M, in] rows sorted by group, w [E, in, out] -> [M, out], f32 accumulation."""
+def _grouped(x: jax.Array, w: jax.Array | QuantWeight, group_sizes: jax.Array) -> jax.Array:
+    """x [M, in] rows sorted by group, w [E, in, out] -> [M, out], f32 accumulation; rows past
+    the groups' sum are zero."""
+    if isinstance(w, QuantWeight):
+        return grouped_quant_matmul(x, w, group_sizes)
     return jax.lax.ragged_dot(x, w, group_sizes,
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def experts_mlp(h: jax.Array, lp: dict, arch: ModelArch,
-                act: Callable[[jax.Array], jax.Array]) -> jax.Array:
+                act: Callable[[jax.Array], jax.Array],
+                num_valid: jax.Array | None = None) -> jax.Array:
     """h [T, H] -> [T, H]: the weighted sum of each token's top-k experts' gated MLPs.
 
-    lp: router [H, E], experts_gate / experts_up [E, H, I], experts_down [E, I, H]."""
+    lp: router [H, E], experts_gate / experts_up [E, H, I], experts_down [E, I, H] (arrays or
+    experts QuantWeights). num_valid: i32 scalar, the step's real tokens (the first ones); the
+    others get zeros (None: every token is real)."""
     T, k, E = h.shape[0], arch.num_experts_per_tok, arch.num_experts
     weights, experts = route(h, lp["router"], arch)
+    if num_valid is not None:  # padding tokens' assignments: "expert E", after every group
+        experts = jnp.where(jnp.arange(T)[:, None] < num_valid, experts, E)
     flat = experts.reshape(T * k)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // k  # the token of each sorted assignment
-    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     x = h[token]  # [T*k, H]
     g = _grouped(x, lp["experts_gate"], group_sizes)
     # the activation in f32, rounded once (as torch's bf16 kernels; see llama.mlp)

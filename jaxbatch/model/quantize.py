@@ -18,7 +18,12 @@ Inside the step (`quant_matmul`) the CPU kernel (pallas_kernels/matmul/quant.py)
 registers and dots, reading the whole stack with the layer index (slicing the stack in the layer
 scan made XLA copy each layer's weights per step); elsewhere (GPU, or without the kernel) the
 layer's blocks are dequantised with jnp (quant_formats.dequantize) and dotted in x's dtype with
-f32 sums. Everything else (norms, biases, MoE experts, the KV cache) stays in the compute dtype.
+f32 sums. Everything else (norms, biases, the KV cache) stays in the compute dtype.
+
+A GGUF file's MoE experts (3-D tensors of ggml shape [K, N, E]) are QuantWeights with `experts`
+= E: each layer's rows uint8 [E * N, RB], expert e's N rows at row e * N, as the file holds them.
+`grouped_quant_matmul` multiplies rows sorted by expert by their experts' weights, reading only
+the routed experts on the CPU kernel (pallas_kernels/matmul/moe.py).
 """
 
 from __future__ import annotations
@@ -42,15 +47,20 @@ LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 @dataclasses.dataclass(frozen=True)
 class RawBlocks:
     """One 2-D tensor's GGUF blocks as read from a file (host memory or a memory map):
-    rows uint8 [n, row_bytes(fmt, k)]; the weight is [n, k] (HF's [out, in])."""
+    rows uint8 [n, row_bytes(fmt, k)]; the weight is [n, k] (HF's [out, in]). With `experts` =
+    E, a 3-D expert tensor: rows [E * n, row_bytes], expert e's at row e * n. `parent`: the
+    3-D tensor this one expert's rows (`expert`) were cut from (the loader puts them back)."""
 
     fmt: str
     rows: np.ndarray
     k: int
+    experts: int = 0
+    parent: RawBlocks | None = None
+    expert: int = -1
 
     @property
     def n(self) -> int:
-        return int(self.rows.shape[0])
+        return int(self.rows.shape[0]) // max(1, self.experts)
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +75,8 @@ class QuantWeight:
     k: int = dataclasses.field(metadata={"static": True})  # inputs (dot axis)
     n: int = dataclasses.field(metadata={"static": True})  # outputs
     stacked: bool = dataclasses.field(metadata={"static": True})
+    # > 0: a layer's weight is this many experts' [in, out] weights, rows uint8 [E * n, RB]
+    experts: int = dataclasses.field(default=0, metadata={"static": True})
     # run through the CPU kernel (set by llama.as_run_on_cpu where it is built), else jnp
     kernel: bool = dataclasses.field(default=False, metadata={"static": True})
     # per part, the kernel's activations: "float" (weights dequantised into the dot), "int8"
@@ -85,7 +97,8 @@ class QuantWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         lead = (self.num_layers,) if self.stacked else ()
-        return (*lead, self.k, self.n)
+        ex = (self.experts,) if self.experts else ()
+        return (*lead, *ex, self.k, self.n)
 
     @property
     def num_layers(self) -> int:
@@ -100,27 +113,40 @@ class QuantWeight:
         """The bytes of the weight as held (in place: its layers' rows, not the whole file)."""
         if self.offsets is None:
             return int(sum(p.size for p in self.parts))
-        return sum(self.n * quant_formats.row_bytes(self.fmts[self._where(li)[0]], self.k)
-                   for li in range(self.num_layers))
+        return sum(self.rows_per_layer * quant_formats.row_bytes(
+            self.fmts[self._where(li)[0]], self.k) for li in range(self.num_layers))
+
+    @property
+    def rows_per_layer(self) -> int:
+        """Rows of blocks a layer holds: n, or E * n for experts."""
+        return self.n * max(1, self.experts)
 
     def layer_rows(self, part: int, index: Any, li: Any) -> jax.Array:
-        """Layer `li`'s rows uint8 [n, row_bytes] (`index`: its index in `part`)."""
+        """Layer `li`'s rows uint8 [n (E * n for experts), row_bytes] (`index`: its index in
+        `part`)."""
         blocks = self.parts[part]
         if self.offsets is None:
             return blocks[index]
         rb = quant_formats.row_bytes(self.fmts[part], self.k)
-        units = jax.lax.dynamic_slice(blocks, (self.offsets[li], 0), (self.n * rb // 32, 32))
-        return units.reshape(self.n, rb)
+        rows = self.rows_per_layer
+        units = jax.lax.dynamic_slice(blocks, (self.offsets[li], 0), (rows * rb // 32, 32))
+        return units.reshape(rows, rb)
 
     def dequantized(self) -> jax.Array:
-        """f32 [..., in, out]: the weight the quantised forward computes with (tests)."""
+        """f32 [..., in, out] ([..., E, in, out] for experts): the weight the quantised forward
+        computes with (tests)."""
+        def one(rows: jax.Array, fmt: str) -> jax.Array:
+            w = quant_formats.dequantize(rows, fmt, self.k)  # [rows, k]
+            if self.experts:
+                return jnp.swapaxes(w.reshape(self.experts, self.n, self.k), 1, 2)
+            return w.T
+
         if not self.stacked:
-            return quant_formats.dequantize(self.parts[0], self.fmts[0], self.k).T
+            return one(self.parts[0], self.fmts[0])
         layers = []
         for li in range(self.num_layers):
             p, i = self._where(li)
-            layers.append(quant_formats.dequantize(self.layer_rows(p, i, li), self.fmts[p],
-                                                   self.k).T)
+            layers.append(one(self.layer_rows(p, i, li), self.fmts[p]))
         return jnp.stack(layers)
 
     def _where(self, li: int) -> tuple[int, int]:
@@ -222,9 +248,10 @@ def from_raw(raw: RawBlocks | Sequence[RawBlocks], stacks: StackFiles | None = N
         return QuantWeight((_to_device(host),), None, None, (raw.fmt,), raw.k, raw.n,
                            stacked=False)
     fmts = tuple(dict.fromkeys(r.fmt for r in raw))
-    k, n = raw[0].k, raw[0].n
-    if any(r.k != k or r.n != n for r in raw):
+    k, n, experts = raw[0].k, raw[0].n, raw[0].experts
+    if any(r.k != k or r.n != n or r.experts != experts for r in raw):
         raise ValueError("the layers of one weight have different shapes")
+    rows = n * max(1, experts)
     parts: list[jax.Array] = []
     part_of, index_of = [], []
     offsets = _in_place(raw, stacks)
@@ -242,7 +269,7 @@ def from_raw(raw: RawBlocks | Sequence[RawBlocks], stacks: StackFiles | None = N
                 _drop_file_pages(r.rows)
 
         parts.append(_to_device(_host_buffer(
-            (len(members), n, quant_formats.row_bytes(fmt, k)), stacks, leaf, fmt, fill)))
+            (len(members), rows, quant_formats.row_bytes(fmt, k)), stacks, leaf, fmt, fill)))
     counters = dict.fromkeys(fmts, 0)
     for r in raw:
         part_of.append(fmts.index(r.fmt))
@@ -251,7 +278,7 @@ def from_raw(raw: RawBlocks | Sequence[RawBlocks], stacks: StackFiles | None = N
     one = len(fmts) == 1
     return QuantWeight(tuple(parts), None if one else jnp.asarray(part_of, jnp.int32),
                        None if one else jnp.asarray(index_of, jnp.int32), fmts, k, n,
-                       stacked=True, offsets=None if offsets is None else jnp.asarray(
+                       stacked=True, experts=experts, offsets=None if offsets is None else jnp.asarray(
                            np.asarray(offsets, np.int64) // 32, jnp.int32))
 
 
@@ -297,6 +324,8 @@ def quantize_params(params: dict, quantization: str | None) -> dict:
 def quant_matmul(x: jax.Array, w: QuantWeight, out_dtype: Any = None) -> jax.Array:
     """x [T, in] @ w -> [T, out] in x's dtype (or `out_dtype`: float32 for the head's logits),
     f32 sums."""
+    if w.experts:
+        raise ValueError("an experts weight is multiplied by grouped_quant_matmul")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     li = w.layer if w.stacked else None
     if w.stacked and li is None:
@@ -325,6 +354,38 @@ def quant_matmul(x: jax.Array, w: QuantWeight, out_dtype: Any = None) -> jax.Arr
 
     if not w.stacked:
         return one(0, None)
+    if w.part_of_layer is None:
+        return one(0, li)
+    assert w.index_in_part is not None
+    idx = w.index_in_part[li]
+    return jax.lax.switch(w.part_of_layer[li], [lambda p=p: one(p, idx)
+                                                for p in range(len(w.parts))])
+
+
+def grouped_quant_matmul(x: jax.Array, w: QuantWeight, group_sizes: jax.Array) -> jax.Array:
+    """x [M, in] with rows sorted by expert (group_sizes i32 [E] rows each; rows past their sum
+    are padding and come out zero) @ each row's expert weight -> [M, out] in x's dtype, f32 sums.
+    On the CPU kernel only the routed experts' blocks are read; elsewhere the layer's experts
+    are dequantised and `ragged_dot` runs (XLA's, dense on CPU)."""
+    from pallas_kernels.matmul import moe as moe_kernel
+
+    li = w.layer
+    if not w.experts or not w.stacked or li is None:
+        raise ValueError("grouped_quant_matmul takes a stacked experts weight inside the scan")
+
+    def one(part: int, index: Any) -> jax.Array:
+        fmt = w.fmts[part]
+        if w.kernel:
+            act = w.acts[part] if w.acts else "float"
+            if w.offsets is not None:
+                return moe_kernel.moe_matmul(x, w.parts[part], w.offsets[li], group_sizes,
+                                             fmt=fmt, k=w.k, n=w.n, experts=w.experts, act=act,
+                                             in_file=True)
+            return moe_kernel.moe_matmul(x, w.parts[part], index, group_sizes, fmt=fmt, k=w.k,
+                                         n=w.n, experts=w.experts, act=act)
+        return moe_kernel.moe_matmul_reference(x, w.layer_rows(part, index, li), group_sizes,
+                                               fmt=fmt, k=w.k, n=w.n, experts=w.experts)
+
     if w.part_of_layer is None:
         return one(0, li)
     assert w.index_in_part is not None

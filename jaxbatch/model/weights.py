@@ -104,7 +104,10 @@ def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any,
         if isinstance(a, RawBlocks):  # a leaf quantised in only some of its tensors
             from pallas_kernels.matmul.quant_formats import dequantize
 
-            return np.asarray(dequantize(jnp.asarray(a.rows), a.fmt, a.k)).T.astype(np_dtype)
+            w = np.asarray(dequantize(jnp.asarray(a.rows), a.fmt, a.k))  # [rows, k]
+            if a.experts:  # [E * n, k] -> [E, k, n]
+                return np.swapaxes(w.reshape(a.experts, a.n, a.k), 1, 2).astype(np_dtype)
+            return w.T.astype(np_dtype)
         return a
 
     params: dict[str, Any] = {}
@@ -121,8 +124,9 @@ def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any,
         for i in range(arch.num_layers):
             tnames = layer_tensor_names(arch, i, src)
             if "{e}" in src.name:  # one tensor per expert -> [E, ...]
-                one: np.ndarray | RawBlocks = np.stack(
-                    [as_float(take(n, src, want[1:])) for n in tnames])
+                per_expert = [take(n, src, want[1:]) for n in tnames]
+                one: np.ndarray | RawBlocks = _whole_experts(per_expert) or np.stack(
+                    [as_float(a) for a in per_expert])
             else:
                 one = take(tnames[0], src, want)
             if isinstance(one, RawBlocks) and stack is None:
@@ -138,6 +142,19 @@ def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any,
         del stack
     params["layers"] = layers
     return params
+
+
+def _whole_experts(per_expert: list[np.ndarray | RawBlocks]) -> RawBlocks | None:
+    """The 3-D GGUF tensor these experts' blocks were cut from, if they are all of it in order
+    (kept as it is: one copy in its blocks), else None."""
+    first = per_expert[0]
+    parent = first.parent if isinstance(first, RawBlocks) else None
+    if parent is None or parent.experts != len(per_expert):
+        return None
+    for e, a in enumerate(per_expert):
+        if not isinstance(a, RawBlocks) or a.parent is not parent or a.expert != e:
+            return None
+    return parent
 
 
 def _check_shape(name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> None:
@@ -158,4 +175,4 @@ def _take_blocks(name: str, a: RawBlocks, src: Source, want: tuple[int, ...]) ->
         rows = rows[start:stop]
     n = int(rows.shape[0])
     _check_shape(name, (a.k, n) if src.transpose else (n, a.k), want)
-    return RawBlocks(a.fmt, rows, a.k)
+    return a if src.rows is None else RawBlocks(a.fmt, rows, a.k)
