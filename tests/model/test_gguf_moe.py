@@ -72,10 +72,10 @@ def _transformers_logits(path: str, cfg) -> np.ndarray:
         return model(torch.tensor(IDS)[None]).logits[0].float().numpy()
 
 
-def _dequantised_reference_logits(path: str, hf_dir: str, kind: str) -> np.ndarray:
-    """For Mixtral, which transformers' GGUF loader does not read: the HF checkpoint with each
-    expert replaced by the file's expert dequantised by the gguf package (the file's other
-    tensors are the checkpoint's, in float32)."""
+def reference_dir(path: str, hf_dir: str, kind: str) -> str:
+    """For Mixtral, which transformers' GGUF loader does not read: an HF checkpoint dir, the one
+    in `hf_dir` with each expert replaced by the file's expert dequantised by the gguf package
+    (the file's other tensors are the checkpoint's, in float32)."""
     import glob
     import shutil
 
@@ -103,7 +103,12 @@ def _dequantised_reference_logits(path: str, hf_dir: str, kind: str) -> np.ndarr
                 np.ascontiguousarray(w[e], np.float32)
     safetensors.numpy.save_file(state, os.path.join(ref_dir, "model.safetensors"),
                                 metadata={"format": "pt"})
-    model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    return ref_dir
+
+
+def _dequantised_reference_logits(path: str, hf_dir: str, kind: str) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        reference_dir(path, hf_dir, kind), dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor(IDS)[None]).logits[0].float().numpy()
 
