@@ -22,11 +22,11 @@ SUMMARY="$LOG/summary.txt"
 note() { printf '%-22s %s\n' "$1" "$2" | tee -a "$SUMMARY"; }
 
 sees_gpu() { "$1" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; }
-PLATFORM=cuda INTERPRET=0 TESTS="tests/test_rpa_kernel.py tests/test_rpa_reference.py"
-TESTS="$TESTS tests/test_rpa_lowering.py"
+PLATFORM=cuda INTERPRET=0 TESTS="tests/kernels/test_rpa_kernel.py"
+TESTS="$TESTS tests/kernels/test_rpa_reference.py tests/kernels/test_rpa_lowering.py"
 if [[ -n "${CPU_SMOKE:-}" ]]; then
   sees_gpu() { "$1" -c 'import jax' 2>/dev/null; }
-  PLATFORM=cpu INTERPRET=1 TESTS="tests/test_rpa_lowering.py"
+  PLATFORM=cpu INTERPRET=1 TESTS="tests/kernels/test_rpa_lowering.py"
   BENCH_ARGS="--interpret --small --models smollm2 ${BENCH_ARGS:-}"
   [[ -f scripts/bench_throughput.py ]] && THROUGHPUT_ARGS="${THROUGHPUT_ARGS:---help}"
 fi
@@ -47,7 +47,7 @@ note "logs" "$LOG"
 note "python" "$PY ($(tail -n1 "$LOG/env.txt"))"
 
 status=0
-export JAX_PLATFORMS=$PLATFORM   # conftest.py defaults to cpu only when this is unset
+export JAX_PLATFORMS=$PLATFORM   # tests/conftest.py defaults to cpu only when this is unset
 # The reference's float32 einsums would run in TF32 on the GPU; the tests compare at 1e-5.
 export JAX_DEFAULT_MATMUL_PRECISION=highest
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
