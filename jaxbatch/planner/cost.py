@@ -31,6 +31,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxbatch.planner.moe_cost import MoeCost
+
 
 class CostModel(Protocol):
     @property
@@ -152,11 +154,28 @@ class ModelDims:
     head_dim: int
     vocab: int
     tied: bool
+    # mixture of experts (0: dense): experts per layer, chosen per token, each expert's width;
+    # `intermediate` is then the shared expert's width (0 without one)
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
 
     @property
     def body_params(self) -> int:
+        """Weights each token multiplies (an MoE token: its top-k experts only)."""
+        return self.resident_params + self.layers * self.top_k * self.expert_params
+
+    @property
+    def resident_params(self) -> int:
+        """Weights every step reads whatever its tokens: all but the routed experts."""
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        return self.layers * (attn + 3 * self.hidden * self.intermediate)
+        return self.layers * (attn + 3 * self.hidden * self.intermediate
+                              + self.hidden * self.experts)
+
+    @property
+    def expert_params(self) -> int:
+        """One expert of one layer (gate, up, down)."""
+        return 3 * self.hidden * self.expert_intermediate
 
     @property
     def head_params(self) -> int:
@@ -165,20 +184,35 @@ class ModelDims:
     @classmethod
     def from_arch(cls, arch: ArchDims) -> ModelDims:
         """The loaded model's dimensions (whatever format it was loaded from)."""
-        return cls(hidden=arch.hidden_size, intermediate=arch.intermediate_size,
+        experts = int(getattr(arch, "num_experts", 0) or 0)
+        return cls(hidden=arch.hidden_size,
+                   intermediate=int(getattr(arch, "shared_expert_intermediate_size", 0) or 0)
+                   if experts else arch.intermediate_size,
                    layers=arch.num_layers, heads=arch.num_heads, kv_heads=arch.num_kv_heads,
                    head_dim=arch.head_dim, vocab=arch.vocab_size,
-                   tied=bool(arch.tie_word_embeddings))
+                   tied=bool(arch.tie_word_embeddings), experts=experts,
+                   top_k=int(getattr(arch, "num_experts_per_tok", 0) or 0) if experts else 0,
+                   expert_intermediate=int(getattr(arch, "moe_intermediate_size", 0) or 0)
+                   if experts else 0)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelDims:
         heads = int(cfg["num_attention_heads"])
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        moe = {}
+        if experts:  # Qwen-MoE: moe_intermediate_size (+ a shared expert); Mixtral: the MLP's
+            width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+            moe = dict(experts=experts, top_k=int(cfg["num_experts_per_tok"]),
+                       expert_intermediate=int(width))
         return cls(
-            hidden=int(cfg["hidden_size"]), intermediate=int(cfg["intermediate_size"]),
+            hidden=int(cfg["hidden_size"]),
+            intermediate=int(cfg.get("shared_expert_intermediate_size") or 0) if experts
+            else int(cfg["intermediate_size"]),
             layers=int(cfg["num_hidden_layers"]), heads=heads,
             kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             vocab=int(cfg["vocab_size"]), tied=bool(cfg.get("tie_word_embeddings", False)),
+            **moe,
         )
 
 
@@ -234,18 +268,30 @@ def model_dims(model: str | None) -> ModelDims:
 
 
 def analytic_cost(dims: ModelDims = SMOLLM2_135M, dtype: str = "float32",
-                  hw: Hardware = Hardware(), tp: int = 1) -> AffineCost:
+                  hw: Hardware = Hardware(), tp: int = 1) -> AffineCost | MoeCost:
     """c(T, S) = dispatch + weight bytes / bw + T * 2 * body / peak + S * 2 * (head + sampler) /
     peak. The sampler (softmax, top-k/p over the vocabulary) is counted as another head's worth
     of work per row. Under tensor parallelism (tp > 1) each device reads and multiplies 1/tp of
     the body and the head (the sampler runs whole on the gathered logits), and the collectives
     add their bytes / collective_bw per token and per sequence and their latency per step
-    (CollectiveBytes). The ratios step : token : sequence move with tp and the collective rate,
+    (CollectiveBytes). An MoE model's routed experts are read as far as the step's tokens
+    choose them (moe_cost.MoeCost), the rest of its weights every step. The ratios step : token : sequence move with tp and the collective rate,
     and the bucket choice with them."""
     width = 2 if dtype in ("bfloat16", "bf16") else 4
-    weights = dims.body_params + dims.head_params * (1 if dims.tied else 2)
+    weights = dims.resident_params + dims.head_params * (1 if dims.tied else 2)
     comm = CollectiveBytes.of(dims, dtype, tp)
     tp = max(1, tp)
+    if dims.experts:  # the routed experts' bytes grow with the distinct experts read
+        return MoeCost(
+            overhead_s=hw.dispatch_s + weights * width / tp / hw.mem_bw
+            + comm.per_step * hw.collective_latency_s,
+            per_token_s=2.0 * dims.body_params / tp / hw.peak_flops
+            + comm.per_token / hw.collective_bw,
+            per_seq_s=2.0 * dims.head_params * (1 + 1 / tp) / hw.peak_flops
+            + comm.per_seq / hw.collective_bw,
+            per_expert_s=dims.layers * dims.expert_params * width / tp / hw.mem_bw,
+            experts=dims.experts, top_k=dims.top_k,
+            name="analytic moe" if tp == 1 else f"analytic moe tp={tp}")
     return AffineCost(
         overhead_s=hw.dispatch_s + weights * width / tp / hw.mem_bw
         + comm.per_step * hw.collective_latency_s,

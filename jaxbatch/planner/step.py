@@ -42,6 +42,7 @@ import numpy as np
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq
 from jaxbatch.planner.buckets import Bucket, SubStep
 from jaxbatch.planner.cost import AffineCost, CostModel, TableCost
+from jaxbatch.planner.moe_cost import MoeCost, moe_calibrated
 
 log = logging.getLogger("jaxbatch")
 INF = float("inf")
@@ -120,7 +121,9 @@ class StepPlanner:
     def calibrate(self, time_bucket: Callable[[Bucket], float]) -> None:
         """Time every compiled bucket (an all-padding step) and plan with the measured costs."""
         times = {(b.num_tokens, b.num_seqs): float(time_bucket(b)) for b in self.buckets}
-        fit = AffineCost.fit(list(times), list(times.values()), name="calibrated fit")
+        fit: CostModel = AffineCost.fit(list(times), list(times.values()), name="calibrated fit")
+        if isinstance(self.cost, MoeCost):
+            times, fit = moe_calibrated(self.cost, times, fit)
         self.set_cost(TableCost(times, fit))
         log.info("planner calibrated on %d buckets: %s", len(times), fit.describe())
 
