@@ -44,11 +44,12 @@ bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void
 namespace {
 
 // quant.cc's format codes and block sizes (quant_formats.py's FORMATS order)
-constexpr int64_t kNumFormats = 7;
+constexpr int64_t kNumFormats = 8;
 constexpr int64_t kBF16 = 5;
-constexpr int64_t kLastIntFormat = 4;  // Q6_K: the int8 mode's formats are 0..4
-constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 256, 256, 256, 32, 32};
-constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 144, 176, 210, 64, 64};
+// the int8 mode's formats: all but BF16 and F16 (Q8_0, Q4_0, the K-quants, MXFP4)
+constexpr bool kIntFormat[kNumFormats] = {true, true, true, true, true, false, false, true};
+constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 256, 256, 256, 32, 32, 32};
+constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 144, 176, 210, 64, 64, 17};
 
 ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> group_sizes,
@@ -69,7 +70,7 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
         "with in_file), one layer index (or offset), out [M, N] in x's dtype or f32");
   if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moe_matmul: bad format");
   if (act < 0 || act > 2) return ffi::Error::InvalidArgument("moe_matmul: act is 0, 1 or 2");
-  if (act == 1 && fmt > kLastIntFormat)
+  if (act == 1 && !kIntFormat[fmt])
     return ffi::Error::InvalidArgument("moe_matmul: BF16 and F16 weights take float activations");
   if (act == 2 && (fmt != kBF16 || !bf16 || n % 16 != 0))
     return ffi::Error::InvalidArgument(

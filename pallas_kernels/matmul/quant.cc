@@ -1,6 +1,7 @@
 // GGUF-quantised matmul for XLA:CPU as an XLA FFI custom call (registered by
 // pallas_kernels/cpu_library.py, called through quant.py): out[M, N] = x[M, K] @ W^T where W is
-// a llama.cpp GGUF weight (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K blocks) dequantised inside the dot.
+// a llama.cpp GGUF weight (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4 blocks) dequantised inside the
+// dot.
 //
 // Why: a GGUF model's weights stay in their blocks (Q4_K: 4.5 bits a weight, 3.6x fewer bytes
 // than bf16), so a memory-bound decode step streams 3-4x fewer bytes; dequantising the whole
@@ -29,10 +30,10 @@
 // quant_amx.cc's AMX tiles for BF16 rows; both also batch invariant, each with its own, equally
 // fixed, sequence of operations per output.
 //
-// Dequantisation: the K-quants and Q4_0 have 16 or 32 possible values per 32-weight sub-block,
-// so a sub-block's values are computed once into a table (one zmm of f32 or bf16) and the
-// weights are looked up with VPERMW / VPERMPS / VPERMT2PS by their 4-5 bit codes; Q8_0 and Q6_K
-// convert the codes (cvt + mul).
+// Dequantisation: the K-quants, Q4_0 and MXFP4 have 16 or 32 possible values per 32-weight
+// sub-block, so a sub-block's values are computed once into a table (one zmm of f32 or bf16) and
+// the weights are looked up with VPERMW / VPERMPS / VPERMT2PS by their 4-5 bit codes; Q8_0 and
+// Q6_K convert the codes (cvt + mul).
 // Two paths. M <= 8 (decode; fused_tile): a tile of all M rows x C columns walks K block by
 // block; each block is dequantised once and used for every row: in registers, straight into the
 // dot, for M = 1 (6 columns side by side; BF16 / F16 one, see tile_cols), through a few KB of L1
@@ -103,9 +104,12 @@ namespace {
 // the format codes quant.py passes (its FORMATS order)
 // (BF16 and F16: plain 16-bit weights, in 32-weight "blocks", so that a bf16 / f16 weight is held
 // once, in the layout every step size reads; float activations only)
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kBF16 = 5, kF16 = 6 };
-constexpr int64_t kBlockWeights[] = {32, 32, 256, 256, 256, 32, 32};
-constexpr int64_t kBlockBytes[] = {34, 18, 144, 176, 210, 64, 64};
+enum Format : int64_t {
+  kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kBF16 = 5, kF16 = 6, kMXFP4 = 7,
+  kNumFormats
+};
+constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 256, 256, 256, 32, 32, 32};
+constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 144, 176, 210, 64, 64, 17};
 
 struct Job {
   const void* x;
@@ -250,6 +254,36 @@ struct Q4_0 {
     // the table twice (VPERMW reads 5 bits: bit 4 of a low nibble's byte picks the copy)
     const __m512i t2 = (__m512i)_mm512_cvtne2ps_pbh(t, t);
     const __m256i q = _mm256_cvtepu8_epi16(load128(p + 2));
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+    f(0, (__m512bh)_mm512_permutexvar_epi16(idx, t2));
+  }
+#endif
+};
+
+// 32 weights: one E8M0 byte e, then Q4_0's nibble layout; w = kv[q] 2^(e - 128) with ggml's
+// kvalues_mxfp4 (E2M1 doubled): exact in f32, as the gguf package's product, and in bf16
+struct MXFP4 {
+  static constexpr int QK = 32, BYTES = 17;
+  // the 16 values kv[q] 2^(e - 128): VSCALEFPS, exact, and unlike a multiply by the scale
+  // (subnormal for e = 0, 1) not flushed by XLA's denormals-are-zero where the value is normal
+  static JB_INLINE __m512 table(const uint8_t* p) {
+    const __m512 kv = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    return _mm512_scalef_ps(kv, _mm512_set1_ps(static_cast<float>(int(p[0]) - 128)));
+  }
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    const __m512 t = table(p);
+    const __m512i q = _mm512_cvtepu8_epi32(load128(p + 1));  // VPERMPS reads the low 4 bits
+    f(0, _mm512_permutexvar_ps(q, t));
+    f(1, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t));
+  }
+#if defined(__AVX512BF16__)
+  template <class F>
+  static JB_INLINE void bf16(const uint8_t* p, F&& f) {
+    const __m512 t = table(p);
+    // the table twice (VPERMW reads 5 bits: bit 4 of a low nibble's byte picks the copy)
+    const __m512i t2 = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+    const __m256i q = _mm256_cvtepu8_epi16(load128(p + 1));
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
     f(0, (__m512bh)_mm512_permutexvar_epi16(idx, t2));
   }
@@ -768,6 +802,7 @@ Drain pick(int64_t fmt, int64_t M) {
     case kQ5_K: return pick_rows<P, Q5_K>(M);
     case kBF16: return pick_rows<P, BF16>(M);
     case kF16: return pick_rows<P, F16>(M);
+    case kMXFP4: return pick_rows<P, MXFP4>(M);
     default: return pick_rows<P, Q6_K>(M);
   }
 }
@@ -870,9 +905,10 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error::InvalidArgument(
         "quant_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, N, RB] (or a file u8 [G, 32] with "
         "n > 0), one layer index (or offset), out [M, N] in x's dtype or f32");
-  if (fmt < 0 || fmt > kF16) return ffi::Error::InvalidArgument("quant_matmul: unknown format");
+  if (fmt < 0 || fmt >= kNumFormats)
+    return ffi::Error::InvalidArgument("quant_matmul: unknown format");
   if (act < 0 || act > 2) return ffi::Error::InvalidArgument("quant_matmul: act is 0, 1 or 2");
-  if (act == 1 && fmt > kQ6_K)
+  if (act == 1 && (fmt == kBF16 || fmt == kF16))
     return ffi::Error::InvalidArgument("quant_matmul: BF16 and F16 weights take float activations");
   if (act == 2 && (fmt != kBF16 || !bf16))
     return ffi::Error::InvalidArgument("quant_matmul: act amx is for BF16 weights and bf16 x");

@@ -1,7 +1,6 @@
 """The GGUF-quantised matmul (quant.cc, quant_int8.cc): x @ W^T with W in llama.cpp's GGUF blocks
-(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) or plain 16-bit weights (BF16, F16: float mode only); built and
-registered as an XLA FFI custom call by
-pallas_kernels/cpu_library.py.
+(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4) or plain 16-bit weights (BF16, F16: float mode only); built
+and registered as an XLA FFI custom call by pallas_kernels/cpu_library.py.
 
 Two activation modes, both batch invariant (the bits of a row do not depend on how many rows the
 call has, nor on tiles or threads):
@@ -9,9 +8,9 @@ call has, nor on tiles or threads):
   lane partial sums reduced by one fixed tree). For bf16 x the dequantised weights (f32, as ggml
   computes them) are rounded to bf16 first.
 - act="int8" (llama.cpp's CPU scheme): each row of x is quantised to int8 blocks (32 values for
-  Q8_0/Q4_0 weights, 256 for the K-quants; scale amax / 127, values round-half-even(x * (127 /
-  amax))), dotted with the weights' integer codes exactly (AVX512-VNNI), block scales applied in
-  f32 per block in K order. Fewer instructions per weight: faster where the float mode is
+  Q8_0/Q4_0/MXFP4 weights, 256 for the K-quants; scale amax / 127, values
+  round-half-even(x * (127 / amax))), dotted with the weights' integer codes exactly
+  (AVX512-VNNI), block scales applied in f32 per block in K order. Fewer instructions per weight: faster where the float mode is
   compute-bound (see quant_int8.cc's header for the measured table), at the price of x's int8
   rounding (~0.5% relative error).
 - act="amx" (quant_amx.cc; BF16 weights, bf16 x, N a multiple of 16, a CPU with AMX-BF16): Intel

@@ -15,10 +15,17 @@ A quantised 2-D weight of ggml shape [K, N] (K innermost) is held as the file st
 | Q6_K | 256 | 210 | 6.5625 | 128 bytes low 4 bits, 64 bytes high 2 bits, int8 scales[16], f16 d; w = d sc (q - 32) |
 | BF16 | 32 | 64 | 16 | 32 bf16 weights (a "block" only so that every step size reads one layout) |
 | F16 | 32 | 64 | 16 | 32 f16 weights |
+| MXFP4 | 32 | 17 | 4.25 | u8 e (E8M0); 16 bytes of nibbles (as Q4_0); w = kv[q] 2^(e - 128) |
 
 BF16 and F16 weights are held this way too (a bf16 / f16 GGUF's linear weights and embedding):
 one resident copy that the kernel reads at every step size, where the plain bf16 path holds a
 second, packed copy for small steps. They take float activations only.
+
+MXFP4 (gpt-oss's experts; ggml's block_mxfp4) has no f16 field: kv = 0, 1, 2, 3, 4, 6, 8, 12 for
+codes 0..7 and the same negated for 8..15 (E2M1's values doubled), and the block scale is a power
+of two, ggml's GGML_E8M0_TO_FP32_HALF(e) = 2^(e - 128): subnormal for e = 0, 1, never infinite or
+NaN (e = 255 is 2^127). A weight is exact in f32 (or infinite past its range, as the gguf
+package's product is).
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ import jax.numpy as jnp
 # name -> (weights per block, bytes per block)
 FORMATS: dict[str, tuple[int, int]] = {
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176),
-    "Q6_K": (256, 210), "BF16": (32, 64), "F16": (32, 64),
-}
+    "Q6_K": (256, 210), "BF16": (32, 64), "F16": (32, 64), "MXFP4": (32, 17),
+}  # new formats go at the end: the position is the kernels' format code
 FLOAT_FORMATS = ("BF16", "F16")  # plain 16-bit weights: no int8 activation mode
 INT8_FORMATS = tuple(f for f in FORMATS if f not in FLOAT_FORMATS)  # the int8 mode's formats
 FORMAT_IDS = {name: i for i, name in enumerate(FORMATS)}  # the kernel's `fmt` attribute
@@ -119,6 +126,28 @@ def _q6_k(b: jax.Array) -> jax.Array:
     return w.reshape(*b.shape[:-1], 256)
 
 
+# MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4): |kv| for codes 0..7; codes 8..15 negated
+_E2M1_TWICE = (0, 1, 2, 3, 4, 6, 8, 12)
+
+
+def _mxfp4(b: jax.Array) -> jax.Array:
+    """kv[q] * 2^(e - 128), built from its bits with integer operations: XLA:CPU flushes
+    subnormals (inputs and results), and e = 0, 1 give subnormal weights that the gguf package's
+    product keeps."""
+    e = b[..., 0:1].astype(jnp.int32)
+    qs = b[..., 1:17].astype(jnp.int32)
+    q = jnp.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    mag = jnp.asarray(_E2M1_TWICE, jnp.int32)[q & 7]
+    kb = jax.lax.bitcast_convert_type(mag.astype(jnp.float32), jnp.int32)
+    ef = (kb >> 23) + e - 128  # the weight's exponent field, were it normal
+    bits = jnp.where(ef >= 255, 0x7F800000,  # past f32's range: infinite
+                     jnp.where(ef >= 1, kb + ((e - 128) << 23),
+                               # subnormal (e = 0, 1): |kv| 2^(e + 21) units of 2^-149
+                               mag << jnp.minimum(e + 21, 31)))
+    bits = jnp.where(mag == 0, 0, bits | ((q >> 3) << 31))  # kv = 0 is +0 (0 * d)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _pairs(b: jax.Array) -> jax.Array:
     """[..., 2n] bytes -> [..., n, 2]: n little-endian 16-bit values."""
     return b.reshape(*b.shape[:-1], -1, 2)
@@ -134,7 +163,7 @@ def _f16_values(b: jax.Array) -> jax.Array:
 
 
 _DEQUANT = {"BF16": _bf16, "F16": _f16_values, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k,
-            "Q5_K": _q5_k, "Q6_K": _q6_k}
+            "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
 
 
 def dequantize(rows: jax.Array, fmt: str, k: int) -> jax.Array:

@@ -8,7 +8,8 @@
 // (~0.5-1% relative error on random data, as llama.cpp).
 //
 // Activation quantisation (once per call; a row's values depend on that row only): per row,
-// blocks of QA = 32 values (Q8_0, Q4_0 weights) or 256 (K-quants), xf = f32(x) (exact for bf16):
+// blocks of QA = 32 values (Q8_0, Q4_0, MXFP4 weights) or 256 (K-quants), xf = f32(x) (exact for
+// bf16):
 //   amax = max |xf|; a block with amax < 2^-96 is all zeros with dx = 0; otherwise
 //   id = 127 / amax, dx = amax / 127 (two correctly rounded f32 divisions),
 //   q = round-half-even(f32(xf * id)) (|q| <= 127 by construction: no clamp).
@@ -16,27 +17,31 @@
 //
 // Numerics (batch invariant): for each output (m, n) and weight block b in K order, the integer
 // I_b = sum_i c_i q_i (c the weight's code times its sub-block scale: Q8_0 the int8 code; Q4_0
-// code - 8; Q4_K, Q5_K sc_j * code; Q6_K sc_g * (code - 32)) and, for Q4_K and Q5_K, J_b =
+// code - 8; MXFP4 kv[code], ggml's kvalues_mxfp4; Q4_K, Q5_K sc_j * code; Q6_K sc_g *
+// (code - 32)) and, for Q4_K and Q5_K, J_b =
 // sum_j m_j * (sum of q over sub-block j). Integers are exact, so how they are summed (lanes,
 // tiles, layouts, paths) cannot change them. Then in f32, each product and sum rounded once (no
 // FMA), from A_I = A_J = 0 over b = 0, 1, ...:
 //   A_I += (d_b * dx_b) * f32(I_b);   A_J += (dmin_b * dx_b) * f32(J_b)
 //   out = A_I - A_J (Q4_K, Q5_K) or A_I, then rounded once to bf16 (nearest even) unless f32 out.
-// f32(I) rounds to nearest even (|I| can pass 2^24). A numpy reference reproduces this bit for bit
-// (tests/kernels/test_quant_matmul_int8.py).
+// f32(I) rounds to nearest even (|I| can pass 2^24). MXFP4's d_b is 2^(e - 128) (ggml's
+// GGML_E8M0_TO_FP32_HALF), so d_b * dx_b is dx_b scaled by VSCALEFPS: the same f32 as the
+// product, which XLA's denormals-are-zero would flush for e = 0, 1 (d_b subnormal). A numpy
+// reference reproduces this bit for bit (tests/kernels/test_quant_matmul_int8.py).
 //
 // Integer dots (AVX512-VNNI VPDPBUSD: weight codes unsigned, q signed, 4 products a lane):
-// Q8_0's codes + 128 (XOR 0x80) and Q4_0's nibbles (w + 8), the offset times the block's q sum
-// taken off; Q5_K's fifth and Q6_K's high bits merged into the nibbles; Q6_K's -32 folded in as
-// each 16-weight group's start value (-32 * its q sum); Q4_K/Q5_K mins as J = VPDPWSSD over
-// (m_2t, m_2t+1) x (bsum_2t, bsum_2t+1) word pairs. Two paths, same integers, same f32 steps:
-// - Few rows (tree; M <= 4 for the K-quants, <= 2 for Q8_0/Q4_0): tiles of R = M rows x C
-//   columns (R * C <= 8) walk K a block at a time (Q8_0/Q4_0: two), each column's block decoded
-//   from the file's layout into registers once for all R rows; each dot's 16 lanes (sub-block
-//   scales by VPDPWSSD on lane sums packed pairwise into words, each < 2^15) go through one
-//   transposing tree of integer adds to give I_b; the f32 steps run on the tile's outputs side
-//   by side. The next tile's short rows are prefetched into L2 a block's share at a time (C rows
-//   side by side are C streams, which the hardware prefetcher follows badly).
+// Q8_0's codes + 128 (XOR 0x80), Q4_0's nibbles (w + 8) and MXFP4's kv[code] + 12 (VPSHUFB of
+// the nibbles), the offset times the block's q sum taken off; Q5_K's fifth and Q6_K's high bits
+// merged into the nibbles; Q6_K's -32 folded in as each 16-weight group's start value (-32 * its
+// q sum); Q4_K/Q5_K mins as J = VPDPWSSD over (m_2t, m_2t+1) x (bsum_2t, bsum_2t+1) word pairs.
+// Two paths, same integers, same f32 steps:
+// - Few rows (tree; M <= 4 for the K-quants, <= 2 for Q8_0/Q4_0/MXFP4): tiles of R = M rows x
+//   C columns (R * C <= 8) walk K a block at a time (Q8_0/Q4_0/MXFP4: two), each column's block
+//   decoded from the file's layout into registers once for all R rows; each dot's 16 lanes
+//   (sub-block scales by VPDPWSSD on lane sums packed pairwise into words, each < 2^15) go
+//   through one transposing tree of integer adds to give I_b; the f32 steps run on the tile's
+//   outputs side by side. The next tile's short rows are prefetched into L2 a block's share at
+//   a time (C rows side by side are C streams, which the hardware prefetcher follows badly).
 // - More rows (wide): a zmm holds one row x 16 columns, so there is no reduction: 16 columns'
 //   blocks are unpacked (codes transposed by a 16 x 16 dword transpose into 64-byte units of 4
 //   codes per column; scales likewise), a unit's codes are loaded once for all rows and each
@@ -77,7 +82,8 @@ namespace {
 
 #define JB_INLINE inline __attribute__((always_inline))
 
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
+// quant.cc's format codes (BF16 = 5 and F16 = 6 take float activations only)
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 7 };
 
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
@@ -115,10 +121,13 @@ JB_INLINE __m512i halves32(int a, int b) {
 
 // ---- the weight formats, int8 mode ----
 // Each: QK weights per block in BYTES; a group (GK weights, GB bytes of a row, NV 64-code
-// vectors) is what a tile step consumes: one block, or two for Q8_0/Q4_0 (kPairs).
+// vectors) is what a tile step consumes: one block, or two for Q8_0/Q4_0/MXFP4 (kPairs).
 // codes(p, two, c): the group's codes as NV vectors of 64 unsigned bytes (two: a pair's second
 // block exists); x is stored in the same order. dd(p, two): the f16 pair [d, dmin] (K-quants) or
-// [d_b, d_b+1] (pairs). WI: 64-byte items a group of 16 columns takes unpacked (wide path).
+// [d_b, d_b+1] (pairs; MXFP4: the bytes [e_b, e_b+1] as words). WI: 64-byte items a group of 16
+// columns takes unpacked (wide path). kOffset: what a code adds to its weight (taken off as
+// kOffset * the block's q sum). d(h), times_dx(d, dx): dd's 16 words as f32 scales, and a
+// step's d * dx (F16Scales: f16 and a multiply; MXFP4 its own).
 
 // Q4_K / Q5_K scales, ggml's get_scale_min_k4: bytes 0-7 sc_j, 8-15 m_j (6 bits each). The 12
 // bytes q: sc_j = q[j] & 63, m_j = q[j + 4] & 63 for j < 4; sc_j = (q[j + 4] & 15) |
@@ -139,10 +148,15 @@ JB_INLINE __m512i or_and(__m512i a, __m512i b, __m512i c) {
   return _mm512_ternarylogic_epi32(a, b, c, 0xF8);
 }
 
-struct Q8_0 {
+struct F16Scales {
+  static JB_INLINE __m512 d(__m256i h) { return _mm512_cvtph_ps(h); }
+  static JB_INLINE __m512 times_dx(__m512 d, __m512 dx) { return _mm512_mul_ps(d, dx); }
+};
+
+struct Q8_0 : F16Scales {
   static constexpr int QK = 32, BYTES = 34, QA = 32, GK = 64, GB = 68, NV = 1;
   static constexpr bool kPairs = true, kMins = false, kInit = false;
-  static constexpr int kOffsetShift = 7;  // codes are w + 128
+  static constexpr int kOffset = 128;  // codes are w + 128
   static constexpr int WI = 18;  // units, d_b, d_b+1
   static JB_INLINE void codes(const uint8_t* p, bool two, __m512i* c) {
     const __m256i b = two ? load256(p + 36) : _mm256_setzero_si256();
@@ -154,34 +168,60 @@ struct Q8_0 {
   }
 };
 
-struct Q4_0 {
+// two blocks' 16 bytes of nibbles (a; b where `two`) -> 64 codes: 128-bit lanes a's low nibbles
+// (weights 0-15), its high (16-31), then b's
+JB_INLINE __m512i nibble_pair(const uint8_t* a, const uint8_t* b, bool two) {
+  const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(load128(a)),
+                                            two ? load128(b) : _mm_setzero_si128(), 1);
+  const __m512i z =
+      _mm512_shuffle_i64x2(_mm512_castsi256_si512(y), _mm512_castsi256_si512(y), 0x50);
+  const __m512i cnt = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
+                                        0x0004000400040004, 0x0004000400040004);
+  return _mm512_and_si512(_mm512_srlv_epi16(z, cnt), _mm512_set1_epi8(0x0F));
+}
+
+struct Q4_0 : F16Scales {
   static constexpr int QK = 32, BYTES = 18, QA = 32, GK = 64, GB = 36, NV = 1;
   static constexpr bool kPairs = true, kMins = false, kInit = false;
-  static constexpr int kOffsetShift = 3;  // codes are w + 8
+  static constexpr int kOffset = 8;  // codes are w + 8
   static constexpr int WI = 18;
   static JB_INLINE void codes(const uint8_t* p, bool two, __m512i* c) {
-    // 128-bit lanes: block b's 16 bytes twice, then b+1's: low nibbles (weights 0-15), high
-    const __m256i y = _mm256_inserti128_si256(_mm256_castsi128_si256(load128(p + 2)),
-                                              two ? load128(p + 20) : _mm_setzero_si128(), 1);
-    const __m512i z =
-        _mm512_shuffle_i64x2(_mm512_castsi256_si512(y), _mm512_castsi256_si512(y), 0x50);
-    const __m512i cnt = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
-                                          0x0004000400040004, 0x0004000400040004);
-    c[0] = _mm512_and_si512(_mm512_srlv_epi16(z, cnt), _mm512_set1_epi8(0x0F));
+    c[0] = nibble_pair(p + 2, p + 20, two);
   }
   static JB_INLINE uint32_t dd(const uint8_t* p, bool two) {
     return u16(p) | (two ? u16(p + 18) << 16 : 0u);
   }
 };
 
+// MXFP4: a byte e, then Q4_0's nibble layout; w = kv[code] 2^(e - 128)
+struct MXFP4 {
+  static constexpr int QK = 32, BYTES = 17, QA = 32, GK = 64, GB = 34, NV = 1;
+  static constexpr bool kPairs = true, kMins = false, kInit = false;
+  static constexpr int kOffset = 12;  // codes are kv + 12 (0..24)
+  static constexpr int WI = 18;
+  static JB_INLINE void codes(const uint8_t* p, bool two, __m512i* c) {
+    const __m512i kv12 = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    c[0] = _mm512_shuffle_epi8(kv12, nibble_pair(p + 1, p + 18, two));
+  }
+  static JB_INLINE uint32_t dd(const uint8_t* p, bool two) {
+    return p[0] | (two ? uint32_t(p[17]) << 16 : 0u);
+  }
+  // the exponents e - 128 (exact in f32); d * dx = dx 2^(e - 128)
+  static JB_INLINE __m512 d(__m256i h) {
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu16_epi32(h), _mm512_set1_epi32(128)));
+  }
+  static JB_INLINE __m512 times_dx(__m512 d, __m512 dx) { return _mm512_scalef_ps(dx, d); }
+};
+
 // Q4_K and Q5_K: the 128 bytes of nibbles at QS, group g's 32 bytes sub-blocks 2g (low nibbles)
 // and 2g+1 (high); vectors: (0 | 2), (1 | 3), (4 | 6), (5 | 7), x stored in that order
 template <int QS, bool kHigh>
-struct K4 {
+struct K4 : F16Scales {
   static constexpr int QK = 256, BYTES = kHigh ? 176 : 144, QA = 256, GK = 256, GB = BYTES;
   static constexpr int NV = 4;
   static constexpr bool kPairs = false, kMins = true, kInit = false;
-  static constexpr int kOffsetShift = 0;
+  static constexpr int kOffset = 0;
   static constexpr int WI = 78;  // units, sc_j (8), (m_2t, m_2t+1) (4), d, dmin
   // sub-block j's half h of vector v
   static constexpr int sub(int v, int h) { return (v & 1) + 2 * h + 4 * (v >> 1); }
@@ -207,10 +247,10 @@ struct K4 {
 using Q4_K = K4<16, false>;
 using Q5_K = K4<48, true>;
 
-struct Q6_K {
+struct Q6_K : F16Scales {
   static constexpr int QK = 256, BYTES = 210, QA = 256, GK = 256, GB = 210, NV = 4;
   static constexpr bool kPairs = false, kMins = false, kInit = true;
-  static constexpr int kOffsetShift = 0;
+  static constexpr int kOffset = 0;
   static constexpr int WI = 82;  // units, sc_g (16), d, -
   // weights 128h + 32v + l: low 4 bits ql[64h + 32(v & 1) + l] (low nibble for v < 2), high 2
   // bits 2v, 2v+1 of qh[32h + l]; so ql's 64 bytes at 64h give weights 128h + 0..63 (low
@@ -524,9 +564,8 @@ void tree_tile(const Job& j, int64_t n0) {
     }
     // (d * dx) * f32(I) (and dmin's with J), each rounded, then the sums
     const __m512 ds = _mm512_permutexvar_ps(
-        pidx, _mm512_cvtph_ps(_mm256_setr_epi32(dd[0], dd[1], dd[2], dd[3], dd[4], dd[5], dd[6],
-                                                dd[7])));
-    const __m512 p = _mm512_mul_round_ps(_mm512_mul_ps(ds, _mm512_permutexvar_ps(ridx, xs)),
+        pidx, D::d(_mm256_setr_epi32(dd[0], dd[1], dd[2], dd[3], dd[4], dd[5], dd[6], dd[7])));
+    const __m512 p = _mm512_mul_round_ps(D::times_dx(ds, _mm512_permutexvar_ps(ridx, xs)),
                                          _mm512_cvt_roundepi32_ps(s, kRound), kRound);
     if constexpr (D::kPairs) {
       acc2 = _mm256_add_ps(acc2, _mm512_castps512_ps256(p));
@@ -601,8 +640,8 @@ void unpack16(const uint8_t* const* p, bool two, uint8_t* out) {
     transpose16_store(s, pat);
     pat += 1024;
   }
-  // the f16 pairs -> [first of the 16 columns], [second] as f32
-  const __m512 lo = _mm512_cvtph_ps(load256(dd)), hi = _mm512_cvtph_ps(load256(dd + 8));
+  // the f16 pairs (MXFP4: exponent pairs) -> [first of the 16 columns], [second] as f32
+  const __m512 lo = D::d(load256(dd)), hi = D::d(load256(dd + 8));
   _mm512_storeu_ps(pat, _mm512_permutex2var_ps(
                             lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
                                                   26, 28, 30),
@@ -650,7 +689,7 @@ void wide_groups(const Job& j, const uint8_t* const* w, int64_t wstride, int64_t
       for (int c = 0; c < CG; ++c) {
         const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(wq[c] + 64 * wi));
         for (int r = 0; r < R; ++r) {
-          const __m512 t = _mm512_mul_ps(d, _mm512_set1_ps(dx[r]));
+          const __m512 t = D::times_dx(d, _mm512_set1_ps(dx[r]));
           a[r * CG + c] = _mm512_add_ps(
               a[r * CG + c],
               _mm512_mul_round_ps(t, _mm512_cvt_roundepi32_ps(v[r][c], kRound), kRound));
@@ -833,7 +872,7 @@ void quantize_row(Job& j, int64_t m) {
       std::memcpy(xq.q + ((b / 2) * M + m) * 64 + 32 * (b % 2), q, 32);
       const int32_t s = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(
           _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), load256(q))));
-      xq.off[b * M + m] = -(s << D::kOffsetShift);  // the codes' offset, taken off
+      xq.off[b * M + m] = -s * D::kOffset;  // the codes' offset, taken off
     } else {
       int8_t* dst = xq.q + (b * M + m) * 256;
       alignas(64) int32_t s4[64];  // sums of 4
@@ -959,6 +998,7 @@ int64_t block_cols_fmt(int64_t fmt, int64_t ng) {
     case kQ4_0: return block_cols<Q4_0>(ng);
     case kQ4_K: return block_cols<Q4_K>(ng);
     case kQ5_K: return block_cols<Q5_K>(ng);
+    case kMXFP4: return block_cols<MXFP4>(ng);
     default: return block_cols<Q6_K>(ng);
   }
 }
@@ -969,6 +1009,7 @@ Drain prepare_fmt(Job& j, int64_t fmt) {
     case kQ4_0: return prepare<Q4_0>(j);
     case kQ4_K: return prepare<Q4_K>(j);
     case kQ5_K: return prepare<Q5_K>(j);
+    case kMXFP4: return prepare<MXFP4>(j);
     default: return prepare<Q6_K>(j);
   }
 }

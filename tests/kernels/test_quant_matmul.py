@@ -1,5 +1,5 @@
 """The GGUF-quantised matmul (pallas_kernels/matmul/quant: x @ W^T with W in llama.cpp's Q8_0,
-Q4_0, Q4_K, Q5_K, Q6_K blocks, dequantised inside the dot) against the exact product: x in
+Q4_0, Q4_K, Q5_K, Q6_K, MXFP4 blocks, dequantised inside the dot) against the exact product: x in
 float64 @ the gguf package's dequantised weights in float64 (for bf16 x, those weights rounded to
 bf16 first, as the kernel does). Bound: f32 sums over K are within K * 2^-24 * sum|x * w| of the
 exact sum, and the result is rounded once to x's dtype (2^-8 relative for bf16, 2^-24 for f32).
@@ -11,6 +11,8 @@ CPUs). Skipped where the CPU library did not build or this CPU lacks the instruc
 
 Timing (not a test; the numbers quoted in quant.cc's header):
   .venv/bin/python -m tests.kernels.test_quant_matmul
+  .venv/bin/python -m tests.kernels.test_quant_matmul --fmts MXFP4,Q4_0 \
+      --shapes 2880x2880,5760x2880 --ms 1
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def _qtype(fmt):
 def make_weight(fmt, n, k, rng):
     """uint8 [N, RB]: N GGUF rows of K weights. Q8_0 / Q4_0 quantised from random floats with the
     gguf package; the K-quants (which it cannot quantise) as random valid blocks: random codes
-    and 6-bit scales, small finite f16 d (and dmin)."""
+    and 6-bit scales, small finite f16 d (and dmin); MXFP4 random codes under exponents e of
+    118..130 (block scales 2^-10..2^2)."""
     qk, nbytes = quant.FORMATS[fmt]
     if fmt in quant.FLOAT_FORMATS:  # plain weights, as a bf16 / f16 GGUF holds them
         w = rng.standard_normal((n, k)) * 0.05
@@ -62,6 +65,9 @@ def make_weight(fmt, n, k, rng):
         return np.ascontiguousarray(gguf.quants.quantize(w, _qtype(fmt)))
     nb = k // qk
     raw = rng.integers(0, 256, size=(n, nb, nbytes), dtype=np.uint8)
+    if fmt == "MXFP4":  # e; qs[16]
+        raw[..., 0] = rng.integers(118, 131, size=(n, nb))
+        return raw.reshape(n, nb * nbytes)
 
     def f16(scale):
         v = (rng.standard_normal((n, nb, 1)) * scale).astype(np.float16)
@@ -179,7 +185,7 @@ def test_rows_are_the_same_bits_whatever_the_row_count(fmt, dt):
     dtype = DTYPES[dt]
     _need(dtype)
     rng = np.random.default_rng(11)
-    k, n = (512, 40) if fmt in ("Q8_0", "Q4_0") else (768, 40)
+    k, n = (512, 40) if fmt in ("Q8_0", "Q4_0", "MXFP4") else (768, 40)
     w = jnp.asarray(make_weight(fmt, n, k, rng))
     ms = (512, *range(1, 18), 31, 64, 100)
     outs = [np.asarray(o).view(np.uint16 if dt == "bf16" else np.uint32)
@@ -228,19 +234,23 @@ def test_bad_arguments():
         quant.quant_matmul(x.astype(jnp.float16), w, 0, fmt="Q4_K", k=256)
 
 
-def _bench():
+def _bench(fmts=("Q4_K", "Q8_0", "Q6_K"), shapes=((8192, 2048), (2048, 8192)),
+           ms=(1, 8, 512)):
     """GB/s of weight bytes at decode (M = 1, 8), GFLOP/s at prefill (M = 512): medians over
-    repeats; the weight stack spans > 200 MB so that each call reads its layer from memory."""
+    repeats; the weight stack spans > 200 MB so that each call reads its layer from memory. The
+    formats of one shape run one after another, so that they compare under the same load."""
+    import os
     import tempfile
 
     assert cpu_library.available(tempfile.gettempdir() + "/jaxbatch-quant-bench") is None
+    print(f"load: {os.getloadavg()}", flush=True)
     rng = np.random.default_rng(0)
-    for fmt in ("Q4_K", "Q8_0", "Q6_K"):
-        for n, k in ((8192, 2048), (2048, 8192)):
+    for n, k in shapes:
+        for fmt in fmts:
             rb = quant.row_bytes(fmt, k)
             L = max(2, -(-200_000_000 // (n * rb)))
             stack = jnp.asarray(np.broadcast_to(make_weight(fmt, n, k, rng), (L, n, rb)).copy())
-            for m in (1, 8, 512):
+            for m in ms:
                 for dt, dtype in DTYPES.items():
                     if not quant.available(dtype):
                         continue
@@ -258,10 +268,21 @@ def _bench():
                     print(f"{fmt} N={n} K={k} M={m:3d} {dt:4s} {t * 1e3:7.3f} ms "
                           f"{n * rb / t / 1e9:5.1f} GB/s {2 * m * n * k / t / 1e9:6.1f} GFLOP/s",
                           flush=True)
+            del stack
+    print(f"load: {os.getloadavg()}", flush=True)
 
 
 if __name__ == "__main__":
-    _bench()
+    import argparse
+
+    ap = argparse.ArgumentParser(description="the quant matmul's speed (not a test)")
+    ap.add_argument("--fmts", default="Q4_K,Q8_0,Q6_K", help="comma-separated formats")
+    ap.add_argument("--shapes", default="8192x2048,2048x8192", help="NxK, comma-separated")
+    ap.add_argument("--ms", default="1,8,512", help="row counts, comma-separated")
+    a = ap.parse_args()
+    _bench(tuple(a.fmts.split(",")),
+           tuple(tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")),
+           tuple(int(m) for m in a.ms.split(",")))
 
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
@@ -275,3 +296,45 @@ def test_jnp_dequantiser_is_the_gguf_packages(fmt):
     w = make_weight(fmt, n, k, rng)
     got = np.asarray(quant_formats.dequantize(jnp.asarray(w), fmt, k))
     np.testing.assert_array_equal(got, dequant(fmt, w, jnp.float32))
+
+
+
+def _mxfp4_every_exponent(rng, exponents, nb=8):
+    """uint8 [len(exponents) / nb, nb * 17]: MXFP4 rows of nb blocks, each exponent one block's
+    (shuffled), every block with all 16 codes among random ones."""
+    e = rng.permutation(np.asarray(exponents, np.uint8)).reshape(-1, nb)
+    raw = rng.integers(0, 256, size=(*e.shape, 17), dtype=np.uint8)
+    raw[..., 0] = e
+    raw[..., 1:9] = [c + 16 * (c + 1) for c in range(0, 16, 2)]  # codes 0..15
+    return raw.reshape(e.shape[0], -1)
+
+
+def test_mxfp4_jnp_dequantiser_at_every_exponent():
+    """e = 0..255 with every code: subnormal weights (e = 0, 1), which XLA:CPU's flush-to-zero
+    would lose to a float product, and infinite ones past f32's range (12 * 2^127): the gguf
+    package's float32 bits."""
+    from pallas_kernels.matmul import quant_formats
+
+    w = _mxfp4_every_exponent(np.random.default_rng(4), range(256))
+    with np.errstate(over="ignore"):  # the infinite weights
+        want = dequant("MXFP4", w, jnp.float32)
+    assert np.isinf(want).any() and ((want != 0) & (np.abs(want) < 2.0**-126)).any()
+    got = np.asarray(quant_formats.dequantize(jnp.asarray(w), "MXFP4", 256))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_mxfp4_kernel_reads_back_every_normal_exponent(dt):
+    """The kernel's MXFP4 tables over the exponents whose weights are normal and finite (e =
+    2..249): one-hot rows read back the gguf package's weights bit for bit. (Subnormal weights,
+    e = 0 and 1, are flushed by XLA's denormals-are-zero in any dot.)"""
+    dtype = DTYPES[dt]
+    _need(dtype)
+    w = _mxfp4_every_exponent(np.random.default_rng(6), range(2, 250))  # [31, 8 blocks]
+    k = 256
+    want = dequant("MXFP4", w, dtype).T
+    eye = np.eye(k, dtype=jnp.dtype(dtype))
+    for m in (1, 4, 16):  # both register paths and the buffered one
+        got = jax.lax.map(lambda e: _mm(e, jnp.asarray(w)[None], 0, fmt="MXFP4", k=k),
+                          jnp.asarray(eye.reshape(k // m, m, k))).reshape(k, -1)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=f"m={m}")

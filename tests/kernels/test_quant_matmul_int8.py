@@ -23,6 +23,7 @@ import os
 import threading
 import time
 
+import gguf
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -34,7 +35,8 @@ from pallas_kernels.matmul import quant
 from tests.kernels.test_quant_matmul import make_weight
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
-QA = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # activation block
+QA = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
+      "MXFP4": 32}  # activation block
 MS = (1, 2, 3, 4, 5, 8, 9, 13, 33, 70)  # one row (tree path), 2-8 (outer, decode), more
 
 
@@ -84,7 +86,8 @@ def _nibbles(qs):
 
 def int_weights(fmt: str, w: np.ndarray):
     """uint8 [N, RB] -> (c int64 [N, nb, QK]: the codes times their sub-block scales, d float32
-    [N, nb], and for Q4_K/Q5_K dmin [N, nb] and the mins m [N, nb, 8])."""
+    [N, nb] (MXFP4: 2^(e - 128), the gguf package's E8M0 scale), and for Q4_K/Q5_K dmin [N, nb]
+    and the mins m [N, nb, 8])."""
     n, nbytes = w.shape[0], quant.FORMATS[fmt][1]
     blk = w.reshape(n, -1, nbytes)
     dmin = mins = None
@@ -93,6 +96,11 @@ def int_weights(fmt: str, w: np.ndarray):
     elif fmt == "Q4_0":
         d, qs = _f16(blk[..., 0:2]), blk[..., 2:18].astype(np.int64)
         c = np.concatenate([qs & 15, qs >> 4], -1) - 8
+    elif fmt == "MXFP4":
+        d = gguf.quants.MXFP4.e8m0_to_fp32_half(blk[..., 0].copy()).astype(np.float32)
+        qs = blk[..., 1:17].astype(np.int64)
+        c = np.asarray(gguf.quants.MXFP4.kvalues, np.int64)[np.concatenate([qs & 15, qs >> 4],
+                                                                           -1)]
     elif fmt in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
         sc, mins = _scale_min_k4(blk[..., 4:16])
@@ -165,7 +173,7 @@ def test_available_needs_vnni():
 
 def _one_hot_weights(fmt: str, k: int) -> np.ndarray:
     """uint8 [K, RB]: row n's weight is 1 at position n, 0 elsewhere, with d = 1 (and dmin = 0,
-    sub-block scales 1), so out[m, n] = dx * q[m, n] exactly."""
+    sub-block scales 1; MXFP4 e = 128), so out[m, n] = dx * q[m, n] exactly."""
     qk, nbytes = quant.FORMATS[fmt]
     blocks = np.zeros((k, k // qk, nbytes), np.uint8)
     one = np.array([1], np.float16).view(np.uint8)
@@ -178,6 +186,9 @@ def _one_hot_weights(fmt: str, k: int) -> np.ndarray:
             blk[:, 0:2] = one
             blk[:, 2:18] = 0x88  # code 8: w = 0
             blk[n // qk, 2 + p % 16] = (0x89 if p < 16 else 0x98)
+        elif fmt == "MXFP4":
+            blk[:, 0] = 128  # d = 2^0; code 0: w = 0
+            blk[n // qk, 1 + p % 16] = (0x01 if p < 16 else 0x10)  # code 1: w = 1
         elif fmt in ("Q4_K", "Q5_K"):
             blk[:, 0:2] = one
             blk[:, 4:8] = 1  # sc_0..3 = 1, m = 0
