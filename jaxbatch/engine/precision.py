@@ -310,8 +310,10 @@ def _random_blocks(fmt: str, layers: int, n: int, k: int) -> np.ndarray:
     m = min(n, _RANDOM_ROWS)
     one = np.frombuffer(np.random.default_rng(0).bytes(m * (k // qk) * nbytes), np.uint8)
     one = np.resize(one.reshape(m, k // qk, nbytes), (n, k // qk, nbytes))
-    for at in _SCALE_BYTES[fmt]:  # f16 0x1c00 = 2^-8
+    for at in _SCALE_BYTES.get(fmt, ()):  # f16 0x1c00 = 2^-8
         one[..., at], one[..., at + 1] = 0x00, 0x1C
+    if fmt == "MXFP4":  # no f16 field: its E8M0 byte, 2^(120 - 128) = 2^-8
+        one[..., 0] = 120
     return np.broadcast_to(one.reshape(1, n, row_bytes(fmt, k)),
                            (layers, n, row_bytes(fmt, k)))  # a view: jnp.asarray copies it once
 

@@ -4,8 +4,9 @@ stored as 1 + w, metadata that transformers' GGUF loader reads back into the sam
 
 Each matrix's type is chosen by `qtype(gguf_name, w)`; quantised types the package can quantise
 are written with `gguf.quants.quantize`, the others (K-quants, IQ-quants) from `raw_blocks`:
-random blocks whose f16 scales are set small, so `gguf.quants.dequantize` (what both our loader
-and transformers use) turns them into moderate weights.
+random blocks whose f16 scales are set small (MXFP4, with no f16 field: its exponent byte), so
+`gguf.quants.dequantize` (what both our loader and transformers use) turns them into moderate
+weights.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def raw_blocks(qt: QT, shape: tuple[int, ...], rng: np.random.Generator,
     rows, n = int(np.prod(shape[:-1])), shape[-1]
     assert n % block == 0, (qt.name, shape)
     data = rng.integers(0, 256, size=(rows * n // block, size), dtype=np.uint8)
+    if qt == QT.MXFP4:  # byte 0: the E8M0 scale 2^(e - 128); e = 120..127: 2^-8..2^-1
+        data[:, 0] = rng.integers(120, 128, len(data))
     for off in _F16_FIELDS.get(qt, ()):
         d = np.full(len(data), scale, np.float16) * rng.uniform(0.5, 1.5, len(data)).astype(
             np.float16)
