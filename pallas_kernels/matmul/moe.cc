@@ -20,17 +20,31 @@
 // of the dense kernel on that expert's weight, whatever the other rows and their experts (batch
 // invariant, like the dense kernels).
 //
-// Threads: each expert's call splits its output features over the pool (at decode one row per
-// expert: N / 2 features a thread of 2).
+// Threads: with few rows an expert (decode: one), each thread claims whole experts and runs each
+// on its own (the dense kernel's one-thread path: no pool dispatch per expert); with more, each
+// expert's call splits its output features (and rows) over the pool as a dense layer's does.
+// Either way a row's operations are the same (the dense kernels' bits do not depend on threads).
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+namespace {
+// set while this thread runs whole experts itself: the dense kernels then split no work
+thread_local bool tl_one_thread = false;
+}  // namespace
+
 namespace jaxbatch_quant {
+bool OnOneThread() { return tl_one_thread; }
 bool QuantMatmulFloat(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
                       void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
                       int64_t rb);
@@ -50,6 +64,8 @@ constexpr int64_t kBF16 = 5;
 constexpr bool kIntFormat[kNumFormats] = {true, true, true, true, true, false, false, true};
 constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 256, 256, 256, 32, 32, 32};
 constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 144, 176, 210, 64, 64, 17};
+// up to this many rows an expert, threads take whole experts rather than splitting each
+constexpr int64_t kOneThreadRows = 4;
 
 ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> group_sizes,
@@ -102,29 +118,58 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   const int64_t x_elt = bf16 ? 2 : 4, o_elt = out_f32 ? 4 : 2;
   const char* xb = static_cast<const char*>(x.untyped_data());
   char* ob = static_cast<char*>(out->untyped_data());
-  int64_t row = 0;
+  // the routed experts: (expert, first row), in row order
+  std::vector<std::pair<int64_t, int64_t>> routed;
+  int64_t row = 0, most = 0;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = gs[e];
-    if (rows == 0) continue;
-    const void* xe = xb + row * K * x_elt;
-    void* oe = ob + row * N * o_elt;
-    const uint8_t* we = wl + e * N * rb;
-    bool ok;
-    if (act == 2) {
-      ok = jaxbatch_quant::QuantMatmulAmx(pool, xe, we, oe, out_f32, rows, N, K);
-    } else if (act == 1) {
-      ok = jaxbatch_quant::QuantMatmulInt8(pool, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
-    } else {
-      ok = jaxbatch_quant::QuantMatmulFloat(pool, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
-    }
-    if (!ok)
-      return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        act == 2   ? "moe_matmul: act amx needs AMX-BF16 and the OS's permission"
-                        : act == 1 ? "moe_matmul: act int8 needs AVX512-VNNI (and BW, VL)"
-                        : bf16     ? "moe_matmul: bf16 x needs AVX512-BF16"
-                                   : "moe_matmul: f32 x needs AVX512F");
-    row += rows;
+    if (gs[e] == 0) continue;
+    routed.emplace_back(e, row);
+    row += gs[e];
+    most = std::max<int64_t>(most, gs[e]);
   }
+  // one expert's rows through the dense kernel's mode (false: this build has no such path)
+  auto expert = [&](ffi::ThreadPool& p, size_t i) -> bool {
+    const int64_t e = routed[i].first, r0 = routed[i].second, rows = gs[e];
+    const void* xe = xb + r0 * K * x_elt;
+    void* oe = ob + r0 * N * o_elt;
+    const uint8_t* we = wl + e * N * rb;
+    if (act == 2) return jaxbatch_quant::QuantMatmulAmx(p, xe, we, oe, out_f32, rows, N, K);
+    if (act == 1)
+      return jaxbatch_quant::QuantMatmulInt8(p, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
+    return jaxbatch_quant::QuantMatmulFloat(p, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
+  };
+  bool ok = true;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (act != 2 && most <= kOneThreadRows && threads > 1 && routed.size() > 1) {
+    // few rows an expert (decode): each thread takes whole experts, one call each on its own
+    // thread (no pool dispatch per expert: 8 experts x 3 matmuls x 48 layers a token)
+    struct Claims {
+      std::atomic<size_t> next{0};
+      std::atomic<int64_t> done{0};
+      std::atomic<bool> failed{false};
+    };
+    auto claims = std::make_shared<Claims>();
+    auto drain = [&pool, &routed, &expert, claims] {
+      tl_one_thread = true;
+      for (size_t i; (i = claims->next.fetch_add(1)) < routed.size();)
+        if (!expert(pool, i)) claims->failed = true;
+      tl_one_thread = false;
+      claims->done.fetch_add(1, std::memory_order_release);
+    };
+    const int64_t helpers = std::min<int64_t>(threads, routed.size()) - 1;
+    for (int64_t t = 0; t < helpers; ++t) pool.Schedule([drain] { drain(); });
+    drain();
+    while (claims->done.load(std::memory_order_acquire) < helpers + 1) std::this_thread::yield();
+    ok = !claims->failed;
+  } else {
+    for (size_t i = 0; i < routed.size() && ok; ++i) ok = expert(pool, i);
+  }
+  if (!ok)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      act == 2   ? "moe_matmul: act amx needs AMX-BF16 and the OS's permission"
+                      : act == 1 ? "moe_matmul: act int8 needs AVX512-VNNI (and BW, VL)"
+                      : bf16     ? "moe_matmul: bf16 x needs AVX512-BF16"
+                                 : "moe_matmul: f32 x needs AVX512F");
   if (row < M) std::memset(ob + row * N * o_elt, 0, (M - row) * N * o_elt);
   return ffi::Error::Success();
 }

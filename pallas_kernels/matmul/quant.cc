@@ -97,6 +97,11 @@
 
 namespace ffi = xla::ffi;
 
+namespace jaxbatch_quant {
+// moe.cc: true while this thread runs routed experts one call per thread (no pool dispatch)
+bool OnOneThread();
+}  // namespace jaxbatch_quant
+
 namespace {
 
 #define JB_INLINE inline __attribute__((always_inline))
@@ -812,7 +817,8 @@ template <class P>
 void run(ffi::ThreadPool& pool, std::shared_ptr<Job> j, Drain drain) {
   using X = typename P::X;
   constexpr int64_t elt = sizeof(X);
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t threads =
+      jaxbatch_quant::OnOneThread() ? 1 : std::max<int64_t>(1, pool.num_threads());
   if (j->M <= kFusedMaxRows) {
     if (j->M == 1) {
       j->xi = j->x;

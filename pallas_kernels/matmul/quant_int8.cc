@@ -71,6 +71,11 @@
 
 namespace ffi = xla::ffi;
 
+namespace jaxbatch_quant {
+// moe.cc: true while this thread runs routed experts one call per thread (no pool dispatch)
+bool OnOneThread();
+}  // namespace jaxbatch_quant
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define JB_QUANT_INT8 1
@@ -1036,7 +1041,8 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
   j->x = x;
   j->x_bf16 = x_bf16;
   const Drain drain = prepare_fmt(*j, fmt);
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t threads =
+      jaxbatch_quant::OnOneThread() ? 1 : std::max<int64_t>(1, pool.num_threads());
   if (M <= kDecodeRows) {
     // claims of up to 256 columns (tree path: multiples of 8, else of 64), fewer where that would
     // leave a thread idle (each claim's first tile starts cold: prefetching runs a tile ahead)
