@@ -28,6 +28,7 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     kv_split: int = KV_SPLIT,
     q_block: int = Q_BLOCK,
     use_amx: bool = True,
@@ -40,15 +41,19 @@ def ragged_paged_attention_cpu(
     without AMX, prefill items run the bf16 path in GEMM-like blocks (K gathered transposed,
     V and probabilities packed in pairs) (`use_amx=False`: the f32 path for prefill rows, for
     tests to compare). `invariant`: bf16 rows of every item on the decode rows' path (one
-    summation order for a query row whatever its chunk: the engine's batch-invariant mode)."""
+    summation order for a query row whatever its chunk: the engine's batch-invariant mode).
+    `sinks` f32 [Hq]: each head's sink logit in the softmax denominator (gpt-oss), applied
+    where each row is normalised; absent, the kernel gets an empty array and runs as before."""
     if not cpu_library.registered():
         raise KernelUnavailable("cpu_library.register(cache_dir) first")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else \
+        jnp.asarray(sinks, jnp.float32).reshape(q.shape[1])
     round_p = k_pages.dtype in (jnp.uint16, jnp.bfloat16)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
                             vmap_method="sequential")
     return call(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
-                cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), window.reshape(1),
+                cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), window.reshape(1), sinks,
                 sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
                 kv_split=np.int64(kv_split), round_p=bool(round_p), q_block=np.int64(q_block),

@@ -2,7 +2,8 @@
 // builds it with the machine's C++ compiler and registers it; cpu.py calls it). Same signature
 // and semantics as reference.py: q [T, Hq, D]; k/v pages [N, P, Hkv, D] (uint16 bf16 bits, bf16
 // or f32);
-// kv_lens [S]; page_indices [S, W]; cu_q_lens [S+1]; num_seqs [1]; window [] (<= 0: none).
+// kv_lens [S]; page_indices [S, W]; cu_q_lens [S+1]; num_seqs [1]; window [] (<= 0: none);
+// sinks f32 [Hq] (gpt-oss's per-head sink logit in each row's softmax denominator) or [0]: none.
 //
 // Why a kernel: in jnp, decode attention becomes many small gathers and batched 3-row dots per
 // layer, and XLA:CPU ran it at ~3 GB/s of KV (3.5 ms per SmolLM2 layer at 64 rows of ~220
@@ -202,6 +203,7 @@ struct Problem {
   // (scores per key as the decode rows compute them), so a query row's result does not depend
   // on how many rows share its item (a prefill chunk's length, where it starts)
   bool invariant;
+  const float* sinks;  // [Hq] sink logits, or null: none (write_out)
 };
 
 struct Item {
@@ -269,14 +271,24 @@ inline void copy_bf16_queries(const Problem& p, const Item& it, int32_t start, i
                     q16 + ((start + it.row0 + i) * p.Hq + h * G + g) * D, 2 * D);
 }
 
-// The item's output rows: acc / l, rounded to q's dtype.
+// 1 / the softmax denominator of a row with a sink logit: acc * this is the row's output.
+// The sink joins the sum l of e^(s - m) as e^(sink - m), both taken against max(m, sink) so
+// that neither overflows; a row that saw no key (m = kNeg, acc = 0) stays zero.
+inline float sink_inv(float m, float l, float sink) {
+  const float top = std::max(m, sink);
+  const float scale = std::exp(m - top);
+  return scale / (l * scale + std::exp(sink - top));
+}
+
+// The item's output rows: acc / l (with a sink: acc * sink_inv), rounded to q's dtype.
 void write_out(const Problem& p, const Item& it, const Scratch& sc, int32_t start, int64_t Hkv,
                int64_t G, int64_t R, int64_t D) {
   for (int32_t i = 0; i < it.rows; ++i)
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hr = h * R + i * G + g;
-        const float inv = 1.0f / std::max(sc.l[hr], 1e-30f);
+        const float inv = p.sinks == nullptr ? 1.0f / std::max(sc.l[hr], 1e-30f)
+                                             : sink_inv(sc.m[hr], sc.l[hr], p.sinks[h * G + g]);
         const int64_t off = ((start + it.row0 + i) * p.Hq + h * G + g) * D;
         const float* acc = &sc.acc[hr * D];
         if (p.q16) {
@@ -1124,7 +1136,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
                                 ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                                 ffi::Buffer<ffi::S32> page_indices,
                                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                                ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks,
+                                ffi::Result<ffi::AnyBuffer> out,
                                 float sm_scale, float soft_cap, int64_t kv_split, bool round_p,
                                 int64_t q_block, bool use_amx, bool invariant) {
   auto qd = q.dimensions(), kd = k.dimensions(), pd = page_indices.dimensions();
@@ -1162,8 +1175,11 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.round_p = round_p;
   p.use_amx = use_amx;
   p.invariant = invariant;
+  p.sinks = sinks.element_count() == 0 ? nullptr : sinks.typed_data();
   if (kd[3] != p.D || p.Hq % p.Hkv != 0 || p.D > 1024 || kv_split <= 0 || q_block <= 0)
     return ffi::Error::InvalidArgument("ragged_paged_attention: bad shapes or settings");
+  if (p.sinks != nullptr && static_cast<int64_t>(sinks.element_count()) != p.Hq)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: sinks must be [num_q_heads]");
   std::memset(p.out, 0, static_cast<size_t>(p.T * p.Hq * p.D) * (p.q16 ? 2 : 4));
   // q_block query rows per item (without AMX, SmolLM2's 16 rows x 3 query heads per KV head
   // are 48 score rows of a wide item: 4 blocks of kWideRows sharing each gathered K block)
@@ -1205,6 +1221,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchRaggedPagedAttention, RaggedPagedAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq] or [0]
                                   .Ret<ffi::AnyBuffer>()      // out
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")

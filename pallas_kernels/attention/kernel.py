@@ -44,6 +44,9 @@ Blocking, and why (T tokens, S sequence slots, K_s = history of sequence s, q_s 
     decode grid gets a third axis of KV splits (flash decoding; a static count from S, Hkv, W):
     each program covers a share of the KV blocks and writes float32 partials (out, max, sum),
     merged by a few jnp ops: extra bytes ~ splits * S * Hq * (D + 2) * 4 * 2, no extra KV reads.
+  * Attention sinks (gpt-oss: a logit per query head in the softmax denominator, no value) are
+    a [Hq] f32 input read once per row where it is normalised (`normalise`), or, for split
+    decode, in the merge; without sinks the programs are the ones compiled before.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.attention.reference import normalise
 from pallas_kernels.attention.tuning import DEFAULT
 
 _NEG = -1e30  # finite "minus infinity", as in the reference
@@ -117,9 +121,11 @@ def _attend_block(q, k_ref, v_ref, pages_ref, carry, j, *, seq, kv_head, row_pos
     return m_new, l, acc
 
 
-def _attend_rows(q_ref, k_ref, v_ref, pages_ref, *, q_rows, row_ok, row_pos, blocks, bk, **kw):
+def _attend_rows(q_ref, k_ref, v_ref, pages_ref, *, q_rows, row_ok, row_pos, blocks, bk,
+                 sink=None, **kw):
     """Attend R query rows (flat indices q_rows into [T * Hq, D]) to KV blocks [blocks) ->
-    (m, l, normalised out [R, Dp]) in float32 (columns >= D are zeros)."""
+    (m, l, normalised out [R, Dp]) in float32 (columns >= D are zeros); `sink` [R]: each
+    row's sink logit in the denominator (the split partials take none: the merge adds it)."""
     R = q_rows.shape[0]
     Dp = _pow2(q_ref.shape[1])
     q = plt.load(_rows(q_ref, q_rows), mask=_col_mask(row_ok, q_ref.shape[1]), other=0)
@@ -131,7 +137,7 @@ def _attend_rows(q_ref, k_ref, v_ref, pages_ref, *, q_rows, row_ok, row_pos, blo
     body = functools.partial(_attend_block, q, k_ref, v_ref, pages_ref, row_pos=row_pos, bk=bk,
                              **kw)
     m, l, acc = jax.lax.fori_loop(*blocks, lambda j, c: body(c, j), carry)
-    return m, l, acc / jnp.maximum(l, 1e-30)[:, None]
+    return m, l, normalise(acc, m, l, sink)
 
 
 def _store(ref, rows, row_ok, val):
@@ -153,10 +159,11 @@ def _window_lo(first_pos, sliding_window):
 
 
 def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, G, Gp, Hq, S, splits,
-                   bk, windowed, **kw):
+                   bk, windowed, sinks, **kw):
     """Program (seq, kv head, split): all G query heads of a 1-token sequence against one KV
-    head, over split `c` of its KV blocks. splits == 1: out_refs = (aliased in, out) and rows
-    are final; else out_refs = (out [splits*S*Hq, D], m, l [splits*S*Hq]) partials."""
+    head, over split `c` of its KV blocks. splits == 1: out_refs = ([sinks,] aliased in, out)
+    and rows are final; else out_refs = (out [splits*S*Hq, D], m, l [splits*S*Hq]) partials."""
+    sink_ref, out_refs = (out_refs[0], out_refs[1:]) if sinks else (None, out_refs)
     seq, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_start, q_len, kv_len = meta_ref[0, seq], meta_ref[1, seq], meta_ref[2, seq]
     sliding_window = meta_ref[3, seq] if windowed else None
@@ -175,7 +182,8 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, G, Gp, H
         m, l, out = _attend_rows(
             q_ref, k_ref, v_ref, pages_ref, q_rows=q_start * Hq + heads, row_ok=row_ok,
             row_pos=jnp.full((Gp,), pos, jnp.int32), blocks=(lo, hi), bk=bk, seq=seq,
-            kv_head=h, key_lo=key_lo, key_hi=kv_len, sliding_window=sliding_window, **kw)
+            kv_head=h, key_lo=key_lo, key_hi=kv_len, sliding_window=sliding_window,
+            sink=None if sink_ref is None else plt.load(sink_ref.at[heads]), **kw)
         if splits == 1:
             _store(out_refs[1], q_start * Hq + heads, row_ok, out)
         else:
@@ -184,9 +192,9 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, G, Gp, H
                 _store(ref, rows, row_ok, val)
 
 
-def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_ref, o_ref, *, G,
-                    R, bq, Hq, bk, windowed, **kw):
-    del o_in_ref  # aliased to o_ref
+def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, *refs, G, R, bq, Hq,
+                    bk, windowed, sinks, **kw):
+    sink_ref, o_ref = (refs[0], refs[2]) if sinks else (None, refs[1])  # [sinks,] o_in, o
     i, h = pl.program_id(0), pl.program_id(1)
     seq, first = blocks_ref[0, i], blocks_ref[1, i]  # first: block's first token in its sequence
 
@@ -205,7 +213,8 @@ def _prefill_kernel(blocks_ref, meta_ref, q_ref, k_ref, v_ref, pages_ref, o_in_r
         _, _, out = _attend_rows(
             q_ref, k_ref, v_ref, pages_ref, q_rows=q_rows, row_ok=row_ok, row_pos=ctx + tok,
             blocks=(key_lo // bk, pl.cdiv(key_hi, bk)), bk=bk, seq=seq, kv_head=h,
-            key_lo=key_lo, key_hi=key_hi, sliding_window=sliding_window, **kw)
+            key_lo=key_lo, key_hi=key_hi, sliding_window=sliding_window,
+            sink=None if sink_ref is None else plt.load(sink_ref.at[h * G + r % G]), **kw)
         _store(o_ref, q_rows, row_ok, out)
 
 
@@ -243,6 +252,7 @@ def ragged_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     kv_block: int = DEFAULT.kv_block,
     q_block: int = DEFAULT.q_block,
     interpret: bool = False,
@@ -258,6 +268,7 @@ def ragged_paged_attention(
     """Kernel version of `ragged_paged_attention_reference` (same arguments and result).
 
     sliding_window: None, or the window as an int or a traced i32 scalar (data, see above).
+    sinks: None, or f32 [Hq] sink logits (see reference.py).
 
     kv_block: keys per decode step (rounded up to a power of two >= 16).
     q_block: query tokens per prefill program, before rounding the (token, head) rows to a
@@ -292,7 +303,10 @@ def ragged_paged_attention(
     v2 = v_pages.reshape(N * P * Hkv, D)
     pages = page_indices.astype(i32).reshape(S * W)
     common = {"page_size": P, "num_kv_heads": Hkv, "width": W, "sm_scale": float(sm_scale),
-              "soft_cap": soft_cap, "windowed": windowed, "Hq": Hq, "G": G}
+              "soft_cap": soft_cap, "windowed": windowed, "Hq": Hq, "G": G,
+              "sinks": sinks is not None}
+    sink = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(Hq)
+    sink_in: tuple[jax.Array, ...] = () if sink is None else (sink,)
     out = jnp.zeros((T * Hq, D), q.dtype)
     out_shape = jax.ShapeDtypeStruct(out.shape, out.dtype)
 
@@ -306,10 +320,10 @@ def ragged_paged_attention(
         kern = functools.partial(_prefill_kernel, R=R, bq=bq, bk=max(16, _pow2(prefill_kv_block)),
                                  **common)
         out = pl.pallas_call(
-            kern, out_shape=out_shape, grid=(nb, Hkv), input_output_aliases={6: 0},
+            kern, out_shape=out_shape, grid=(nb, Hkv), input_output_aliases={6 + len(sink_in): 0},
             interpret=interpret, name="rpa_prefill",
             compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        )(blocks, meta, q2, k2, v2, pages, out)
+        )(blocks, meta, q2, k2, v2, pages, *sink_in, out)
 
     # Decode: (sequences) x (KV heads) x (KV splits), all G query heads of a KV head in a tile.
     bk = max(16, _pow2(kv_block))
@@ -319,10 +333,11 @@ def ragged_paged_attention(
     params = plt.CompilerParams(num_warps=decode_num_warps, num_stages=decode_num_stages)
     if splits == 1:
         out = pl.pallas_call(
-            kern, out_shape=out_shape, grid=(S, Hkv, 1), input_output_aliases={5: 0},
+            kern, out_shape=out_shape, grid=(S, Hkv, 1), input_output_aliases={5 + len(sink_in): 0},
             interpret=interpret, name="rpa_decode", compiler_params=params,
-        )(meta, q2, k2, v2, pages, out)
+        )(meta, q2, k2, v2, pages, *sink_in, out)
         return out.reshape(T, Hq, D)
+    kern = functools.partial(kern, sinks=False)  # the partials take none: the merge adds them
     f32 = jnp.float32
     part, m, l = pl.pallas_call(
         kern, grid=(S, Hkv, splits), interpret=interpret, name="rpa_decode_split",
@@ -334,8 +349,10 @@ def ragged_paged_attention(
     # Merge the splits: [splits, S, Hq] weights exp(m_c - max m) * l_c. Rows of non-decode
     # sequences hold garbage and are dropped by the scatter.
     m, l = m.reshape(splits, S, Hq), l.reshape(splits, S, Hq)
-    w = jnp.exp(m - m.max(axis=0)) * l
+    top = m.max(axis=0)
+    w = jnp.exp(m - top) * l
     dec = (w[..., None] * part.reshape(splits, S, Hq, D)).sum(axis=0)
-    dec = dec / jnp.maximum(w.sum(axis=0), 1e-30)[..., None]
+    # the merged rows as (acc, max, sum) against `top`: normalised, with the sinks if any
+    dec = normalise(dec, top, w.sum(axis=0), sink)
     target = jnp.where(q_lens == 1, cu[:-1], T)
     return out.reshape(T, Hq, D).at[target].set(dec.astype(q.dtype), mode="drop")

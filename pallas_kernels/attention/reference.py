@@ -15,7 +15,10 @@ The new tokens of sequence s sit at positions kv_lens[s]-q_len[s] .. kv_lens[s]-
 causally (plus an optional sliding window and logits soft cap). The key at position j is
 visible to the query at position i when i - window < j <= i (HF's sliding mask); the window may
 be a traced i32 scalar (a per-layer input of the model's scan), the soft cap is static:
-scores become cap * tanh(scores * sm_scale / cap). Any head_dim works (no tiles here).
+scores become cap * tanh(scores * sm_scale / cap). Optional `sinks` f32 [Hq] (gpt-oss): a
+learned logit per query head that joins each row's softmax denominator and carries no value,
+out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)) (HF's eager_attention_forward: the sink
+concatenated to the scores, softmax, then dropped). Any head_dim works (no tiles here).
 
 Why this shape of computation (T tokens, S sequences, K = longest history):
   * No per-token gather of KV history. Decode rows (q_len == 1) form a work list of
@@ -55,6 +58,17 @@ def _online_update(m, l, acc, s, mask):
     return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc, p
 
 
+def normalise(acc, m, l, sink=None):
+    """acc [..., D] / l [...]; with a sink logit (broadcast like m) acc / (l + e^(sink - m)),
+    both terms taken against max(m, sink) so that neither exponential overflows. A row that saw
+    no key (m = _NEG, l = 0, acc = 0) stays zero."""
+    if sink is None:
+        return acc / jnp.maximum(l, 1e-30)[..., None]
+    top = jnp.maximum(m, sink)
+    scale = jnp.exp(m - top)
+    return acc * scale[..., None] / (l * scale + jnp.exp(sink - top))[..., None]
+
+
 def _values(x: jax.Array) -> jax.Array:
     """Gathered cache blocks as values: uint16 storage holds bf16 bits."""
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
@@ -82,6 +96,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     kv_block: int = 64,
     q_block: int = 32,
     decode_chunk: int | None = 32,
@@ -102,6 +117,7 @@ def ragged_paged_attention_reference(
     kv_lens = jnp.where(real, kv_lens, 0)
     f32 = jnp.float32
     out_dtype = q.dtype
+    sink = None if sinks is None else jnp.asarray(sinks, f32).reshape(Hkv, G)
 
     # ---- decode rows: a work list of (sequence, KV block) items, `chunk` items per step ---------
     # Item i belongs to the decode row r with cum[r-1] <= i < cum[r]; each loop iteration gathers
@@ -170,7 +186,7 @@ def ragged_paged_attention_reference(
         jnp.zeros((S, Hkv, G, D), f32),
     )
     m, l, acc = jax.lax.fori_loop(0, (total + chunk - 1) // chunk, dec_body, init)
-    out_dec = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(S, Hq, D).astype(out_dtype)
+    out_dec = normalise(acc, m, l, sink).reshape(S, Hq, D).astype(out_dtype)
 
     # ---- prefill rows: per real prefill sequence, per query block, causal KV blocks --------
     # Online softmax over 64-key blocks: where a row's max grows after its first block, its
@@ -226,7 +242,8 @@ def ragged_paged_attention_reference(
                 jnp.zeros((Hkv, G, qb, D), f32),
             )
             m, l, acc = jax.lax.fori_loop(lo, (hi + bk - 1) // bk, kv_body, init)
-            res = acc / jnp.maximum(l, 1e-30)[..., None]  # [Hkv, G, qb, D]
+            row_sink = None if sink is None else sink[..., None]  # [Hkv, G, 1]
+            res = normalise(acc, m, l, row_sink)  # [Hkv, G, qb, D]
             res = res.transpose(2, 0, 1, 3).reshape(qb, Hq, D).astype(out_dtype)
             old = jax.lax.dynamic_slice(out, (row0, 0, 0), (qb, Hq, D))
             new = jnp.where(row_ok[:, None, None], res, old)

@@ -78,8 +78,9 @@ def make_batch(seed, q_lens, ctx_lens, *, num_q_heads, num_kv_heads, head_dim, p
     return args, host
 
 
-def naive_attention(host, *, sm_scale, soft_cap=None, sliding_window=None):
-    """Per-sequence dense causal softmax in float64; padding rows are zeros."""
+def naive_attention(host, *, sm_scale, soft_cap=None, sliding_window=None, sinks=None):
+    """Per-sequence dense causal softmax in float64; padding rows are zeros. `sinks` [Hq]: a
+    logit per head joined to every row's scores for the softmax, then dropped (HF gpt-oss)."""
     q = host["q"].astype(np.float64)
     kp, vp = host["k_pages"].astype(np.float64), host["v_pages"].astype(np.float64)
     T, Hq, D = q.shape
@@ -103,9 +104,13 @@ def naive_attention(host, *, sm_scale, soft_cap=None, sliding_window=None):
         if sliding_window is not None:
             mask &= pos[None, :] > qpos[:, None] - sliding_window
         logits = np.where(mask[None], logits, -np.inf)
+        if sinks is not None:  # [Hq, q, kl + 1]: the sink as one more column
+            sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None],
+                                   (*logits.shape[:2], 1))
+            logits = np.concatenate([logits, sink], axis=-1)
         w = np.exp(logits - logits.max(-1, keepdims=True))
         w /= w.sum(-1, keepdims=True)
-        out[a:b] = np.einsum("hqk,khd->qhd", w, v)
+        out[a:b] = np.einsum("hqk,khd->qhd", w[..., :kl], v)
     return out
 
 

@@ -190,3 +190,36 @@ def test_bf16_within_rounding_bound_of_exact(q_len, ctx, q_block):
     exact = naive_attention(host, sm_scale=0.125)
     excess = np.abs(got - exact) - BF16_BOUND * _max_abs_v_seen(host)
     assert (excess <= 0).all(), excess.max()
+
+
+SINKS = np.array([0.0, 1.5, -2.0, 40.0, -40.0, 3.0, 0.5, -0.5, 2.0], np.float32)  # Hq = 9
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("q_block", [16, 1])
+def test_sinks_match_reference_and_oracle(dtype, q_block):
+    """gpt-oss's attention sinks on every path of the kernel (decode rows, prefill items, f32
+    and bf16, AMX where the CPU has it; q_block 1: every row down the decode path): within the
+    kernel's tolerance of the reference with the same sinks (f32 1e-5, bf16 1.5e-2), and f32
+    within 1e-5 of the float64 softmax with the sink as one more column. Sinks far above the
+    scores (40) and below (-40) included: no overflow, rows shrink or stay."""
+    q_lens, ctx = [1, 130, 1, 17, 1], [700, 0, 33, 600, 0]
+    args, host = make_batch(31, q_lens, ctx, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                            page_size=16, num_tokens=160, num_slots=7, dtype=dtype)
+    kw = {"sm_scale": 0.125, "sliding_window": 128}
+    got = _compare(args, host, dtype, native_kw={"q_block": q_block},
+                   sinks=jnp.asarray(SINKS), **kw)
+    if dtype == np.float32:
+        np.testing.assert_allclose(got, naive_attention(host, sinks=SINKS, **kw),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_negligible_sinks_leave_the_bits():
+    """Sinks of -1e30 add exactly nothing: the output is bitwise the one without sinks (the
+    sink path divides by the same sum the plain path does)."""
+    q_lens, ctx = [1, 45, 1, 3], [130, 20, 0, 70]
+    args, _ = make_batch(12, q_lens, ctx, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                         page_size=16, num_tokens=64, num_slots=6)
+    none = np.asarray(_native(*args, sm_scale=0.125))
+    tiny = np.asarray(_native(*args, sm_scale=0.125, sinks=jnp.full(9, -1e30, jnp.float32)))
+    np.testing.assert_array_equal(none, tiny)

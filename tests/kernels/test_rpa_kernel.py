@@ -177,3 +177,22 @@ def test_head_dim_96_and_traced_window(split):
         assert (got[real:] == 0).all(), "padding rows must be zeros"
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(ref, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_sinks_match_reference_and_oracle(dtype, split):
+    """gpt-oss's attention sinks (a logit per query head in the softmax denominator): prefill
+    chunks and decode rows, with and without KV splits (the merge adds the sinks), within the
+    kernel's tolerance of the reference with the same sinks; f32 within 1e-5 of the float64
+    softmax with the sink as one more column. Sinks of 40 and -40 included (no overflow)."""
+    sinks = np.array([0.0, 1.5, -2.0, 40.0, -40.0, 3.0], np.float32)
+    q_lens, ctx = [1, 45, 1, 3, 1], [130, 20, 0, 70, 700]
+    args, host = make_batch(13, q_lens, ctx, num_q_heads=6, num_kv_heads=2, head_dim=64,
+                            page_size=16, num_tokens=64, num_slots=6, dtype=dtype)
+    kw = {"sm_scale": 0.125, "sliding_window": 128}
+    got = _compare(args, host, dtype, kernel_kw={"decode_kv_splits": split},
+                   sinks=jnp.asarray(sinks), **kw)
+    if dtype == np.float32:
+        np.testing.assert_allclose(got, naive_attention(host, sinks=sinks, **kw),
+                                   atol=1e-5, rtol=1e-5)

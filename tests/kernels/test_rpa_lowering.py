@@ -96,3 +96,18 @@ def test_head_dim_96_and_traced_window_lower():
     )(jax.ShapeDtypeStruct((), jnp.int32), *_avals(256, 64, Hq, Hkv, D, jnp.bfloat16))
     assert exp.mlir_module().count(_TRITON) == 2
     assert exp.out_avals[0].shape == (256, Hq, D)
+
+
+@pytest.mark.parametrize("T,S", [(256, 64), (16, 1)])
+def test_sinks_lower(T, S):
+    """Attention sinks (gpt-oss: an f32 [Hq] input) lower for CUDA on the prefill, decode and
+    split-decode programs, with the launch grids unchanged."""
+    Hq, Hkv, D = MODELS["llama8b"]
+    f = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, sliding_window=128)
+    exp = jax.export.export(
+        jax.jit(f), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON)],
+    )(*_avals(T, S, Hq, Hkv, D, jnp.bfloat16), sinks=jax.ShapeDtypeStruct((Hq,), jnp.float32))
+    plain = _export(T, S, "llama8b", sliding_window=128).mlir_module()
+    assert _grids(exp.mlir_module()) == _grids(plain)
+    assert len(exp.serialize()) > 0

@@ -85,6 +85,26 @@ def test_reference_mixed_batch(page_size, soft_cap, sliding_window):
     check(args, host, _reference(*args, **kw), atol=2e-5, rtol=2e-5, **kw)
 
 
+@pytest.mark.parametrize("soft_cap,sliding_window", [(None, None), (3.0, 5), (None, 130)])
+def test_reference_sinks_match_naive(soft_cap, sliding_window):
+    """gpt-oss's attention sinks (one logit per query head in the softmax denominator) against
+    a float64 softmax with the sink as one more column, on a mixed batch of decode rows and
+    prefill chunks: sinks far above the scores (40: the rows almost vanish, no overflow), far
+    below (-40: none) and in between, within the same 2e-5 as without sinks."""
+    q_lens, ctx = [1, 300, 1, 7, 1, 64], [0, 150, 999, 0, 130, 1]
+    args, host = make_batch(8, q_lens, ctx, num_q_heads=6, num_kv_heads=2, head_dim=16,
+                            page_size=16, num_tokens=400, num_slots=9)
+    sinks = np.array([0.0, 1.5, -2.0, 40.0, -40.0, 3.0], np.float32)
+    kw = {"sm_scale": 0.25, "soft_cap": soft_cap, "sliding_window": sliding_window}
+    out = _reference(*args, sinks=jnp.asarray(sinks), **kw)
+    check(args, host, out, atol=2e-5, rtol=2e-5, sinks=sinks, **kw)
+    # every head whose sink is not negligible moves: the sinks are applied, per head
+    plain = np.asarray(_reference(*args, **kw))
+    real = int(host["cu_q_lens"][int(host["num_seqs"][0])])
+    moved = np.abs(np.asarray(out)[:real] - plain[:real]).max(axis=(0, 2))
+    assert (moved[sinks > -10] > 1e-3).all()
+
+
 def test_reference_bfloat16():
     q_lens, ctx = [1, 33, 1, 129], [100, 20, 5, 400]
     args, host = make_batch(3, q_lens, ctx, num_q_heads=8, num_kv_heads=2, head_dim=64,
