@@ -236,9 +236,10 @@ def test_bad_arguments():
 
 def _bench(fmts=("Q4_K", "Q8_0", "Q6_K"), shapes=((8192, 2048), (2048, 8192)),
            ms=(1, 8, 512)):
-    """GB/s of weight bytes at decode (M = 1, 8), GFLOP/s at prefill (M = 512): medians over
+    """GB/s of weight bytes at decode (M = 1, 8), GFLOP/s at prefill (M = 512): medians over 7
     repeats; the weight stack spans > 200 MB so that each call reads its layer from memory. The
-    formats of one shape run one after another, so that they compare under the same load."""
+    formats of a shape take turns within each repeat, so that they compare under the same load
+    (a shared VM's drifts over seconds)."""
     import os
     import tempfile
 
@@ -246,29 +247,34 @@ def _bench(fmts=("Q4_K", "Q8_0", "Q6_K"), shapes=((8192, 2048), (2048, 8192)),
     print(f"load: {os.getloadavg()}", flush=True)
     rng = np.random.default_rng(0)
     for n, k in shapes:
+        stacks = {}
         for fmt in fmts:
             rb = quant.row_bytes(fmt, k)
             L = max(2, -(-200_000_000 // (n * rb)))
-            stack = jnp.asarray(np.broadcast_to(make_weight(fmt, n, k, rng), (L, n, rb)).copy())
-            for m in ms:
-                for dt, dtype in DTYPES.items():
-                    if not quant.available(dtype):
-                        continue
-                    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-                    jax.block_until_ready(_call(x, stack, fmt))
-                    calls = 2 * L if m <= 8 else 2
-                    times = []
-                    for _ in range(7):
+            stacks[fmt] = jnp.asarray(
+                np.broadcast_to(make_weight(fmt, n, k, rng), (L, n, rb)).copy())
+        for m in ms:
+            for dt, dtype in DTYPES.items():
+                if not quant.available(dtype):
+                    continue
+                x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+                times: dict[str, list[float]] = {fmt: [] for fmt in fmts}
+                for _ in range(7):
+                    for fmt, stack in stacks.items():
+                        L = stack.shape[0]
+                        calls = 2 * L if m <= 8 else 2
+                        jax.block_until_ready(_call(x, stack, fmt))
                         t0 = time.perf_counter()
                         for i in range(calls):
                             out = _call(x, stack, fmt, i % L)
                         jax.block_until_ready(out)
-                        times.append((time.perf_counter() - t0) / calls)
-                    t = float(np.median(times))
+                        times[fmt].append((time.perf_counter() - t0) / calls)
+                for fmt in fmts:
+                    t = float(np.median(times[fmt]))
                     print(f"{fmt} N={n} K={k} M={m:3d} {dt:4s} {t * 1e3:7.3f} ms "
-                          f"{n * rb / t / 1e9:5.1f} GB/s {2 * m * n * k / t / 1e9:6.1f} GFLOP/s",
-                          flush=True)
-            del stack
+                          f"{n * quant.row_bytes(fmt, k) / t / 1e9:5.1f} GB/s "
+                          f"{2 * m * n * k / t / 1e9:6.1f} GFLOP/s", flush=True)
+        del stacks
     print(f"load: {os.getloadavg()}", flush=True)
 
 
