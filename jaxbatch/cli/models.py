@@ -30,6 +30,8 @@ FAMILY_NOTES: dict[str, str] = {
     "mixtral": "top-k routed experts",
     "qwen2_moe": "top-k routed experts and a sigmoid-gated shared expert",
     "qwen3_moe": "top-k routed experts, q/k norm",
+    "gpt_oss": "attention sinks, q/k/v/o biases, sliding/full layers, YaRN rope, biased experts "
+               "with a clamped SwiGLU",
 }
 SOURCES = ("a built-in name", "a .gguf file", "a local HF directory (config.json + safetensors)")
 

@@ -158,14 +158,23 @@ def shard_attention(fn: Callable[..., jax.Array], mesh: Mesh) -> Callable[..., j
     heads = P(None, TP, None)  # q and the output [T, N, D]
     cache = P(None, None, TP, None)  # [pages, P, K, D]
 
-    def sharded(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **static):
+    def sharded(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks=None,
+                **static):
         inner = functools.partial(fn, **static)
-        return jax.shard_map(
-            inner, mesh=mesh, in_specs=(heads, cache, cache, P(), P(), P(), P()),
-            out_specs=heads, check_vma=False,
-        )(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        args = [q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs]
+        specs = [heads, cache, cache, P(), P(), P(), P()]
+        if sinks is not None:  # gpt-oss's [N] sink logits: each device its own heads'
+            inner = functools.partial(_with_sinks, inner)
+            args.append(sinks)
+            specs.append(P(TP))
+        return jax.shard_map(inner, mesh=mesh, in_specs=tuple(specs), out_specs=heads,
+                             check_vma=False)(*args)
 
     return sharded
+
+
+def _with_sinks(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
+    return fn(*args[:-1], sinks=args[-1])
 
 
 def engine_mesh(tp: int, devices: Sequence[Any] | None = None) -> Mesh | None:

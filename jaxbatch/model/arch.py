@@ -5,7 +5,9 @@ uses. Families: Llama 2/3 (incl. `llama3` rope scaling), SmolLM2 (tied embedding
 Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Gemma 2 and Gemma 3 text (sandwich norms,
 (1 + w) RMSNorm, GeGLU, scaled embeddings, soft-capping, interleaved sliding/global layers, a
 local rope base), Phi-3 (fused qkv / gate_up, split at load), Mixtral, Qwen2-MoE and Qwen3-MoE
-(routed experts, model/moe.py). Frozen, hashable: it is a static argument of the jitted step.
+(routed experts, model/moe.py), gpt-oss (attention sinks, q/k/v/o biases, alternating sliding
+and full layers, YaRN rope, biased router and experts with a clamped SwiGLU; model/gpt_oss.py).
+Frozen, hashable: it is a static argument of the jitted step.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
+from jaxbatch.model import rope as rope_freqs
 
 # HF `architectures` class -> the model_type its config carries. Loading refuses anything else,
 # naming it (see `check_supported`).
@@ -27,10 +31,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
 GEMMA_TYPES = ("gemma2", "gemma3_text")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 # HF activation name -> what the MLP applies (llama.py ACTIVATIONS)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # A sliding window wider than this is no window (a global layer fed as data; see llama.forward)
@@ -75,7 +80,7 @@ class ModelArch:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v projections carry biases
     # rope scaling as a sorted tuple of (key, value) so the dataclass stays hashable
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     sliding_window: int | None = None  # None: no layer's window can cut a sequence
@@ -98,6 +103,14 @@ class ModelArch:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert
+    # gpt-oss (model/gpt_oss.py)
+    o_bias: bool = False  # the output projection carries a bias
+    attention_sinks: bool = False  # a learned logit per head in each softmax denominator
+    router_bias: bool = False  # router logits = h @ router + bias
+    expert_bias: bool = False  # each expert's gate, up and down projections carry biases
+    softmax_topk: bool = False  # routing: top-k of the logits, softmax over those k only
+    swiglu_limit: float | None = None  # the experts' clamped SwiGLU (None: `hidden_act` GLU)
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -115,6 +128,12 @@ class ModelArch:
     @property
     def rope_type(self) -> str:
         return dict(self.rope_scaling).get("rope_type", "default")
+
+    def rope_attention_factor(self, local: bool = False) -> float:
+        """What HF multiplies into the cos/sin tables (YaRN's mscale; 1 otherwise)."""
+        local = local and self.local_rope_theta is not None
+        scaling = self.local_rope_scaling if local else self.rope_scaling
+        return rope_freqs.attention_factor(dict(scaling), self.max_position_embeddings)
 
     @property
     def sm_scale(self) -> float:
@@ -185,44 +204,21 @@ class ModelArch:
             if model_type == "gemma2" else None,
             final_soft_cap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
             query_pre_attn_scalar=getattr(cfg, "query_pre_attn_scalar", None) if gemma else None,
+            # gpt-oss: attention_bias covers the output projection too; sinks in every layer
+            o_bias=model_type == "gpt_oss" and bias,
+            attention_sinks=model_type == "gpt_oss",
             **_moe_settings(cfg, model_type, num_layers),
         )
 
     def inv_freq(self, local: bool = False):
-        """Rotary inverse frequencies [head_dim/2], float32 numpy (scaling applied); `local`:
-        those of the sliding layers when they have their own rope (`two_ropes`).
-
-        In float32 as transformers computes them (theta ** (arange / d) and every scaling step
-        in f32), not in float64 rounded once: that differed in a third of SmolLM2's entries,
-        and through positions * inv_freq its bf16 cos/sin tables in ~0.1% of entries (q and k
-        of ~1 token in 8 perturbed in every layer). The power alone is computed exactly and
-        rounded (torch's vectorised f32 pow is within an ulp of that; equal for SmolLM2)."""
-        import numpy as np
-
-        f32 = np.float32
-        d = self.head_dim
+        """Rotary inverse frequencies [head_dim/2], float32 numpy (scaling applied, each step in
+        float32 as transformers takes it: model/rope.py); `local`: those of the sliding layers
+        when they have their own rope (`two_ropes`)."""
         theta, scaling = self.rope_theta, self.rope_scaling
         if local and self.local_rope_theta is not None:
             theta, scaling = self.local_rope_theta, self.local_rope_scaling
-        exponent = np.arange(0, d, 2, dtype=np.int64).astype(f32) / f32(d)
-        power = (np.float64(f32(theta)) ** exponent.astype(np.float64)).astype(f32)
-        inv = f32(1.0) / power
-        rs = dict(scaling)
-        kind = rs.get("rope_type", "default")
-        if kind == "linear":
-            inv = inv / f32(rs["factor"])
-        elif kind == "llama3":
-            factor = f32(rs["factor"])
-            low, high = f32(rs["low_freq_factor"]), f32(rs["high_freq_factor"])
-            old_ctx = f32(rs["original_max_position_embeddings"])
-            low_wl, high_wl = old_ctx / low, old_ctx / high
-            wavelen = f32(2 * math.pi) / inv
-            scaled = np.where(wavelen > low_wl, inv / factor, inv)
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            mid = (f32(1) - smooth) * scaled / factor + smooth * scaled
-            is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
-            inv = np.where(is_mid, mid, scaled)
-        return inv.astype(f32)
+        return rope_freqs.inv_freq(theta, self.head_dim, dict(scaling),
+                                   self.max_position_embeddings)
 
     def param_shapes(self) -> dict[str, Any]:
         """The params pytree's expected shapes; loaders check every tensor against it."""
@@ -239,6 +235,10 @@ class ModelArch:
         }
         if self.attention_bias:
             layers.update(bq=(L, qd), bk=(L, kvd), bv=(L, kvd))
+        if self.o_bias:
+            layers.update(bo=(L, H))
+        if self.attention_sinks:
+            layers.update(sinks=(L, self.num_heads))
         if self.qk_norm:
             layers.update(q_norm=(L, D), k_norm=(L, D))
         if self.gemma_norms:
@@ -247,6 +247,11 @@ class ModelArch:
             E, Ie = self.num_experts, self.moe_intermediate_size
             layers.update(router=(L, H, E), experts_gate=(L, E, H, Ie),
                           experts_up=(L, E, H, Ie), experts_down=(L, E, Ie, H))
+            if self.router_bias:
+                layers.update(router_bias=(L, E))
+            if self.expert_bias:
+                layers.update(experts_gate_bias=(L, E, Ie), experts_up_bias=(L, E, Ie),
+                              experts_down_bias=(L, E, H))
             I = self.shared_expert_intermediate_size
             if I:
                 layers.update(shared_gate=(L, H, 1))
@@ -269,7 +274,7 @@ def _one_rope(rope: dict[str, Any], cfg: Any) -> tuple[float, tuple[tuple[str, A
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
     rope.setdefault("rope_type", "default")
-    if rope["rope_type"] not in ("default", "linear", "llama3"):
+    if rope["rope_type"] not in rope_freqs.SUPPORTED_ROPE_TYPES:
         raise UnsupportedArchitectureError(f"rope_type {rope['rope_type']!r} is not supported")
     partial = rope.pop("partial_rotary_factor", None)
     if partial is None:
@@ -321,6 +326,11 @@ def _sliding(cfg: Any, model_type: str,
 def _moe_settings(cfg: Any, model_type: str, num_layers: int) -> dict[str, Any]:
     if model_type not in MOE_TYPES:
         return {}
+    if model_type == "gpt_oss":  # the experts' width is the config's intermediate_size
+        return {"num_experts": cfg.num_local_experts, "num_experts_per_tok":
+                cfg.num_experts_per_tok, "moe_intermediate_size": cfg.intermediate_size,
+                "router_bias": True, "expert_bias": True, "softmax_topk": True,
+                "swiglu_limit": float(cfg.swiglu_limit), "swiglu_alpha": float(cfg.swiglu_alpha)}
     if model_type == "mixtral":  # Mixtral always renormalises its top-k weights
         return {"num_experts": cfg.num_local_experts, "num_experts_per_tok":
                 cfg.num_experts_per_tok, "moe_intermediate_size": cfg.intermediate_size,

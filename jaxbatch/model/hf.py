@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch.model import gpt_oss
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.quantize import RawBlocks
 from jaxbatch.model.stack_files import StackFiles
@@ -124,4 +126,7 @@ def load_hf_dir(path: str, dtype: Any, bf16_rows: bool = False,
     copy, read by the quantised matmul kernel at every step size); for bfloat16 compute.
     `stacks`: where their stacks are kept as files (model/stack_files.py)."""
     arch = ModelArch.from_hf_config(load_hf_config(path))
-    return arch, assemble_params(arch, read_safetensors_dir(path, bf16_rows), dtype, stacks)
+    tensors: Mapping[str, Any] = read_safetensors_dir(path, bf16_rows)
+    if arch.model_type == "gpt_oss":  # its fused experts, split as hf_names names them
+        tensors = gpt_oss.checkpoint_tensors(tensors, arch.num_experts)
+    return arch, assemble_params(arch, tensors, dtype, stacks)

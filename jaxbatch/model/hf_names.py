@@ -6,7 +6,11 @@ the HF tensor each leaf is read from:
     attention there (ours `post_attn_norm`), while in Llama-style models it is the pre-MLP norm;
   * Phi-3 fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`: each leaf is a row range
     of the fused tensor (split at load, so the forward is the same as Llama's);
-  * MoE models store one tensor per expert (`experts.{e}`), stacked here on an expert axis.
+  * MoE models store one tensor per expert (`experts.{e}`), stacked here on an expert axis;
+  * gpt-oss stores each layer's experts fused ([E, H, 2I], gate and up interleaved): its table
+    names them as llama.cpp splits them (per expert gate / up / down, biases per layer), and
+    the checkpoint is read through that split (model/gpt_oss.py), so one table serves the HF
+    directory and the GGUF file.
 """
 
 from __future__ import annotations
@@ -105,6 +109,23 @@ def _qwen_moe_layer(arch: ModelArch) -> dict[str, Source]:
     }
 
 
+def _gpt_oss_layer(arch: ModelArch) -> dict[str, Source]:
+    experts = "mlp.experts"
+    return {
+        **_llama_layer(arch),
+        "bo": Source("self_attn.o_proj.bias"),
+        "sinks": Source("self_attn.sinks"),
+        "router": _linear("mlp.router"),
+        "router_bias": Source("mlp.router.bias"),
+        "experts_gate": _linear(f"{experts}.{{e}}.gate_proj"),
+        "experts_up": _linear(f"{experts}.{{e}}.up_proj"),
+        "experts_down": _linear(f"{experts}.{{e}}.down_proj"),
+        "experts_gate_bias": Source(f"{experts}.gate_proj.bias"),  # [E, I]
+        "experts_up_bias": Source(f"{experts}.up_proj.bias"),
+        "experts_down_bias": Source(f"{experts}.down_proj.bias"),  # [E, H]
+    }
+
+
 _FAMILIES = {
     "gemma2": _gemma_layer,
     "gemma3_text": _gemma_layer,
@@ -112,6 +133,7 @@ _FAMILIES = {
     "mixtral": _mixtral_layer,
     "qwen2_moe": _qwen_moe_layer,
     "qwen3_moe": _qwen_moe_layer,
+    "gpt_oss": _gpt_oss_layer,
 }
 
 

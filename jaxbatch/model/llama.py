@@ -8,7 +8,8 @@ offset page ids, so no per-layer copy of the cache is made.
 
 Every supported family runs through this one forward; `ModelArch` switches its options: q/k
 norms (Qwen3, Gemma 3), Gemma's (1 + w) norms after attention and around the MLP, scaled
-embeddings and soft-capping, GeGLU, routed experts (model/moe.py). Layers that differ by kind
+embeddings and soft-capping, GeGLU, routed experts (model/moe.py), gpt-oss's attention sinks
+(passed to the attention function) and output bias. Layers that differ by kind
 (Gemma's sliding and global layers) stay in the one scan: each layer's window and rope table are
 scanned inputs (data), so compile time stays flat in depth and in the pattern's period.
 
@@ -124,11 +125,16 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool = False) -> 
 def rope_tables(arch: ModelArch, positions: jax.Array,
                 local: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos, sin [T, D] in float32, laid out as HF's rotate_half expects (halves repeated);
-    `local`: the sliding layers' own rope (Gemma 3)."""
+    `local`: the sliding layers' own rope (Gemma 3). YaRN's attention factor multiplies both
+    in float32, as HF does before rounding them to the compute dtype."""
     inv = jnp.asarray(arch.inv_freq(local).astype(np.float32))
     freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    factor = arch.rope_attention_factor(local)
+    if factor != 1.0:
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -283,6 +289,9 @@ def forward(
         offset = attn.slot_mapping % P
         k_cache = k_cache.at[page, offset].set(_kv_encode(k, store))
         v_cache = v_cache.at[page, offset].set(_kv_encode(v, store))
+        # gpt-oss's sink logits [N] only where the model has them: the other families call
+        # every backend as before
+        sinks = {"sinks": lp["sinks"].astype(jnp.float32)} if arch.attention_sinks else {}
         o = attention_fn(
             q,
             k_cache,
@@ -295,8 +304,11 @@ def forward(
             soft_cap=arch.attn_soft_cap,
             # a traced i32 scalar when sliding and global layers mix, else static
             sliding_window=extra["window"] if arch.mixed_windows else arch.sliding_window,
+            **sinks,
         )
         o = _mm(o.reshape(T, N * D).astype(x.dtype), lp["wo"])
+        if arch.o_bias:
+            o = o + lp["bo"]
         if gemma:
             o = norm(o, lp["post_attn_norm"])
         x = x + o

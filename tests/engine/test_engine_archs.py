@@ -1,6 +1,6 @@
 """Greedy through the whole engine equals HF transformers' greedy, token for token, for the
 families beyond Llama (tests/helpers/tiny_models.ARCH_KINDS): Qwen3, Gemma 2, Gemma 3, Phi-3,
-Mixtral, Qwen2-MoE, Qwen3-MoE.
+Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss (its attention sinks on every attention backend).
 
 Gemma 3 (q/k norms, sliding and global layers mixed with their own ropes, sandwich norms,
 GeGLU, scaled embeddings, final soft cap) runs the full matrix: the three batching policies,
@@ -61,9 +61,25 @@ def test_gemma3_decode_first_with_preemption(tiny):
     ("mixtral", 16, "mixed"),
     ("qwen2_moe", 1, "decode_first"),
     ("qwen3_moe", 16, "prefill_first"),
+    ("gpt_oss", 16, "mixed"),
 ])
 def test_architecture_exact(tiny, kind, page_size, policy):
     run_exact(tiny, kind, page_size, policy)
+
+
+def test_gpt_oss_on_the_native_kernel(tiny):
+    """gpt-oss's attention sinks through the C++ CPU kernel, page size 1, decode first."""
+    run_exact(tiny, "gpt_oss", 1, "decode_first", backend="native")
+
+
+def test_gpt_oss_through_the_pallas_kernel(tiny):
+    """gpt-oss's attention sinks through the Pallas kernel (interpret mode on CPU)."""
+    path, hf = tiny("gpt_oss")
+    llm = LLM(path, dtype="float32", page_size=16, num_pages=64, max_num_batched_tokens=32,
+              max_num_seqs=2, planner="fixed:[(32,2)]", attention_backend="pallas",
+              **{**ENGINE, "max_model_len": 128})
+    with torch_one_thread():
+        check_exact(llm, hf, prompts_of([40, 5], seed=4), [4, 4])
 
 
 def test_phi3_head_dim_96_through_the_pallas_kernel(tiny):

@@ -9,7 +9,8 @@ import transformers
 
 TINY_KINDS = ("llama_gqa", "llama_tied", "qwen2", "mistral", "llama3_rope")
 # the families beyond Llama (model/arch.py): each exercises what its family adds
-ARCH_KINDS = ("qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCH_KINDS = ("qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+              "gpt_oss")
 
 
 def make_hf_config(kind: str):
@@ -88,13 +89,23 @@ def _arch_config(kind: str, common: dict):
         return transformers.Qwen3MoeConfig(
             **untied, head_dim=32, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, norm_topk_prob=True, rope_theta=1000000.0)
+    if kind == "gpt_oss":  # sinks, biases, S F S layers, YaRN, top 2 of 4 clamped experts
+        return transformers.GptOssConfig(
+            **{**untied, "num_hidden_layers": 3, "intermediate_size": 32}, head_dim=16,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            swiglu_limit=0.6,  # small enough that the clamps act on these weights
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 256})
     raise ValueError(kind)
 
 
-def make_tiny_model(kind: str, path: str, seed: int = 0):
-    """Build, save (config + safetensors) and return the HF torch model in eval mode, fp32."""
+def make_tiny_model(kind: str, path: str, seed: int = 0, cfg=None):
+    """Build, save (config + safetensors) and return the HF torch model in eval mode, fp32;
+    `cfg`: a config of that kind to use instead of make_hf_config's."""
     torch.manual_seed(seed)
-    cfg = make_hf_config(kind)
+    cfg = cfg if cfg is not None else make_hf_config(kind)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
     # Random init is small; scale weights up a bit so logits are not all near zero.
     with torch.no_grad():

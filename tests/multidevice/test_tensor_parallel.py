@@ -87,3 +87,14 @@ def test_tp_greedy_equals_single_device(tiny_models, single_device, kind, tp, ba
         r"reduce-scatter)\(", engine.runner.executables[(32, 4)].as_text()))
     assert ops == {("f32", f"32,{H}", "all-reduce"): 2, ("f32", f"4,{V}", "all-gather"): 1,
                    ("f32", "4", "all-reduce"): 1, ("s32", "4", "all-reduce"): 1}, ops
+
+
+@pytest.mark.parametrize("tp,backend", [(2, "reference"), (4, "pallas")])
+def test_tp_gpt_oss_sinks_split_with_their_heads(tiny_models, single_device, tp, backend):
+    """gpt-oss under tensor parallelism: each device's attention takes its own heads' sinks
+    (shard_map over the [N] sink logits), the experts and their biases replicated, the output
+    bias added once after the all-reduce; greedy equals HF's token for token."""
+    path, _ = tiny_models("gpt_oss")
+    llm = LLM(path, tensor_parallel_size=tp, attention_backend=backend, **ENGINE)
+    assert greedy(llm, prompts()) == single_device("gpt_oss")
+    assert llm.engine.compiles_since_warmup == 0
