@@ -16,7 +16,11 @@ Layout changes undone (each as transformers' GGUF loader does it):
   * Gemma 2/3 RMSNorm weights are stored as 1 + w (llama.cpp's norm multiplies by w, HF's
     Gemma norm by 1 + w), so 1 is subtracted;
   * a `rope_freqs` tensor (Llama 3.1's rope scaling, written by convert_hf_to_gguf instead of
-    metadata) becomes the equivalent `llama3` rope parameters (`llama3_rope_from_freq_factors`).
+    metadata) becomes the equivalent `llama3` rope parameters (`llama3_rope_from_freq_factors`);
+  * gpt-oss's experts are split as the HF names of its table are (model/gpt_oss.py), so they
+    load like any MoE's; its config's head dim, expert width and YaRN rope come from the
+    metadata (`gpt_oss.gguf_config`: transformers misreads the YaRN keys and raises, so they
+    are hidden from it, `reuse_reader`).
 
 MoE experts (`blk.N.ffn_{gate,up,down}_exps`, 3-D, ggml shape [K, N, E]) are cut into the
 per-expert HF tensors the strict check expects, each remembering its 3-D parent, which the
@@ -40,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxbatch.model import gpt_oss
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.gguf_moe import moe_config
 from jaxbatch.model.quantize import RawBlocks
@@ -110,6 +115,8 @@ def gguf_to_hf_names(gguf_arch: str, num_layers: int, hf_names: set[str]) -> dic
         g = name_map.get_name(stem)
         if g is not None:
             out[f"{g}.{suffix}"] = hf
+        elif (g := name_map.get_name(hf)) is not None:  # a parameter with no .weight in HF
+            out[f"{g}.weight"] = hf  # (gpt-oss's self_attn.sinks: blk.N.attn_sinks.weight)
     return out
 
 
@@ -393,15 +400,17 @@ def reuse_reader(path: str, reader: Any) -> Iterator[None]:
     GGUF config and tokenizer builders each construct a GGUFReader (`from gguf import GGUFReader`
     at call time), and a parse of a 1B file's metadata (49k tokens and merges, each a few numpy
     views) is 4-6 s: three of them were 17 s of a first start. Other paths parse as usual; were
-    transformers to bind the class elsewhere, it would parse again (slower, same result)."""
+    transformers to bind the class elsewhere, it would parse again (slower, same result). What
+    transformers misreads is hidden from it (gpt-oss's YaRN keys: `gpt_oss.for_transformers`)."""
     import gguf
 
     real = gguf.GGUFReader
     target = os.path.realpath(path)
+    shown = gpt_oss.for_transformers(reader, _field(reader, "general.architecture"))
 
     def reader_for(p: Any, *args: Any, **kwargs: Any) -> Any:
         if not args and not kwargs and os.path.realpath(os.fspath(p)) == target:
-            return reader
+            return shown
         return real(p, *args, **kwargs)
 
     setattr(gguf, "GGUFReader", reader_for)  # noqa: B010 - the module attribute, on purpose
@@ -418,12 +427,15 @@ def load_gguf_config(path: str, reader: Any | None = None) -> Any:
 
     reader = reader if reader is not None else open_gguf(path)
     try:
-        cfg = AutoConfig.from_pretrained(
-            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
-        )
+        with reuse_reader(path, reader):
+            cfg = AutoConfig.from_pretrained(
+                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+            )
     except Exception as e:
         raise WeightLoadError(f"cannot derive an HF config from {path}: {e}") from e
     arch_name = _field(reader, "general.architecture")
+    if arch_name == "gpt-oss":
+        return gpt_oss.gguf_config(cfg, lambda key: _field(reader, key))
     cfg = moe_config(cfg, lambda key: _field(reader, key), arch_name)
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
     kind = _field(reader, f"{arch_name}.rope.scaling.type")
@@ -446,14 +458,16 @@ def load_gguf_config(path: str, reader: Any | None = None) -> Any:
     return cfg
 
 
-def load_gguf_tokenizer(path: str) -> Any:
+def load_gguf_tokenizer(path: str, reader: Any | None = None) -> Any:
     """The tokenizer (with chat template) stored in the file's `tokenizer.*` metadata."""
     from transformers import AutoTokenizer
 
+    reader = reader if reader is not None else open_gguf(path)
     try:
-        return AutoTokenizer.from_pretrained(
-            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
-        )
+        with reuse_reader(path, reader):
+            return AutoTokenizer.from_pretrained(
+                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+            )
     except Exception as e:
         raise WeightLoadError(f"cannot build a tokenizer from {path}: {e}") from e
 

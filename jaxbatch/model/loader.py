@@ -199,7 +199,7 @@ def _gguf_config_and_tokenizer(path: str, reader: Any) -> tuple[Any, Any]:
     from jaxbatch.model.gguf import load_gguf_config, load_gguf_tokenizer, reuse_reader
 
     with reuse_reader(path, reader):  # one parse of the metadata, not three
-        return load_gguf_config(path, reader), load_gguf_tokenizer(path)
+        return load_gguf_config(path, reader), load_gguf_tokenizer(path, reader)
 
 
 def _cached_hf(entry: str) -> tuple[Any, Any, bool]:

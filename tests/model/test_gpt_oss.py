@@ -19,6 +19,8 @@ from jaxbatch.model import llama
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.hf import load_hf_dir
 from jaxbatch.model.weights import WeightLoadError
+from pallas_kernels import cpu_library
+from pallas_kernels.matmul import quant
 from tests.helpers.tiny_models import make_hf_config
 
 
@@ -129,3 +131,67 @@ def test_checkpoints_refused_by_name(tiny, tmp_path):
     with pytest.raises(WeightLoadError, match="MXFP4"):
         load_hf_dir(bad, jnp.float32)
 
+
+# ------------------------------------------------------------------------------------------
+# GGUF files as llama.cpp's converter writes them (tests/helpers/gguf_moe_files.py)
+# ------------------------------------------------------------------------------------------
+GGUF_IDS = np.random.RandomState(2).randint(3, 256, size=29)
+
+
+def gguf_model(path: str, seed: int = 0):
+    """The tiny gpt-oss with llama.cpp's fixed SwiGLU limit (7: a GGUF file has no key for
+    it), saved in `path`."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    cfg = make_hf_config("gpt_oss")
+    cfg.swiglu_limit = 7.0
+    return make_tiny_model("gpt_oss", path, seed=seed, cfg=cfg)
+
+
+def _qtype_cases():
+    from gguf import GGMLQuantizationType as QT
+
+    from pallas_kernels.matmul.quant_formats import FORMATS
+
+    # MXFP4 (how gpt-oss is published): in its blocks once the format is one the engine keeps,
+    # else dequantised at load
+    return [(QT.F32, False), (QT.Q8_0, True), (QT.MXFP4, "MXFP4" in FORMATS)]
+
+
+@pytest.mark.parametrize("qtype,kept", _qtype_cases(), ids=lambda c: getattr(c, "name", c))
+def test_gguf_matches_transformers(tmp_path, qtype, kept):
+    """A gpt-oss GGUF (experts F32, Q8_0 or MXFP4; sinks, biases, YaRN metadata) loads with
+    its config read from the metadata (head dim, expert width, window, YaRN) and its logits
+    equal transformers' float32 model on the same weights, the experts dequantised from the
+    file by the gguf package, within 1e-4 of the largest (as the other MoE GGUFs)."""
+    from jaxbatch.model import gguf as model_gguf
+    from jaxbatch.model.quantize import QuantWeight
+    from tests.helpers.gguf_moe_files import gpt_oss_reference_dir, write_gpt_oss_gguf
+    from tests.helpers.prefill import prefill_logits
+
+    hf_dir = str(tmp_path / "hf")
+    model = gguf_model(hf_dir)
+    path = write_gpt_oss_gguf(str(tmp_path / "m.gguf"), model, hf_dir, lambda name: qtype)
+    arch, params, cfg = model_gguf.load_gguf(path, jnp.float32)
+    want = ModelArch.from_hf_config(model.config)
+    assert arch.sliding_layers == want.sliding_layers and arch.head_dim == 16
+    assert (arch.num_experts, arch.moe_intermediate_size, arch.sliding_window) == (4, 32, 8)
+    # the file's YaRN, with no `truncate`: floor/ceil'd as llama.cpp and HF's default do
+    assert dict(arch.rope_scaling) == {k: v for k, v in want.rope_scaling if k != "truncate"}
+    for leaf in ("experts_gate", "experts_up", "experts_down"):
+        assert isinstance(params["layers"][leaf], QuantWeight) == bool(kept), leaf
+    ref_dir = gpt_oss_reference_dir(path, hf_dir, cfg, str(tmp_path / "reference"))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = ref_model.eval()(torch.tensor(GGUF_IDS)[None]).logits[0].float().numpy()
+    ours = prefill_logits(arch, params, GGUF_IDS, jnp.float32)
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    cpu_library.available(str(tmp_path / "kernels"))
+    if kept and quant.available(jnp.float32):  # the experts through the routed-expert kernel
+        on_cpu = llama.as_run_on_cpu(params, arch)
+        assert on_cpu["layers"]["experts_gate"].kernel
+        ours = prefill_logits(arch, on_cpu, GGUF_IDS, jnp.float32)
+        assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    tok = model_gguf.load_gguf_tokenizer(path)  # the file's template, through transformers
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        "<s>hi</s>"
