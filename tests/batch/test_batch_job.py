@@ -233,6 +233,7 @@ def _count_lines(path):
         return 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ordered", [False, True])
 def test_kill9_at_random_points_then_resume(llm, model_dir, tmp_path, ordered):
     """`python -m jaxbatch.cli batch` stopped at 5 random points, run again each time: SIGKILL
@@ -253,6 +254,7 @@ def smol_shaped_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_kill9_then_resume_in_bf16_equals_a_fresh_run(smol_shaped_dir, tmp_path):
     """The same in bfloat16, where a request's tokens would depend on its batch: the job runs
     batch invariant by default (engine/invariance.py), so the resumed job's texts equal an

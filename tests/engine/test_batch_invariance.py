@@ -82,6 +82,7 @@ def smol_shaped(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_bench64_alone_equals_batch(smol_shaped, name):
     llm = invariant_llm(smol_shaped, max_model_len=1024, max_compiled_shapes=6,
@@ -92,6 +93,7 @@ def test_bench64_alone_equals_batch(smol_shaped, name):
         assert sum(r.num_preemptions for r in llm.engine.last_finished) > 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_alone_equals_batch(smol_shaped):
     """A seeded request's random stream is keyed by (seed, output index) and its logits do not
     move with the batch: alone and among 56 greedy requests it draws the same tokens."""
@@ -110,6 +112,7 @@ def test_seeded_sampling_alone_equals_batch(smol_shaped):
     assert len({tuple(batch[i].outputs[0].token_ids) for i in range(8)}) > 1
 
 
+@pytest.mark.slow
 def test_smollm2_bench64_alone_equals_batch():
     """The real model in the default preset's shape (prefix caching, 512-token chunks, pages of
     16): each bench64 request's first 32 greedy tokens alone equal those in the full batch."""
@@ -154,6 +157,7 @@ def test_invariant_mode_runs_one_kernel_for_every_step(tiny_chat_dir):
             assert runner.small_matmul_rows == invariance.ALL_ROWS
 
 
+@pytest.mark.slow
 def test_speculation_changes_no_token():
     """n-gram speculation (engine/speculation.py) under batch invariance: SmolLM2's bench64
     requests (the first 24 greedy tokens; 8 of them seeded samples) give the same tokens with

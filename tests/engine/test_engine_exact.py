@@ -104,6 +104,7 @@ def test_requests_added_while_others_run(tiny, engine):
     assert eng.pages.num_used_pages == 0
 
 
+@pytest.mark.slow
 def test_bench64_lengths(tiny, engine):
     """64 requests with bench64's prompt and output lengths (the package's copy of them; random
     ids in the tiny vocabulary)."""

@@ -14,6 +14,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
 RAW = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively so "
        "that large n do not hit the recursion limit.\"\"\"\n")
 NEW = 24
+pytestmark = pytest.mark.slow  # the real model, and transformers' on the same file
 
 
 def hf_greedy(hf, ids, n):

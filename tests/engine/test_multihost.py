@@ -16,6 +16,8 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from jaxbatch import LLM, SamplingParams
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,6 +41,7 @@ def post(url: str, body: dict) -> dict:
         return json.load(r)
 
 
+@pytest.mark.slow
 def test_two_processes_serve_like_one(tiny_chat_dir, tmp_path):
     coord, port = free_port(), free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",

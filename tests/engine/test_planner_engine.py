@@ -60,6 +60,7 @@ def run_exact(llm, hf, prompts, max_tokens):
     eng.pages.check()
 
 
+@pytest.mark.slow
 def test_dp_engine_exact_with_trims_and_splits(tiny):
     path, hf = tiny
     llm = LLM(path, dtype="float32", page_size=16, num_pages=300, max_num_batched_tokens=64, max_num_seqs=8,

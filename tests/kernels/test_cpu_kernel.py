@@ -70,6 +70,7 @@ def _compare(args, host, dtype, native_kw=None, **kw):
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @settings(max_examples=12, **SETTINGS)
 @given(

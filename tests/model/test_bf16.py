@@ -103,6 +103,7 @@ def test_tiny_bf16_rows_match_hf_bf16(tmp_path, kind, on_kernel, stored):
           hf(model, ids, torch.float32), gap_ratio=1.25)
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_matches_hf_bf16(smol, hf_smol):
     ids = smol.tokenizer("The quick brown fox jumps over the lazy dog. In the beginning, "
                          "the capital of France was")["input_ids"]

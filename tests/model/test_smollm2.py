@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from jaxbatch.model import llama
@@ -20,6 +21,8 @@ from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference as rpa,
 )
 from tests.helpers.smollm2 import chat_ids, torch_one_thread
+
+pytestmark = pytest.mark.slow  # the real model, and transformers' on the same file
 
 PAGE = 16
 NEW_TOKENS = 32

@@ -20,6 +20,8 @@ from jaxbatch.engine.engine import Engine
 from tests.helpers import TINY_CONFIG
 from tests.server.support import ServerThread
 
+pytestmark = pytest.mark.slow  # the real model
+
 NAME = "smol"
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
