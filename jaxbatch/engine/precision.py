@@ -83,9 +83,11 @@ def _usable_cpus() -> int:
 def measurement_identity() -> str:
     """Everything a cached measurement (here and engine/calibration.py) depends on besides its
     shapes: the device, the kernels (the CPU kernel library's content hash), jaxbatch's version
-    and jax's. Any change is a new cache key, measured again by itself (no hand-bumped tags)."""
+    and jax's, and the measuring code itself (this file and engine/calibration.py: a change to how
+    a choice is timed re-measures too, though the package version stays). Any change is a new
+    cache key, measured again by itself (no hand-bumped tags)."""
     return f"{device_identity()}|kernels {cpu_library.content_hash()}|" \
-           f"jaxbatch {_package_version()}|jax {jax.__version__}"
+           f"jaxbatch {_package_version()} {_measuring_code_hash()}|jax {jax.__version__}"
 
 
 @functools.cache
@@ -94,6 +96,16 @@ def _package_version() -> str:
         return importlib.metadata.version("jaxbatch")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
         return "unknown"
+
+
+@functools.cache
+def _measuring_code_hash() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in ("precision.py", "calibration.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 3) -> float:
