@@ -275,24 +275,13 @@ def analytic_cost(dims: ModelDims = SMOLLM2_135M, dtype: str = "float32",
     the body and the head (the sampler runs whole on the gathered logits), and the collectives
     add their bytes / collective_bw per token and per sequence and their latency per step
     (CollectiveBytes). An MoE model's routed experts are read as far as the step's tokens
-    choose them (moe_cost.MoeCost), the rest of its weights every step. The ratios step : token : sequence move with tp and the collective rate,
-    and the bucket choice with them."""
+    choose them (moe_cost.MoeCost), the rest of its weights every step. The ratios step : token :
+    sequence move with tp and the collective rate, and the bucket choice with them."""
     width = 2 if dtype in ("bfloat16", "bf16") else 4
     weights = dims.resident_params + dims.head_params * (1 if dims.tied else 2)
     comm = CollectiveBytes.of(dims, dtype, tp)
     tp = max(1, tp)
-    if dims.experts:  # the routed experts' bytes grow with the distinct experts read
-        return MoeCost(
-            overhead_s=hw.dispatch_s + weights * width / tp / hw.mem_bw
-            + comm.per_step * hw.collective_latency_s,
-            per_token_s=2.0 * dims.body_params / tp / hw.peak_flops
-            + comm.per_token / hw.collective_bw,
-            per_seq_s=2.0 * dims.head_params * (1 + 1 / tp) / hw.peak_flops
-            + comm.per_seq / hw.collective_bw,
-            per_expert_s=dims.layers * dims.expert_params * width / tp / hw.mem_bw,
-            experts=dims.experts, top_k=dims.top_k,
-            name="analytic moe" if tp == 1 else f"analytic moe tp={tp}")
-    return AffineCost(
+    affine = AffineCost(
         overhead_s=hw.dispatch_s + weights * width / tp / hw.mem_bw
         + comm.per_step * hw.collective_latency_s,
         per_token_s=2.0 * dims.body_params / tp / hw.peak_flops
@@ -301,6 +290,12 @@ def analytic_cost(dims: ModelDims = SMOLLM2_135M, dtype: str = "float32",
         + comm.per_seq / hw.collective_bw,
         name="analytic" if tp == 1 else f"analytic tp={tp}",
     )
+    if not dims.experts:
+        return affine
+    # the routed experts' bytes grow with the distinct experts the step's tokens read
+    return MoeCost(affine.overhead_s, affine.per_token_s, affine.per_seq_s,
+                   per_expert_s=dims.layers * dims.expert_params * width / tp / hw.mem_bw,
+                   experts=dims.experts, top_k=dims.top_k, name=f"{affine.name} moe")
 
 
 def hardware(collective_gbps: float | None) -> Hardware:
