@@ -6,7 +6,7 @@ compiled bucket (Runner.time_bucket: four all-padding steps each) took 22 s of a
 restart on a 1B model. A saved time is reused only where the same step would run: the key holds
 the model (its dimensions and its weight files' path, size and mtime), the compute and KV dtypes,
 quantization, the KV cache's page size and pages, the attention backend, tensor parallelism,
-and what every measurement depends on (precision.measurement_identity: the device, the kernel
+and what every measurement depends on (measurements.measurement_identity: the device, the kernel
 library's content hash, jaxbatch's and jax's versions), so a changed kernel is timed again by
 itself. A reused time is not measured again; JAXBATCH_RECALIBRATE=1 times every bucket afresh
 (and saves the new times).
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbatch.config import EngineConfig
-from jaxbatch.engine.precision import load_measurements, measurement_identity, save_measurements
+from jaxbatch.engine.measurements import load_measurements, measurement_identity, save_measurements
 from jaxbatch.engine.runner import Runner
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.planner import Bucket, StepPlanner

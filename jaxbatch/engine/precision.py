@@ -14,20 +14,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
-import json
 import logging
 import os
-import platform
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_library
+from jaxbatch.engine.measurements import (  # noqa: F401 - re-exported for callers
+    cached,
+    device_identity,
+    load_measurements,
+    measurement_identity,
+    save_measurements,
+)
 from pallas_kernels.matmul.quant_formats import FLOAT_FORMATS
 
 log = logging.getLogger("jaxbatch")
@@ -46,66 +48,6 @@ class PrecisionChoice:
     def describe(self) -> str:
         rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in self.gflops.items())
         return f"compute dtype {self.dtype} ({self.source}: {rates})"
-
-
-def device_identity() -> str:
-    """What the matmul speed depends on: the device kind, and on CPU its model and ISA flags."""
-    dev = jax.devices()[0]
-    ident = f"{dev.platform}:{getattr(dev, 'device_kind', '')}"
-    if dev.platform == "cpu":
-        model = flags = ""
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    key, _, val = line.partition(":")
-                    if key.strip() == "model name" and not model:
-                        model = val.strip()
-                    elif key.strip() == "flags" and not flags:
-                        flags = " ".join(sorted(w for w in val.split()
-                                                if "bf16" in w or "amx" in w or "avx512" in w))
-                    if model and flags:
-                        break
-        except OSError:
-            model = platform.processor()
-        ident += f":{model}:{flags}:{_usable_cpus()}"
-    return ident
-
-
-def _usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity: a container's or `taskset`'s share of
-    the machine), which is what XLA's and the kernels' threads get; os.cpu_count() where the
-    platform has no affinity."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def measurement_identity() -> str:
-    """Everything a cached measurement (here and engine/calibration.py) depends on besides its
-    shapes: the device, the kernels (the CPU kernel library's content hash), jaxbatch's version
-    and jax's, and the measuring code itself (this file and engine/calibration.py: a change to how
-    a choice is timed re-measures too, though the package version stays). Any change is a new
-    cache key, measured again by itself (no hand-bumped tags)."""
-    return f"{device_identity()}|kernels {cpu_library.content_hash()}|" \
-           f"jaxbatch {_package_version()} {_measuring_code_hash()}|jax {jax.__version__}"
-
-
-@functools.cache
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("jaxbatch")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
-        return "unknown"
-
-
-@functools.cache
-def _measuring_code_hash() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha256()
-    for name in ("precision.py", "calibration.py"):
-        with open(os.path.join(here, name), "rb") as f:
-            digest.update(f.read())
-    return digest.hexdigest()[:12]
 
 
 def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 3) -> float:
@@ -133,44 +75,6 @@ def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 3) -> floa
     return total
 
 
-def load_measurements(path: str, field: str) -> dict[str, float] | None:
-    """The measurements saved under `field` at `path`, or None: missing (silently) or unreadable
-    (with a warning: they are measured again, never a crash)."""
-    try:
-        with open(path) as f:
-            return {k: float(v) for k, v in json.load(f)[field].items()}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        log.warning("ignoring the unreadable measurement cache %s: %s: %s", path,
-                    type(e).__name__, e)
-        return None
-
-
-def save_measurements(path: str, ident: str, field: str, values: dict[str, float]) -> None:
-    """Save atomically (a reader never sees half a file); a failed save is only a warning."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"device": ident, field: values}, f)
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("could not cache the measurement in %s: %s", path, e)
-
-
-def _cached(path: str, ident: str, field: str, measure: Callable[[], dict[str, float]]
-            ) -> tuple[dict[str, float], str]:
-    """(measurements, "cache" | "measured"): read from `path`, else measured and saved there
-    (a failed save only costs the next start a second)."""
-    values = load_measurements(path, field)
-    if values is not None:
-        return values, "cache"
-    values = measure()
-    save_measurements(path, ident, field, values)
-    return values, "measured"
-
-
 def choose_compute_dtype(hidden: int, inner: int, cache_root: str,
                          bf16_kernel: bool = False) -> PrecisionChoice:
     """Measure (or read the cached measurement) and pick the faster dtype. `bf16_kernel`: in
@@ -195,7 +99,7 @@ def choose_compute_dtype(hidden: int, inner: int, cache_root: str,
         rates["bfloat16"] = flops / _time_matmuls(jnp.bfloat16, hidden, inner) / 1e9
         return rates
 
-    gflops, source = _cached(path, ident, "gflops", measure)
+    gflops, source = cached(path, ident, "gflops", measure)
     bf16 = max(v for k, v in gflops.items() if k.startswith("bfloat16"))
     dtype = "bfloat16" if bf16 >= BF16_MIN_SPEEDUP * gflops["float32"] else "float32"
     choice = PrecisionChoice(dtype, gflops, source)
@@ -283,7 +187,7 @@ def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -
     ident = f"{measurement_identity()}|small matmul {hidden}x{inner}x{layers}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     path = os.path.join(cache_root, "precision", f"small-{key}.json")
-    seconds, source = _cached(path, ident, "seconds", lambda: {
+    seconds, source = cached(path, ident, "seconds", lambda: {
         f"{name} {rows}": _time_layer_stack(hidden, inner, layers, packed, rows)
         for rows in SMALL_MATMUL_ROWS for name, packed in (("xla", False), ("small", True))})
     max_rows = 0
@@ -429,7 +333,7 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
             return {f"{act} {rows}": _time_quant(fmt, n, k, act, rows)
                     for rows in QUANT_ACT_ROWS for act in modes}
 
-        seconds, source = _cached(path, ident, "seconds", measure)
+        seconds, source = cached(path, ident, "seconds", measure)
         ratio = float(np.prod([seconds[f"{other} {r}"] / seconds[f"float {r}"]
                                for r in QUANT_ACT_ROWS])) ** (1 / len(QUANT_ACT_ROWS))
         out[fmt, n, k] = other if ratio < 1.0 else "float"
@@ -486,7 +390,7 @@ def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str,
                     break
             return seconds
 
-        seconds, source = _cached(path, ident, "seconds", measure)
+        seconds, source = cached(path, ident, "seconds", measure)
         start = 0
         for rows in reversed(BF16_XLA_ROWS):
             if f"kernel {rows}" not in seconds or _kernel_holds(seconds, rows):
