@@ -9,7 +9,7 @@ pages of 16, bf16 cache as uint16 bits), against the jnp reference where that is
   prefill             3 chunks of 150 rows (contexts 0/100/300), 4 chunks of 128 (0/100/300/0),
                       a fresh 512-row chunk, 184 rows after 700 cached keys
 
-  python scripts/bench_cpu_kernel.py [--iters 20] [--cache-dir DIR]
+  python scripts/bench_cpu_kernel.py [--iters 20] [--invariant] [--cache-dir DIR]
 Medians of --iters calls; quote them next to a run of the same script (machines are noisy).
 """
 
@@ -62,13 +62,16 @@ def layout(rng, kv_lens: np.ndarray) -> tuple[int, np.ndarray]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--invariant", action="store_true",
+                    help="the batch-invariant mode's kernel (engine/invariance.py)")
     ap.add_argument("--cache-dir", default=cache_dir(),
                     help="where the kernel library is built (default: the engine's cache, "
                          "$JAXBATCH_CACHE or ~/.cache/jaxbatch)")
     args = ap.parse_args()
     cpu_library.register(args.cache_dir)
     rng = np.random.default_rng(0)
-    kern = jax.jit(functools.partial(cpu_kernel.ragged_paged_attention_cpu, sm_scale=0.125))
+    kern = jax.jit(functools.partial(cpu_kernel.ragged_paged_attention_cpu, sm_scale=0.125,
+                                     invariant=args.invariant))
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=0.125,
                                     nan_safe=False))
     # decode: 64 rows, bench64-like lengths
@@ -93,7 +96,7 @@ def main() -> None:
     def layers(q, k, v):
         def body(x, li):
             o = cpu_kernel.ragged_paged_attention_cpu(x, k, v, kv_lens, pages + li * n, cu, ns,
-                                                      sm_scale=0.125)
+                                                      sm_scale=0.125, invariant=args.invariant)
             return (x.astype(jnp.float32) + 1e-3 * o.astype(jnp.float32)).astype(x.dtype), None
         return jax.lax.scan(body, q, jnp.arange(LAYERS, dtype=jnp.int32))[0]
 
@@ -114,7 +117,8 @@ def main() -> None:
         t_ref = median_ms(ref, q2, k2, v2, *m2, iters=args.iters)
         t_k = median_ms(kern, q2, k2, v2, *m2, iters=args.iters)
         t_f = median_ms(jax.jit(functools.partial(cpu_kernel.ragged_paged_attention_cpu,
-                                                  sm_scale=0.125, use_amx=False)),
+                                                  sm_scale=0.125, use_amx=False,
+                                                  invariant=args.invariant)),
                         q2, k2, v2, *m2, iters=args.iters)
         print(f"prefill {len(q_lens)} x {q_lens[0]} rows (contexts {[int(c) for c in ctx]}): reference "
               f"{t_ref:.3f} ms, kernel {t_k:.3f} ms (f32 tiles instead of AMX: {t_f:.3f} ms)")

@@ -1,0 +1,113 @@
+"""The CPU attention kernel's batch-invariant mode (`invariant=True`, engine/invariance.py): a
+query row's output bits do not depend on how its step ran it: alone as a decode row, in a prefill
+chunk of any length and start, split into items of any size, or beside other sequences. Checked
+bitwise on a bf16 cache (the engine's bf16 model), with pages of 16 (a 16-key block read in
+place from its page), 1 and 24 (blocks gathered across pages), at head dims 64 and 128.
+
+Without `invariant` the same comparisons are not expected to hold (decode rows and prefill items
+take different summation orders), which the last test shows so that the first cannot pass
+vacuously.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_library
+from pallas_kernels.attention import cpu as cpu_kernel
+
+HQ, HKV = 9, 3
+KEYS = 700  # one sequence's keys: two 512-key splits for the last rows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built(tmp_path_factory):
+    why = cpu_library.available(str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+    assert why is None, why  # the CI machine has a compiler: a failed build is a failure
+
+
+@functools.partial(jax.jit, static_argnames=("invariant", "q_block"))
+def _attend(q, k, v, kv_lens, pages, cu, num_seqs, invariant, q_block):
+    return cpu_kernel.ragged_paged_attention_cpu(q, k, v, kv_lens, pages, cu, num_seqs,
+                                                 sm_scale=0.125, invariant=invariant,
+                                                 q_block=q_block)
+
+
+class Sequence:
+    """KEYS keys of one sequence in scattered pages of `page_size` (a bf16 cache as uint16
+    bits), every position's query, and another sequence's data to share a step with."""
+
+    def __init__(self, page_size: int, head_dim: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.P, self.D = page_size, head_dim
+        n_pages = -(-KEYS // page_size)
+        self.num_pages = 2 * n_pages + 1
+        bits = lambda shape: jnp.asarray(  # noqa: E731  # bf16 bits of N(0, 1) values
+            np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16).view(jnp.uint16)))
+        self.k = bits((self.num_pages, page_size, HKV, head_dim))
+        self.v = bits((self.num_pages, page_size, HKV, head_dim))
+        order = rng.permutation(np.arange(1, self.num_pages))
+        self.table = np.zeros((2, 2 * n_pages), np.int32)
+        self.table[0, :n_pages] = order[:n_pages]  # this sequence
+        self.table[1, :n_pages] = order[n_pages:2 * n_pages]  # a neighbour
+        self.q = jnp.asarray(rng.standard_normal((KEYS, HQ, head_dim)), jnp.bfloat16)
+        self.q_other = jnp.asarray(rng.standard_normal((KEYS, HQ, head_dim)), jnp.bfloat16)
+
+    def rows(self, start: int, end: int, invariant: bool = True, q_block: int = 16,
+             neighbour: tuple[int, int] | None = None) -> np.ndarray:
+        """Output rows [start, end) of the sequence computed as one chunk (kv_len = end), after
+        the neighbour's chunk (its rows [a, b)) when given: [end - start, HQ, D] float32."""
+        qs, lens, cu, tables = [], [], [0], []
+        if neighbour is not None:
+            a, b = neighbour
+            qs.append(self.q_other[a:b])
+            lens.append(b)
+            cu.append(b - a)
+            tables.append(self.table[1])
+        qs.append(self.q[start:end])
+        lens.append(end)
+        cu.append(cu[-1] + end - start)
+        tables.append(self.table[0])
+        out = _attend(jnp.concatenate(qs), self.k, self.v, jnp.asarray(lens, jnp.int32),
+                      jnp.asarray(np.stack(tables)), jnp.asarray(cu, jnp.int32),
+                      jnp.array([len(lens)], jnp.int32), invariant=invariant, q_block=q_block)
+        return np.asarray(out[cu[-2]:cu[-1]].astype(jnp.float32))
+
+
+@pytest.mark.parametrize("page_size", [16, 1, 24])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_row_has_one_result_however_its_step_runs_it(page_size, head_dim):
+    seq = Sequence(page_size, head_dim)
+    want = seq.rows(540, KEYS)  # one prefill chunk of 160 rows after 540 cached keys
+    assert np.isfinite(want).all()
+    ways = {
+        "items of 1 row": seq.rows(540, KEYS, q_block=1),
+        "items of 5 rows": seq.rows(540, KEYS, q_block=5),
+        "chunks of 37": np.concatenate([seq.rows(s, min(s + 37, KEYS))
+                                        for s in range(540, KEYS, 37)]),
+        "beside a 300-row prefill": seq.rows(540, KEYS, neighbour=(0, 300)),
+    }
+    for name, got in ways.items():
+        assert np.array_equal(got, want), f"{name}: rows differ from the one-chunk result"
+    for pos in (540, 541, 600, 699):  # decode rows, alone and beside another sequence's rows
+        assert np.array_equal(seq.rows(pos, pos + 1)[0], want[pos - 540]), pos
+        assert np.array_equal(seq.rows(pos, pos + 1, neighbour=(10, 11))[0], want[pos - 540])
+        assert np.array_equal(seq.rows(pos, pos + 1, neighbour=(0, 200))[0], want[pos - 540])
+    # a fresh prompt's rows (one split, starting at key 0) the same way
+    first = seq.rows(0, 200)
+    assert np.array_equal(np.concatenate([seq.rows(s, s + 8) for s in range(0, 200, 8)]), first)
+    assert np.array_equal(seq.rows(99, 100)[0], first[99])
+
+
+def test_without_the_mode_decode_rows_and_prefill_chunks_differ():
+    """The default mode's decode rows and prefill items sum in different orders: the invariant
+    test above compares results that could differ."""
+    seq = Sequence(16, 64)
+    chunk = seq.rows(540, KEYS, invariant=False)
+    alone = np.stack([seq.rows(p, p + 1, invariant=False)[0] for p in range(540, 600)])
+    assert not np.array_equal(alone, chunk[:60])
