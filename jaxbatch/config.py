@@ -160,9 +160,10 @@ class RunnerConfig:
     compile_guard: bool = False  # raise if anything compiles after warm-up
     # every row's numbers computed in an order that does not depend on the other rows of its step
     # (the same request gives the same tokens alone or in any batch; engine/invariance.py).
-    # True: an error where this engine cannot promise it; "auto": on where it can, else off with
-    # a warning saying why (what `jaxbatch batch` runs unless told otherwise)
-    batch_invariant: bool | str = False
+    # True: an error where this engine cannot promise it; "auto" (the default): on where it can
+    # and the start-up measurement finds it no slower than the default mode on this model's
+    # step shapes (engine/invariance_cost.py), else off, logged with why; False: off
+    batch_invariant: bool | str = "auto"
     progress: bool = True
     # tensor parallelism over this many devices per engine (engine/sharding.py); data-parallel
     # replicas: that many engines, each on its own tensor_parallel_size devices (engine/replicas)

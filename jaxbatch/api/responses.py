@@ -208,8 +208,12 @@ def usage_chunk(parsed: ParsedRequest, response_id: str, created: int, model: st
 
 
 def models_response(names: Sequence[str], max_model_len: int | None = None,
-                    created: int | None = None) -> dict[str, Any]:
+                    created: int | None = None,
+                    determinism: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`determinism`: whether the engine runs batch invariant and why (engine/invariance.py),
+    an extra field beside vLLM's."""
     created = created or int(time.time())
     data = [{"id": n, "object": "model", "created": created, "owned_by": "jaxbatch",
-             **({"max_model_len": max_model_len} if max_model_len else {})} for n in names]
+             **({"max_model_len": max_model_len} if max_model_len else {}),
+             **({"determinism": determinism} if determinism else {})} for n in names]
     return {"object": "list", "data": data}

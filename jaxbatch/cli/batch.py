@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args, require_readable
 from jaxbatch.cli.request_limits import add_request_limit_args, request_limits_from_args
-from jaxbatch.config import EngineConfig, load_yaml
+from jaxbatch.config import EngineConfig
 from jaxbatch.engine.client import EngineClient
 
 if TYPE_CHECKING:
@@ -91,12 +91,6 @@ def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
         return EXIT_REFUSED
     try:
         config = engine_config_from_args(args, "jaxbatch batch")
-        # a batch job's outputs must not depend on what it was batched with (a resumed job
-        # equals a fresh one): invariant where the engine can be, unless the flag or the
-        # preset says otherwise
-        if args.batch_invariant is None and not (
-                args.config and "batch_invariant" in load_yaml(args.config)):
-            config = config.replace(batch_invariant="auto")
         scan = scan_input(args.input)
         scan.check_unique()
         writer = ResultWriter(args.output, args.fsync_every, args.fsync_seconds)

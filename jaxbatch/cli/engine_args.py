@@ -57,8 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="reuse the KV pages of shared prompt prefixes (default on)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="the same request gives the same tokens alone or in any batch (an error "
-                        "where this engine cannot promise it; default: `jaxbatch batch` runs it "
-                        "where it can, serving does not; docs/determinism.md)")
+                        "where this engine cannot promise it; default: on where it can and "
+                        "measures no slower at start-up; docs/determinism.md)")
     g.add_argument("--live-replan", action=argparse.BooleanOptionalAction, default=None,
                    help="learn the bucket set from the traffic: compile a cheaper set in the "
                         "background and swap it in between steps (engine/replan.py)")

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxbatch.config import EngineConfig, cache_dir
 from jaxbatch.core import parallel_sampling
@@ -53,9 +54,28 @@ from jaxbatch.model.loader import LoadedModel, load_arch, load_model
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
 from jaxbatch.planner import StepPlanner, StepTrace, SubStep, make_planner
 from pallas_kernels import cpu_library
+from pallas_kernels.matmul import quant
 from pallas_kernels.zeros import untouched_zeros
 
 log = logging.getLogger("jaxbatch")
+
+
+def _invariance_cost(model: LoadedModel, config: EngineConfig, quant_acts: dict,
+                     bf16_xla_rows: dict, small_rows: int | None, root: str) -> dict[str, float]:
+    """The measured seconds of one layer of a decode- and a prefill-sized step in each mode
+    (engine/invariance_cost.py), for `batch_invariant: auto`."""
+    from jaxbatch.engine import invariance_cost
+
+    arch = model.arch
+    linears = [(f, w.n, w.k, quant_acts.get((f, w.n, w.k), "float"))
+               for name, w in model.params["layers"].items()
+               if name in LINEAR_WEIGHTS and isinstance(w, QuantWeight) and w.experts == 0
+               for f in w.fmts[:1]]
+    floats = None if small_rows is None else (
+        arch.hidden_size, arch.intermediate_size, arch.num_layers, small_rows)
+    return invariance_cost.measure(
+        arch, config.cache.page_size, config.scheduler.max_num_seqs,
+        config.scheduler.max_num_batched_tokens, linears, bf16_xla_rows, floats, root)
 
 
 class Engine:
@@ -131,6 +151,12 @@ class Engine:
                                tokenizer=config.model.tokenizer, bf16_rows=on_cpu and rows)
         model = model.with_dtype(config.model.dtype)
         model = model.quantized(config.model.quantization)  # after the dtype (model/quantize.py)
+        if on_cpu and config.runner.tensor_parallel_size == 1 and \
+                config.model.quantization is None and cpu_library.available(root) is None \
+                and quant.available(jnp.bfloat16):
+            # bf16 weights dequantised from a file (a GGUF format not kept in blocks) as BF16
+            # rows too: one kernel for every step size, as an HF directory's
+            model = model.as_bf16_rows()
         config = dataclasses.replace(
             config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
         assert config.model.max_model_len is not None
@@ -142,33 +168,39 @@ class Engine:
                    if name in LINEAR_WEIGHTS]
         float_linears, quantised = not all(linears), any(linears)
         backend = resolve_backend(config.runner.attention_backend, root)  # builds the kernels
-        invariant = invariance.resolve(config.runner.batch_invariant, invariance.obstacle(
-            config.model.dtype, mesh is not None, float_linears, quantised, backend))
-        if invariant:  # one kernel for every step (engine/invariance.py)
-            small_rows = invariance.ALL_ROWS if float_linears else 0
-        else:
-            small_rows = (choose_small_matmul(arch.hidden_size, arch.intermediate_size,
-                                              arch.num_layers, root)
-                          if mesh is None and config.model.dtype == "bfloat16" and float_linears
-                          else 0)
-        attention = attention_fn(backend, root, batch_invariant=invariant)
-        # GGUF / int8 weights: int8 or float activations per format and shape, as measured
+        # the default mode's routes, as measured: the small matmul's row limit for float bf16
+        # linears; GGUF / int8 weights' activation mode per format and shape; for BF16 rows the
+        # step size from which XLA's dot measures faster
+        small_rows = (choose_small_matmul(arch.hidden_size, arch.intermediate_size,
+                                          arch.num_layers, root)
+                      if mesh is None and config.model.dtype == "bfloat16" and float_linears
+                      else 0)
         quant_shapes = {(f, w.n, w.k) for w in jax.tree.leaves(
             model.params, is_leaf=lambda w: isinstance(w, QuantWeight))
             if isinstance(w, QuantWeight) for f in w.fmts}
         quant_acts = choose_quant_acts(quant_shapes, config.model.dtype, root) \
             if mesh is None else {}
-        # BF16 rows: XLA's dot from the step size where it measures faster (not if invariant)
         bf16_shapes = {(w.n, w.k) for w in model.params["layers"].values()
                        if isinstance(w, QuantWeight) and "BF16" in w.fmts}
         bf16_xla_rows = choose_bf16_route(bf16_shapes, root, {
             (n, k): a for (f, n, k), a in quant_acts.items() if f == "BF16"}) \
-            if mesh is None and not invariant and config.model.dtype == "bfloat16" else {}
+            if mesh is None and config.model.dtype == "bfloat16" else {}
+        invariance_choice = invariance.resolve(
+            config.runner.batch_invariant, invariance.obstacle(
+                config.model.dtype, mesh is not None, float_linears, quantised, backend),
+            functools.partial(_invariance_cost, model, config, quant_acts, bf16_xla_rows,
+                              small_rows if float_linears else None, root))
+        invariant = invariance_choice.on
+        if invariant:  # one kernel for every step (engine/invariance.py)
+            small_rows = invariance.ALL_ROWS if float_linears else 0
+            bf16_xla_rows = {}
+        attention = attention_fn(backend, root, batch_invariant=invariant)
         runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                         attention, mesh, small_matmul_rows=small_rows, quant_acts=quant_acts,
                         bf16_xla_rows=bf16_xla_rows,  # on CPU: a KV cache not touched yet
                         kv_zeros=functools.partial(untouched_zeros, cache_dir=root))
         runner.batch_invariant = invariant
+        runner.invariance = invariance_choice
         # the runner holds the params in the forms it runs: the loaded copy goes (one resident copy
         # of each weight; the model keeps arch, tokenizer, EOS ids) unless `keep_loaded_params`
         if not keep_loaded_params:

@@ -22,11 +22,17 @@ tests/engine/test_batch_invariance.py checks the whole step on bench64.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("jaxbatch")
 
 ALL_ROWS = 1 << 30  # "every step": the small matmul's row limit when invariance is on
+# auto: on while the invariant mode's decode and prefill layers measure at most this much of the
+# default's (two timings of one kernel on a 2-vCPU VM differ by a few percent)
+AUTO_SLACK = 1.03
 
 
 def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
@@ -55,15 +61,52 @@ def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
     return None
 
 
-def resolve(setting: bool | str, why_not: str | None) -> bool:
+@dataclasses.dataclass(frozen=True)
+class InvarianceChoice:
+    """What the engine runs and why: `on`; `reason`, a sentence for the log and /v1/models;
+    `seconds` the measured parts that differ between the modes (empty where not measured)."""
+
+    on: bool
+    setting: str  # "true" | "false" | "auto"
+    reason: str
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        return {"batch_invariant": self.on, "setting": self.setting, "reason": self.reason}
+
+
+def resolve(setting: bool | str, why_not: str | None,
+            cost: Callable[[], dict[str, float]] | None = None) -> InvarianceChoice:
     """Whether the engine runs batch invariant: `setting` False, True (an error where it cannot)
-    or "auto" (off with a warning where it cannot)."""
+    or "auto": off where it cannot, else on unless `cost()` (measured seconds of one layer of a
+    decode- and a prefill-sized step in each mode: "decode default", "decode invariant",
+    "prefill default", "prefill invariant") says either step is slower in the invariant mode
+    than in the default by more than AUTO_SLACK."""
+    name = {False: "false", True: "true"}.get(setting, "auto")  # type: ignore[call-overload]
     if setting is False:
-        return False
-    if why_not is None:
-        return True
-    if setting is True:
-        raise ValueError(f"batch_invariant: {why_not}")
-    log.warning("batch_invariant auto: off, because %s; a request's tokens may depend on what "
-                "it is batched with", why_not)
-    return False
+        return InvarianceChoice(False, name, "off as configured (batch_invariant: false)")
+    if why_not is None and setting is True:
+        return InvarianceChoice(True, name, "on as configured (batch_invariant: true)")
+    if why_not is not None:
+        if setting is True:
+            raise ValueError(f"batch_invariant: {why_not}")
+        log.info("batch_invariant auto: off, because %s; a request's tokens may depend on "
+                    "what it is batched with", why_not)
+        return InvarianceChoice(False, name, f"off: {why_not}")
+    seconds = cost() if cost is not None else {}
+    ratios = {kind: seconds[f"{kind} invariant"] / seconds[f"{kind} default"]
+              for kind in ("decode", "prefill") if f"{kind} default" in seconds}
+    if not ratios:
+        return InvarianceChoice(True, name, "on: nothing differs between the modes here",
+                                seconds)
+    measured = ", ".join(
+        f"{kind} {r:.2f}x ({1e3 * seconds[f'{kind} invariant']:.2f} vs "
+        f"{1e3 * seconds[f'{kind} default']:.2f} ms per layer)" for kind, r in ratios.items())
+    if max(ratios.values()) <= AUTO_SLACK:
+        reason = f"on: measured no slower than the default mode: {measured}"
+        log.info("batch_invariant auto: %s", reason)
+        return InvarianceChoice(True, name, reason, seconds)
+    reason = (f"off: measured slower than the default mode: {measured}; a request's tokens "
+              f"may depend on what it is batched with (batch_invariant: true forces the mode)")
+    log.warning("batch_invariant auto: %s", reason)
+    return InvarianceChoice(False, name, reason, seconds)

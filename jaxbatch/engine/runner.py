@@ -165,6 +165,7 @@ class Runner:
         self.leader: Any = None
         # the engine's decision (engine/invariance.py), part of the calibration key
         self.batch_invariant = False
+        self.invariance: Any = None  # the engine's InvarianceChoice: what and why (logged, /v1/models)
         self.executables: dict[Bucket, jax.stages.Compiled] = {}
         # (S, False): the sampler for S rows (logits, sampling inputs, raw logits); (S, True):
         # adjust_logits for S rows, run before it in steps with LogitsAdjustments (sampler.py)

@@ -23,7 +23,7 @@ from jaxbatch.config import cache_dir as default_cache_dir
 from jaxbatch.model import param_cache, registry
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.hf import load_hf_config, load_hf_dir
-from jaxbatch.model.quantize import QuantWeight, quantize_params
+from jaxbatch.model.quantize import QuantWeight, bf16_rows_params, quantize_params
 from jaxbatch.model.stack_files import StackFiles
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,13 @@ class LoadedModel:
         params = jax.tree.map(lambda p: p if isinstance(p, QuantWeight) else p.astype(dt),
                               self.params, is_leaf=lambda p: isinstance(p, QuantWeight))
         return dataclasses.replace(self, params=params)
+
+    def as_bf16_rows(self) -> LoadedModel:
+        """The same bf16 model with its float linear weights, embedding and head as BF16 rows
+        (model/quantize.py `bf16_rows_params`); a no-op in other dtypes."""
+        if self.params["final_norm"].dtype != jnp.bfloat16:
+            return self
+        return dataclasses.replace(self, params=bf16_rows_params(self.params))
 
     def quantized(self, quantization: str | None) -> LoadedModel:
         """The same model with its linear weights quantised (`quantization: int8`, see

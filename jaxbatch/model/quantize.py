@@ -321,6 +321,38 @@ def quantize_params(params: dict, quantization: str | None) -> dict:
     return {**params, "layers": layers}
 
 
+def _bf16_rows(w_out_in: np.ndarray) -> RawBlocks:
+    """w [n, k] -> its rows as BF16 blocks (the bf16 bits, [n, 2 * k] uint8), rounded to bf16
+    (nearest even) if held wider."""
+    bits = np.ascontiguousarray(np.asarray(w_out_in).astype(jnp.bfloat16)).view(np.uint16)
+    return RawBlocks("BF16", bits.view(np.uint8), int(w_out_in.shape[1]))
+
+
+def bf16_rows_params(params: dict) -> dict:
+    """The params with the dense linear weights, the embedding and an untied head held as BF16
+    rows (`QuantWeight`s the quantised matmul reads, one resident copy each), as an HF
+    directory's bf16 weights load (model/hf.py `bf16_blocks`): what a file whose format is not
+    kept (a Q4_1 or Q5_0 GGUF, dequantised) runs in bfloat16 on one CPU device. The kernel gives
+    a row the same bits at every step size (a batch-invariant mode for every M), and a weight
+    whose input is not whole 32-blocks stays as it is. One layer at a time."""
+    qk = quant_formats.FORMATS["BF16"][0]
+    layers = dict(params["layers"])
+    for name in LINEAR_WEIGHTS:
+        w = layers.get(name)
+        if w is None or not isinstance(w, jax.Array) or w.ndim != 3 or w.shape[1] % qk:
+            continue
+        layers[name] = from_raw([_bf16_rows(np.asarray(jax.device_get(w[i])).T)
+                                 for i in range(w.shape[0])])
+    out = {**params, "layers": layers}
+    embed = params["embed"]
+    if isinstance(embed, jax.Array) and embed.ndim == 2 and embed.shape[1] % qk == 0:
+        out["embed"] = from_raw(_bf16_rows(np.asarray(jax.device_get(embed))))
+    head = params.get("lm_head")
+    if isinstance(head, jax.Array) and head.ndim == 2 and head.shape[0] % qk == 0:
+        out["lm_head"] = from_raw(_bf16_rows(np.asarray(jax.device_get(head)).T))
+    return out
+
+
 def quant_matmul(x: jax.Array, w: QuantWeight, out_dtype: Any = None) -> jax.Array:
     """x [T, in] @ w -> [T, out] in x's dtype (or `out_dtype`: float32 for the head's logits),
     f32 sums."""

@@ -40,7 +40,8 @@ LINGER_S = 2.0
 
 async def models(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    return web.json_response(protocol.models_response(st.served_names, st.max_model_len))
+    return web.json_response(protocol.models_response(st.served_names, st.max_model_len,
+                                                      determinism=st.determinism))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -101,8 +102,10 @@ class Server:
         m.observe_step(engine.stats(), [], 0.0)  # gauges from the idle engine, before any step
         aeng.start()
         pool = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, "jaxbatch-parse")
+        choice = getattr(engine.runner, "invariance", None)
         app = create_app(ServerState(aeng, names, m, engine.tokenizer, engine.max_model_len,
-                                     api_key, limits, pool))
+                                     api_key, limits, pool,
+                                     determinism=choice.describe() if choice else None))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=5.0, keepalive_timeout=limits.header_timeout,
                                lingering_time=LINGER_S)

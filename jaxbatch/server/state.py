@@ -46,6 +46,9 @@ class ServerState:
     # JSON decoding, tokenisation and chat templates run here, off the event loop
     parse_pool: concurrent.futures.ThreadPoolExecutor | None = None
     draining: bool = False
+    # /v1/models' account of the engine's numerics: whether a request's tokens are independent
+    # of its batch, and why (engine/invariance.py InvarianceChoice.describe())
+    determinism: dict | None = None
 
 
 STATE = web.AppKey("state", ServerState)

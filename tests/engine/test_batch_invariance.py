@@ -129,10 +129,11 @@ def test_refused_where_it_cannot_hold(tiny_chat_dir, caplog):
               max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_pages=64)
     with pytest.raises(ValueError, match="batch_invariant: float32 weights run through XLA's dot"):
         LLM(tiny_chat_dir, batch_invariant=True, **kw)
-    with caplog.at_level("WARNING", logger="jaxbatch"):
+    with caplog.at_level("INFO", logger="jaxbatch"):
         llm = LLM(tiny_chat_dir, batch_invariant="auto", **kw)
     assert not llm.engine.runner.batch_invariant
     assert "batch_invariant auto: off, because float32 weights" in caplog.text
+    assert llm.engine.runner.invariance.reason.startswith("off: float32 weights")
     with pytest.raises(ValueError, match="true, false or auto"):
         LLM(tiny_chat_dir, batch_invariant="yes", **kw)
 
@@ -181,3 +182,43 @@ def test_speculation_changes_no_token():
               if a.outputs[0].token_ids != b.outputs[0].token_ids]
     assert not differ, f"requests {differ} differ with speculation"
     assert stats is not None and stats.num_accepted_tokens > 50, stats
+
+
+def _cost(decode: tuple[float, float], prefill: tuple[float, float]):
+    return lambda: {"decode default": decode[0], "decode invariant": decode[1],
+                    "prefill default": prefill[0], "prefill invariant": prefill[1]}
+
+
+def test_auto_follows_the_measured_cost():
+    """`auto` (the default): on where both the decode- and the prefill-sized layer measure no
+    slower than AUTO_SLACK x the default's, off (saying the ratios) where either is slower;
+    `true` and `false` are not measured."""
+    no_cost = _cost((2.0e-3, 2.0e-3), (7.0e-3, 6.0e-3))
+    choice = invariance.resolve("auto", None, no_cost)
+    assert choice.on and choice.reason.startswith("on: measured no slower")
+    assert "prefill 0.86x" in choice.reason
+    slower_decode = invariance.resolve("auto", None, _cost((2.0e-3, 2.2e-3), (7e-3, 6e-3)))
+    assert not slower_decode.on and "decode 1.10x" in slower_decode.reason
+    assert slower_decode.describe() == {"batch_invariant": False, "setting": "auto",
+                                        "reason": slower_decode.reason}
+
+    def never() -> dict:
+        raise AssertionError("measured")
+
+    assert invariance.resolve(True, None, never).on
+    assert not invariance.resolve(False, None, never).on
+    assert not invariance.resolve("auto", "it runs on CPU only", never).on
+
+
+def test_default_engine_says_what_it_chose(tiny_chat_dir):
+    """With no setting, the engine decides (auto) and says which and why; the server's
+    /v1/models carries the same account."""
+    from jaxbatch.api.responses import models_response
+
+    llm = LLM(tiny_chat_dir, dtype="bfloat16", seed=0, progress=False, max_model_len=256,
+              max_num_seqs=4, max_num_batched_tokens=64, num_pages=64)
+    choice = llm.engine.runner.invariance
+    assert choice.setting == "auto" and choice.on == llm.engine.runner.batch_invariant
+    assert choice.reason.startswith("on" if choice.on else "off")
+    listed = models_response(["m"], 256, determinism=choice.describe())["data"][0]
+    assert listed["determinism"]["batch_invariant"] == choice.on
