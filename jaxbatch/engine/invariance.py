@@ -82,7 +82,7 @@ def resolve(setting: bool | str, why_not: str | None,
     decode- and a prefill-sized step in each mode: "decode default", "decode invariant",
     "prefill default", "prefill invariant") says either step is slower in the invariant mode
     than in the default by more than AUTO_SLACK."""
-    name = {False: "false", True: "true"}.get(setting, "auto")  # type: ignore[call-overload]
+    name = "true" if setting is True else "false" if setting is False else "auto"
     if setting is False:
         return InvarianceChoice(False, name, "off as configured (batch_invariant: false)")
     if why_not is None and setting is True:

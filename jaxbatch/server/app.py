@@ -102,7 +102,8 @@ class Server:
         m.observe_step(engine.stats(), [], 0.0)  # gauges from the idle engine, before any step
         aeng.start()
         pool = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, "jaxbatch-parse")
-        choice = getattr(engine.runner, "invariance", None)
+        # one engine's account (a data-parallel set of replicas has no single runner)
+        choice = getattr(getattr(engine, "runner", None), "invariance", None)
         app = create_app(ServerState(aeng, names, m, engine.tokenizer, engine.max_model_len,
                                      api_key, limits, pool,
                                      determinism=choice.describe() if choice else None))
