@@ -135,8 +135,9 @@ def measure(arch: ModelArch, page: int, decode_rows: int, prefill_rows: int,
     """{"decode default": s, "decode invariant": s, "prefill default": ..., "prefill
     invariant": ...}: one layer of a decode-sized and of a prefill-sized step in each mode
     (measured once per machine and shapes, then read from the cache)."""
-    decode_rows = max(1, min(decode_rows, 64))
-    prefill_rows = max(16, min(prefill_rows, 512))
+    # powers of two: configs that differ a little share one measurement
+    decode_rows = 1 << (max(1, min(decode_rows, 64)) - 1).bit_length()
+    prefill_rows = 1 << (max(16, min(prefill_rows, 512)) - 1).bit_length()
     ident = (f"{measurement_identity()}|invariance cost {arch.num_heads}/{arch.num_kv_heads}x"
              f"{arch.head_dim} page {page} rows {decode_rows}/{prefill_rows} "
              f"{sorted(linears)} {sorted(bf16_xla_rows.items())} {float_linears}")
