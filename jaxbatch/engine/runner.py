@@ -70,13 +70,15 @@ def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any) -> int:
     return max(2, int(gb * 2**30 // (per_token * cache.page_size)))
 
 
-def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn):
+def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn,
+            experts_fn=None):
     """Model forward for one bucket -> (updated cache, logits f32[S, V] of the sampling rows,
     hidden [T, H]: left on the device, read only for prompt logprobs, greedy ids i32[S]: the
     argmax of the logits, the whole answer of a step whose rows are all plain greedy)."""
     hidden, kv_cache = llama.forward(
         params, kv_cache, inputs.token_ids, inputs.positions, inputs.attn,
         arch=arch, attention_fn=attention_fn,
+        **({} if experts_fn is None else {"experts_fn": experts_fn}),
     )
     logits = llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch)
     return kv_cache, logits, hidden, greedy_argmax(logits)
@@ -107,9 +109,12 @@ class Runner:
         cache (default jnp.zeros; on CPU pallas_kernels/zeros.py's, which leaves its pages
         untouched until written)."""
         self.placement: sharding.Placement | None = None
+        experts_fn = None
         if mesh is not None:  # tensor parallel (or one replica's devices): see sharding.py
             params, arch, self.placement = sharding.prepare(params, arch, mesh)
             attention_fn = sharding.shard_attention(attention_fn, mesh)
+            if arch.num_experts:
+                experts_fn = sharding.shard_experts(mesh)
         self.arch = arch
         # bf16 on CPU: layers as uint16 bits, linear weights [out, in] (not under tensor parallelism)
         one_device = self.placement is None
@@ -122,7 +127,8 @@ class Runner:
                                      small_matmul_rows=self.small_matmul_rows,
                                      quant_acts=lambda f, n, k: acts.get((f, n, k), "float"),
                                      bf16_xla_rows=lambda n, k: routes.get((n, k), 0))
-        if self.placement is not None:
+        if self.placement is not None:  # shardings of the params as run (kernel forms)
+            self.placement = sharding.with_params(self.placement, params)
             params = sharding.place(params, self.placement.params)
         self.params = params
         self.page_size = cache.page_size
@@ -139,7 +145,8 @@ class Runner:
             self.cache_dtype)
         init_cache = functools.partial(llama.init_kv_cache, arch, self.num_pages, self.page_size,
                                        self.cache_dtype)
-        step = functools.partial(step_fn, arch=arch, attention_fn=attention_fn)
+        step = functools.partial(step_fn, arch=arch, attention_fn=attention_fn,
+                                 experts_fn=experts_fn)
         if self.placement is None:
             self.kv_cache = init_cache(zeros=kv_zeros or jnp.zeros)
             self._jitted = jax.jit(step, donate_argnums=(1,))

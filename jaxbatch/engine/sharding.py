@@ -8,6 +8,12 @@ single-device forward):
   wo w_down [L, in, H]                rows split: each device a partial sum P(None, "tp", None)
                                       -> one all-reduce after o and one after down, per layer
   lm_head [H, V]                      vocab split; the logits are gathered for the sampler
+  experts_* [L, E, ...] and an experts QuantWeight's blocks [L, E * n, row_bytes]
+                                      split by expert (expert parallelism): each device holds
+                                      and reads E/tp whole experts (quantised blocks stay
+                                      blocks), computes the routed rows of its own experts and
+                                      the partial sums are all-reduced (`shard_experts`): one
+                                      all-reduce of [T, H] per MoE layer, like a dense MLP's
   everything else (embedding, norms, whatever a new architecture adds) replicated: correct
   under any sharding propagation, only not memory-saving.
   KV cache [L, pages, P, K, D]        split by KV head                     P(..., "tp", None)
@@ -16,7 +22,8 @@ GQA when KV heads K < tp: each KV head is duplicated tp/K times (vLLM does the s
 device holds exactly the one KV head its q heads read. With q head n -> KV head n // (N/K), the
 device s holding q heads [s*N/tp, (s+1)*N/tp) needs KV head s*K/tp, which is copy s of the
 duplicated heads; the duplicated model is the same function (its GQA group N/tp maps q head n
-to duplicate n // (N/tp) = s). Requirements: N % tp == 0, K % tp == 0 or tp % K == 0, I % tp == 0.
+to duplicate n // (N/tp) = s). Requirements: N % tp == 0, K % tp == 0 or tp % K == 0, I % tp == 0,
+E % tp == 0.
 """
 
 from __future__ import annotations
@@ -32,12 +39,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxbatch.model import moe
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.quantize import QuantWeight
 
 TP = "tp"
 # params leaves under these names: split by output columns (last axis) / by input rows (axis 1)
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up", "bq", "bk", "bv")
 ROW_PARALLEL = ("wo", "w_down")
+# routed experts' leaves: split by expert (axis 1 of the stack)
+EXPERT_PARALLEL = ("experts_gate", "experts_up", "experts_down", "experts_gate_bias",
+                   "experts_up_bias", "experts_down_bias")
 
 
 def check_tp(arch: ModelArch, tp: int) -> None:
@@ -52,6 +64,9 @@ def check_tp(arch: ModelArch, tp: int) -> None:
                          f"the other (KV heads are split, or each duplicated tp/K times)")
     if I % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the MLP width {I}")
+    if arch.num_experts % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the {arch.num_experts} "
+                         "experts (each device holds E/tp of them)")
 
 
 def make_mesh(devices: Sequence[Any]) -> Mesh:
@@ -88,6 +103,13 @@ def duplicate_kv_heads(params: dict, arch: ModelArch, tp: int) -> dict:
 def _leaf_spec(path: tuple[Any, ...], leaf: Any, tp: int) -> P:
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     ndim = len(leaf.shape)
+    if any(n in EXPERT_PARALLEL for n in names):
+        # an array [L, E, ...] (names end at the leaf's name) or an experts QuantWeight's
+        # blocks [L_f, E * n, row_bytes] (under "parts"; its layer indices stay whole)
+        whole = names[-1] in EXPERT_PARALLEL or "parts" in names
+        if whole and ndim >= 2 and leaf.shape[1] % tp == 0:
+            return P(None, TP, *([None] * (ndim - 2)))
+        return P()
     if any(n in COLUMN_PARALLEL for n in names) and leaf.shape[-1] % tp == 0:
         return P(*([None] * (ndim - 1)), TP)
     if any(n in ROW_PARALLEL for n in names) and ndim == 3 and leaf.shape[1] % tp == 0:
@@ -134,6 +156,14 @@ def prepare(params: dict, arch: ModelArch, mesh: Mesh) -> tuple[dict, ModelArch,
     return params, held, placement
 
 
+def with_params(placement: Placement, params: dict) -> Placement:
+    """`placement` with the shardings of `params` (the same leaves, in the forms the runner
+    runs them: an experts QuantWeight's kernel settings are part of its tree)."""
+    shardings = jax.tree.map(lambda s: NamedSharding(placement.mesh, s),
+                             param_specs(params, placement.tp))
+    return dataclasses.replace(placement, params=shardings)
+
+
 def place(tree: Any, shardings: Any) -> Any:
     """Host or device arrays onto the mesh. Built with make_array_from_callback so that it also
     works when the mesh spans several processes (each process passes the same values)."""
@@ -171,6 +201,51 @@ def shard_attention(fn: Callable[..., jax.Array], mesh: Mesh) -> Callable[..., j
                              check_vma=False)(*args)
 
     return sharded
+
+
+def shard_experts(mesh: Mesh) -> Callable[..., jax.Array]:
+    """model/moe.experts_mlp (its signature) run on each device over its own E/tp experts:
+    the router whole (every device routes every token), a device's assignments to other
+    devices' experts dropped, the float32 partial sums all-reduced, then rounded once."""
+    tp = mesh.shape[TP]
+
+    def experts(h: jax.Array, lp: dict, arch: ModelArch, act: Callable[..., jax.Array],
+                num_valid: jax.Array | None = None) -> jax.Array:
+        local = arch.num_experts // tp
+        moe_leaves = {n: w for n, w in lp.items() if n in EXPERT_PARALLEL or
+                      n in ("router", "router_bias")}
+        # inside the layer scan: arrays [E, ...] (their layer's slice), QuantWeights the
+        # whole stacks [L_f, E * n, row_bytes] with the layer index
+        specs = {n: jax.tree_util.tree_map_with_path(
+            lambda path, x, n=n: _in_scan_spec(n, path, x), w) for n, w in moe_leaves.items()}
+
+        def per_device(h: jax.Array, leaves: dict, *valid: jax.Array) -> jax.Array:
+            mine = {n: dataclasses.replace(w, experts=local)
+                    if isinstance(w, QuantWeight) and n in EXPERT_PARALLEL else w
+                    for n, w in leaves.items()}
+            first = jax.lax.axis_index(TP) * local
+            part = moe.experts_partial(h, mine, arch, act, valid[0] if valid else None,
+                                       first, local)
+            return jax.lax.psum(part, TP)
+
+        args: tuple[Any, ...] = (h, moe_leaves) + (() if num_valid is None else (num_valid,))
+        in_specs = (P(), specs) + (() if num_valid is None else (P(),))
+        out = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                            check_vma=False)(*args)
+        return out.astype(h.dtype)
+
+    return experts
+
+
+def _in_scan_spec(name: str, path: tuple[Any, ...], leaf: Any) -> P:
+    if name not in EXPERT_PARALLEL:
+        return P()
+    names = [getattr(k, "name", None) for k in path]
+    if not names:  # an array leaf [E, ...]
+        return P(TP, *([None] * (len(leaf.shape) - 1)))
+    if "parts" in names:  # a QuantWeight's blocks [L_f, E * n, row_bytes]
+        return P(None, TP, None)
+    return P()
 
 
 def _with_sinks(fn: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:

@@ -194,11 +194,12 @@ def _layer_inputs(arch: ModelArch) -> dict[str, jax.Array]:
     return extra
 
 
-def mlp(h: jax.Array, lp: Params, arch: ModelArch, num_valid: jax.Array | None = None
-        ) -> jax.Array:
+def mlp(h: jax.Array, lp: Params, arch: ModelArch, num_valid: jax.Array | None = None,
+        experts_fn: Callable[..., jax.Array] = moe.experts_mlp) -> jax.Array:
     """h [T, H] -> [T, H]: the gated MLP (SwiGLU / GeGLU), or the routed experts (plus
     Qwen2-MoE's gated shared expert, held in the dense w_* leaves); `num_valid`: the step's
-    real tokens (the routed experts skip the padding)."""
+    real tokens (the routed experts skip the padding). `experts_fn`: moe.experts_mlp's
+    signature (tensor parallelism passes it run per device over its own experts)."""
     act = ACTIVATIONS[arch.hidden_act]
 
     def dense() -> jax.Array:
@@ -209,7 +210,7 @@ def mlp(h: jax.Array, lp: Params, arch: ModelArch, num_valid: jax.Array | None =
 
     if not arch.num_experts:
         return dense()
-    out = moe.experts_mlp(h, lp, arch, act, num_valid)
+    out = experts_fn(h, lp, arch, act, num_valid)
     if arch.shared_expert_intermediate_size:
         out = out + moe.shared_expert_gate(h, lp["shared_gate"]) * dense()
     return out
@@ -224,6 +225,7 @@ def forward(
     *,
     arch: ModelArch,
     attention_fn: AttentionFn,
+    experts_fn: Callable[..., jax.Array] = moe.experts_mlp,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns hidden states [T, H] (before the final norm) and the updated KV cache.
 
@@ -312,7 +314,7 @@ def forward(
         if gemma:
             o = norm(o, lp["post_attn_norm"])
         x = x + o
-        m = mlp(norm(x, lp["mlp_norm"]), lp, arch, num_valid)
+        m = mlp(norm(x, lp["mlp_norm"]), lp, arch, num_valid, experts_fn)
         if gemma:
             m = norm(m, lp["post_mlp_norm"])
         x = x + m

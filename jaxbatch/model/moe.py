@@ -76,10 +76,26 @@ def experts_mlp(h: jax.Array, lp: dict, arch: ModelArch,
     experts QuantWeights); gpt-oss adds router_bias [E], experts_{gate,up}_bias [E, I] and
     experts_down_bias [E, H]. num_valid: i32 scalar, the step's real tokens (the first ones);
     the others get zeros (None: every token is real)."""
-    T, k, E = h.shape[0], arch.num_experts_per_tok, arch.num_experts
+    return experts_partial(h, lp, arch, act, num_valid).astype(h.dtype)
+
+
+def experts_partial(h: jax.Array, lp: dict, arch: ModelArch,
+                    act: Callable[[jax.Array], jax.Array], num_valid: jax.Array | None = None,
+                    first_expert: jax.Array | int = 0, local_experts: int | None = None
+                    ) -> jax.Array:
+    """experts_mlp's sum in float32 [T, H] over the experts [first_expert, first_expert +
+    local_experts) only, whose weights `lp` holds ([local_experts, ...] leaves; the router is
+    whole): one device's share under expert parallelism (engine/sharding.py), the others'
+    assignments routed to no expert. Defaults: every expert."""
+    T, k = h.shape[0], arch.num_experts_per_tok
+    E = arch.num_experts if local_experts is None else local_experts
     weights, experts = route(h, lp["router"], arch, lp.get("router_bias"))
-    if num_valid is not None:  # padding tokens' assignments: "expert E", after every group
-        experts = jnp.where(jnp.arange(T)[:, None] < num_valid, experts, E)
+    experts = experts - first_expert
+    # padding tokens' and other devices' assignments: "expert E", after every group
+    keep = (experts >= 0) & (experts < E)
+    if num_valid is not None:
+        keep &= jnp.arange(T)[:, None] < num_valid
+    experts = jnp.where(keep, experts, E)
     flat = experts.reshape(T * k)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // k  # the token of each sorted assignment
@@ -102,8 +118,7 @@ def experts_mlp(h: jax.Array, lp: dict, arch: ModelArch,
         y = act(g.astype(jnp.float32)).astype(g.dtype) * u
     y = grouped(y, "experts_down")  # [T*k, H]
     y = y.astype(jnp.float32) * weights.reshape(T * k)[order][:, None]
-    out = jnp.zeros((T, h.shape[1]), jnp.float32).at[token].add(y)
-    return out.astype(h.dtype)
+    return jnp.zeros((T, h.shape[1]), jnp.float32).at[token].add(y)
 
 
 def shared_expert_gate(h: jax.Array, w: jax.Array) -> jax.Array:

@@ -92,9 +92,62 @@ def test_tp_greedy_equals_single_device(tiny_models, single_device, kind, tp, ba
 @pytest.mark.parametrize("tp,backend", [(2, "reference"), (4, "pallas")])
 def test_tp_gpt_oss_sinks_split_with_their_heads(tiny_models, single_device, tp, backend):
     """gpt-oss under tensor parallelism: each device's attention takes its own heads' sinks
-    (shard_map over the [N] sink logits), the experts and their biases replicated, the output
-    bias added once after the all-reduce; greedy equals HF's token for token."""
+    (shard_map over the [N] sink logits), the experts and their biases split by expert, the
+    output bias added once after the all-reduce; greedy equals HF's token for token."""
     path, _ = tiny_models("gpt_oss")
     llm = LLM(path, tensor_parallel_size=tp, attention_backend=backend, **ENGINE)
     assert greedy(llm, prompts()) == single_device("gpt_oss")
     assert llm.engine.compiles_since_warmup == 0
+    _assert_split_by_expert(llm, tp, ("experts_gate", "experts_up", "experts_down",
+                                      "experts_gate_bias", "experts_down_bias"))
+
+
+def _assert_split_by_expert(llm: LLM, tp: int, names) -> None:
+    """Each device holds E/tp experts of every routed-expert leaf ([L, E, ...] arrays; an
+    experts QuantWeight's blocks [L_f, E * n, row_bytes]) and nothing gathers them."""
+    from jaxbatch.model.quantize import QuantWeight
+
+    layers = llm.engine.runner.params["layers"]
+    E = llm.engine.arch.num_experts
+    for name in names:
+        w = layers[name]
+        arrays = w.parts if isinstance(w, QuantWeight) else (w,)
+        for a in arrays:
+            assert len(a.sharding.device_set) == tp, name
+            rows = a.shape[1] // E if isinstance(w, QuantWeight) else 1
+            assert {s.data.shape[1] for s in a.addressable_shards} == {E // tp * rows}, name
+    gathered = re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(",
+                          llm.engine.runner.executables[(32, 4)].as_text())
+    assert set(gathered) == {f"4,{llm.engine.arch.vocab_size}"}, gathered  # the logits only
+
+
+# experts split by expert: Mixtral (arrays), Qwen2-MoE (its shared expert split Megatron-style
+# beside them) and Qwen3-MoE (8 experts over 4 devices)
+@pytest.mark.parametrize("kind,tp", [("mixtral", 2), ("qwen2_moe", 4), ("qwen3_moe", 4)])
+def test_tp_experts_split_greedy_equals_hf(tiny_models, single_device, kind, tp):
+    path, _ = tiny_models(kind)
+    llm = LLM(path, tensor_parallel_size=tp, attention_backend="reference", **ENGINE)
+    assert greedy(llm, prompts()) == single_device(kind)
+    assert llm.engine.compiles_since_warmup == 0
+    _assert_split_by_expert(llm, tp, ("experts_gate", "experts_up", "experts_down"))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_tp_quantised_experts_split_equal_one_device(tmp_path, qtype):
+    """A Qwen3-MoE GGUF whose experts stay in their blocks: under tensor parallelism each device
+    holds E/tp experts' blocks and runs the routed-expert kernel on its own; greedy equals the
+    single-device engine's on the same file, float32."""
+    from gguf import GGMLQuantizationType as QT
+
+    from tests.helpers.gguf_moe_files import write_moe_gguf
+    from tests.model.test_gguf_moe import _model
+
+    model = _model("qwen3_moe", str(tmp_path / "hf"), hidden=256, width=256)
+    path = write_moe_gguf(str(tmp_path / "m.gguf"), model, str(tmp_path / "hf"),
+                          lambda name: getattr(QT, qtype))
+    kw = dict(ENGINE, attention_backend="reference")
+    want = greedy(LLM(path, **kw), prompts())
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    assert greedy(llm, prompts()) == want
+    assert llm.engine.compiles_since_warmup == 0
+    _assert_split_by_expert(llm, 2, ("experts_gate", "experts_up", "experts_down"))
