@@ -13,6 +13,15 @@ What is gpt-oss's own is how its checkpoints lay the experts out:
     expert, in any ggml type, MXFP4 as published), `ffn_down_exps` [E, H, I], and the biases
     `ffn_{gate,up,down}_exps.bias`.
 
+  * openai's published checkpoint holds the experts in MXFP4 instead:
+    `gate_up_proj_blocks` uint8 [E, 2I, H/32, 16] with `gate_up_proj_scales` uint8 [E, 2I, H/32]
+    and `down_proj_blocks` [E, H, I/32, 16] / `down_proj_scales` [E, H, I/32]: [out, in] rows of
+    32-value blocks, one E8M0 scale byte each, value 2i of a block in byte i's low nibble and
+    value 2i + 1 in its high one (transformers' convert_moe_packed_tensors); gate and up rows
+    interleave (gate the even rows). These are kept in their blocks, repacked as ggml's MXFP4
+    (scale byte then nibbles, value j low and value j + 16 high in byte j): same bits, no
+    dequantised copy.
+
 hf_names.py names gpt-oss's experts as llama.cpp splits them, and `checkpoint_tensors` reads an
 HF directory through that split, so that the GGUF file keeps its expert tensors in their blocks
 (model/gguf.py) and one strict table checks both. `gguf_config` puts into a GGUF file's HF config
@@ -28,12 +37,30 @@ from typing import Any
 
 import numpy as np
 
+from jaxbatch.model.quantize import RawBlocks
 from jaxbatch.model.weights import LazyTensors, WeightLoadError
 
 # a layer's fused expert tensors in an HF checkpoint
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
-# the same layer's experts in MXFP4 (how openai publishes them), which we do not read
-_MXFP4 = re.compile(r"\.experts\.(gate_up|down)_proj_(blocks|scales)$")
+# the same layer's experts in MXFP4 (how openai publishes them)
+_MXFP4 = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)_(blocks|scales)$")
+
+
+def mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """An HF MXFP4 tensor (blocks uint8 [..., G, 16], scales uint8 [..., G]) as ggml MXFP4 rows
+    uint8 [prod(...), G * 17]: per block the scale byte, then byte j = value j | value j+16 << 4
+    (HF's byte i holds values 2i (low nibble) and 2i + 1)."""
+    *lead, G, B = blocks.shape
+    if B != 16 or tuple(scales.shape) != (*lead, G):
+        raise WeightLoadError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape}: "
+                              "expected [..., G, 16] and [..., G]")
+    b = np.asarray(blocks, np.uint8).reshape(-1, G, 16)
+    codes = np.empty((b.shape[0], G, 32), np.uint8)
+    codes[..., 0::2], codes[..., 1::2] = b & 0x0F, b >> 4
+    out = np.empty((b.shape[0], G, 17), np.uint8)
+    out[..., 0] = np.asarray(scales, np.uint8).reshape(-1, G)
+    out[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
+    return out.reshape(b.shape[0], G * 17)
 
 
 def checkpoint_tensors(tensors: Mapping[str, Any], num_experts: int) -> LazyTensors:
@@ -42,14 +69,20 @@ def checkpoint_tensors(tensors: Mapping[str, Any], num_experts: int) -> LazyTens
     per-expert linear), `up_proj` the odd columns, `down_proj` = down_proj[e].T, and the biases
     per layer, `...experts.gate_proj.bias` = gate_up_proj_bias[:, 0::2] [E, I] and so on. Read
     when taken; the fused tensor last read is kept (its experts are taken one after another)."""
-    blocked = sorted(n for n in tensors if _MXFP4.search(n))
-    if blocked:
-        raise WeightLoadError(
-            f"this gpt-oss checkpoint holds its experts in MXFP4 ({blocked[0]}, ...), which "
-            "the HF directory loader does not read: load its GGUF conversion, or a checkpoint "
-            "with the experts dequantised (bf16 or float32)")
     items: dict[str, tuple[str, int | None, int | None]] = {}
+    blocked: dict[str, tuple[str, str, str]] = {}  # per-expert name -> (stem, fused, proj)
     for name in tensors:
+        mx = _MXFP4.match(name)
+        if mx is not None:
+            stem, fused, kind = mx.groups()
+            if f"{stem}.{fused}_{'scales' if kind == 'blocks' else 'blocks'}" not in tensors:
+                raise WeightLoadError(f"{name!r} without its MXFP4 {kind} partner")
+            if kind == "blocks":
+                projs = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+                for proj in projs:
+                    for e in range(num_experts):
+                        blocked[f"{stem}.{e}.{proj}.weight"] = (stem, fused, proj)
+            continue
         m = _FUSED.match(name)
         if m is None:
             items[name] = (name, None, None)
@@ -63,10 +96,35 @@ def checkpoint_tensors(tensors: Mapping[str, Any], num_experts: int) -> LazyTens
             else:
                 for e in range(num_experts):
                     items[f"{stem}.{e}.{proj}.weight"] = (name, col, e)
+    wholes: dict[tuple[str, str], RawBlocks] = {}  # the layer's repacked experts being read
+
+    def read_blocked(name: str) -> RawBlocks:
+        stem, fused, proj = blocked[name]
+        if (stem, proj) not in wholes:
+            wholes.clear()
+            rows = np.asarray(tensors[f"{stem}.{fused}_blocks"])
+            scales = np.asarray(tensors[f"{stem}.{fused}_scales"])
+            if rows.ndim != 4 or rows.shape[0] != num_experts:
+                raise WeightLoadError(f"{stem}.{fused}_blocks of shape {rows.shape}: expected "
+                                      f"[{num_experts}, out, in / 32, 16]")
+            k = int(rows.shape[2]) * 32
+            parts = ((("gate_proj", 0), ("up_proj", 1)) if fused == "gate_up_proj"
+                     else (("down_proj", None),))
+            for p, col in parts:
+                b, sc = (rows, scales) if col is None else (rows[:, col::2], scales[:, col::2])
+                wholes[(stem, p)] = RawBlocks("MXFP4", mxfp4_rows(b, sc), k,
+                                              experts=num_experts)
+        whole = wholes[(stem, proj)]
+        e, n = int(name[len(stem) + 1:].split(".")[0]), whole.n
+        return RawBlocks("MXFP4", whole.rows[e * n:(e + 1) * n], whole.k, parent=whole,
+                         expert=e)
+
     last: dict[str, np.ndarray] = {}
 
     def read(item: tuple[str, int | None, int | None]) -> Any:
         name, col, e = item
+        if name in blocked:
+            return read_blocked(name)
         if col is None and e is None:
             return tensors[name]
         if name not in last:
@@ -85,6 +143,7 @@ def checkpoint_tensors(tensors: Mapping[str, Any], num_experts: int) -> LazyTens
                                   "in, out]")
         return a[e].T
 
+    items.update({name: (name, None, None) for name in blocked})
     return LazyTensors(items, read)
 
 

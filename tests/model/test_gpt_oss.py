@@ -1,7 +1,7 @@
 """gpt-oss at the model level, beyond the prefill logits every family checks against
 transformers (tests/model/test_architectures.py): its options read from the config, YaRN rope
 against transformers' own, the fused interleaved experts split as llama.cpp splits them, and the
-checkpoints the loader refuses by name."""
+checkpoints the loader refuses by name; openai's MXFP4 checkpoint layout."""
 
 from __future__ import annotations
 
@@ -122,14 +122,51 @@ def test_checkpoints_refused_by_name(tiny, tmp_path):
     with pytest.raises(WeightLoadError, match="interleave"):
         load_hf_dir(bad, jnp.float32)
 
-    def mxfp4(t):  # how openai publishes the experts: blocks and scales instead of floats
+    def half_mxfp4(t):  # MXFP4 blocks without their scales
         t.pop(name)
         t[name + "_blocks"] = np.zeros((4, 64, 2, 16), np.uint8)
-        t[name + "_scales"] = np.zeros((4, 64, 2), np.uint8)
 
-    bad = _edited_copy(path, str(tmp_path / "mxfp4"), mxfp4)
-    with pytest.raises(WeightLoadError, match="MXFP4"):
+    bad = _edited_copy(path, str(tmp_path / "mxfp4"), half_mxfp4)
+    with pytest.raises(WeightLoadError, match="without its MXFP4 blocks partner"):
         load_hf_dir(bad, jnp.float32)
+
+
+def test_mxfp4_checkpoint_kept_in_blocks_matches_transformers(tiny, tmp_path):
+    """openai's layout (experts as MXFP4 blocks and scales, gate and up rows interleaved): the
+    experts stay in their blocks, repacked as ggml's MXFP4 (no dequantised copy); logits equal
+    transformers' own reading of the directory (Mxfp4Config(dequantize=True)) within 1e-4 of
+    the largest, on the jnp path and on the routed-expert kernel, and greedy through the engine
+    equals transformers' token for token."""
+    from jaxbatch import LLM, SamplingParams
+    from jaxbatch.model.quantize import QuantWeight
+    from tests.helpers.hf_reference import hf_greedy
+    from tests.helpers.mxfp4_checkpoint import write_mxfp4_checkpoint
+    from tests.helpers.prefill import prefill_logits
+
+    path = write_mxfp4_checkpoint(tiny[0], str(tmp_path / "mxfp4"))
+    arch, params = load_hf_dir(path, jnp.float32)
+    for leaf in ("experts_gate", "experts_up", "experts_down"):
+        w = params["layers"][leaf]
+        assert isinstance(w, QuantWeight) and w.fmts == ("MXFP4",) and w.experts == 4, leaf
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32,
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(GGUF_IDS)[None]).logits[0].float().numpy()
+    ours = prefill_logits(arch, params, GGUF_IDS, jnp.float32)
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    cpu_library.available(str(tmp_path / "kernels"))
+    if quant.available(jnp.float32):
+        on_cpu = llama.as_run_on_cpu(params, arch)
+        assert on_cpu["layers"]["experts_gate"].kernel
+        ours = prefill_logits(arch, on_cpu, GGUF_IDS, jnp.float32)
+        assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=32, num_pages=64, seed=0, progress=False)
+    prompt = [int(t) for t in GGUF_IDS]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(ref_model, prompt, 12)
 
 
 # ------------------------------------------------------------------------------------------
