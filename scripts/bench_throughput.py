@@ -84,7 +84,9 @@ def worker(args: argparse.Namespace) -> None:
         "buckets": [list(b) for b in eng.planner.buckets], "planner": eng.planner.name,
         "dtype": eng.config.model.dtype, "kv_cache": str(eng.runner.kv_dtype.__name__),
         "measured_gflops": prec.gflops if prec else None,
-        "weight_mb_per_step": round(step_mb, 1)}), flush=True)
+        "weight_mb_per_step": round(step_mb, 1),
+        "determinism": getattr(eng.runner, "invariance", None) and
+        eng.runner.invariance.describe()}), flush=True)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
     sps = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
            for r in rows]
@@ -169,6 +171,7 @@ def summarise(name: str, r: dict) -> dict:
         "warmup_s": r["ready"].get("warmup_s"),
         "dtype": r["ready"].get("dtype"),
         "weight_mb_per_step": r["ready"].get("weight_mb_per_step"),
+        "determinism": r["ready"].get("determinism"),
         "measured_gflops": r["ready"].get("measured_gflops"),
         "profile": r.get("profile"),
         "bucket_rates": res[-1].get("bucket_rates"),
@@ -191,10 +194,11 @@ def main() -> None:
     p.add_argument("--engine-kwargs", default="{}", help="JSON of extra LLM(...) options")
     p.add_argument("--planners", default=None,
                    help="comma list (e.g. dp,pow2): run jaxbatch once per planner")
-    p.add_argument("--batch-invariant", default="off",
-                   help="comma list of off,on: run jaxbatch once per setting of batch_invariant "
-                        "(on: every row's numbers independent of its batch; engine/invariance.py)"
-                        " and print the steady throughput's cost")
+    p.add_argument("--batch-invariant", default="auto",
+                   help="comma list of auto,off,on: run jaxbatch once per setting of "
+                        "batch_invariant (on: every row's numbers independent of its batch; "
+                        "auto, the default: on where measured no slower; engine/invariance.py) "
+                        "and print each one's steady throughput against the first's")
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-python", default=None)
     p.add_argument("--peer-model", default=None, help="HF dir (fp32); -fp32 -> -bf16 for bf16")
@@ -220,13 +224,13 @@ def main() -> None:
     devices = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                              f"device_count={max(tps)}").strip()} if max(tps) > 1 else {}
     modes = args.batch_invariant.split(",")
-    if set(modes) - {"off", "on"}:
-        p.error("--batch-invariant takes a comma list of off,on")
+    if set(modes) - {"off", "on", "auto"}:
+        p.error("--batch-invariant takes a comma list of auto,off,on")
     for dtype, tp, mode in [(d, t, m) for d in args.dtypes.split(",") for t in tps for m in modes]:
         for planner in (args.planners.split(",") if args.planners else [None]):
             kw = json.loads(args.engine_kwargs)
-            if mode == "on":
-                kw["batch_invariant"] = True
+            if mode != "auto":
+                kw["batch_invariant"] = mode == "on"
             if planner:
                 kw["planner"] = planner
             if tp > 1:
@@ -237,7 +241,7 @@ def main() -> None:
                    "--profile-steps", str(args.profile_steps)] + \
                 (["--profile"] if args.profile else [])
             name = f"jaxbatch {dtype}" + (f" {planner}" if planner else "") + \
-                (f" tp={tp}" if len(tps) > 1 else "") + (" invariant" if mode == "on" else "")
+                (f" tp={tp}" if len(tps) > 1 else "") + ("" if len(modes) == 1 else f" invariant={mode}")
             log = os.path.join(args.out, name.replace(" ", "-") + ".log") if args.out else None
             rows.append(summarise(name, run_child(cmd, devices, log)))
     if args.peer:
@@ -261,6 +265,9 @@ def main() -> None:
         if r.get("measured_gflops"):
             rates = ", ".join(f"{k} {v:.0f}" for k, v in r["measured_gflops"].items())
             print(f"{r['engine']}: dtype auto chose {r['dtype']} (matmul GFLOP/s: {rates})")
+        if r.get("determinism"):
+            print(f"{r['engine']}: batch_invariant {r['determinism']['setting']}: "
+                  f"{r['determinism']['reason']}")
         # the cold pass prefills every prompt; later passes find them in the prefix cache
         for key, which in (("cold_bucket_rates", "cold pass"), ("bucket_rates", "last pass")):
             if r.get(key):
@@ -285,9 +292,10 @@ def main() -> None:
             for other in base[1:]:
                 print(f"{dtype}: steady wall {base[0]['engine']} / {other['engine']} = "
                       f"{base[0]['steady_wall_s'] / other['steady_wall_s']:.2f}")
-    if len(modes) > 1:  # the batch-invariant mode's cost (its greedy tokens may differ: other sums)
-        for r in [r for r in ours if r["engine"].endswith(" invariant")]:
-            base = next(b for b in ours if b["engine"] == r["engine"][: -len(" invariant")])
+    if len(modes) > 1:  # each setting against the first (greedy tokens may differ: other sums)
+        for r in [r for r in ours if not r["engine"].endswith(f" invariant={modes[0]}")]:
+            stem = r["engine"].rsplit(" invariant=", 1)[0]
+            base = next(b for b in ours if b["engine"] == f"{stem} invariant={modes[0]}")
             print(f"{r['engine']}: steady throughput {r['steady_total_tok_s'] / base['steady_total_tok_s']:.3f}x of "
                   f"{base['engine']}; greedy output identical: "
                   f"{r['out_ids_sha1'] == base['out_ids_sha1']}")
