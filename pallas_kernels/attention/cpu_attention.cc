@@ -891,7 +891,11 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
     // would start on cold pages), two lines per pair of keys
     const bool last_split = j0 + split >= hi;
     int64_t next_line = 0;
-    if (wide) {
+    // wide_pv does each accumulator's operations of the loop below, in the same order (the
+    // same pair-interleaved V vectors and probability pair words), with V interleaved once per
+    // head rather than once per block of 4 rows: the batch-invariant mode's prefill items take
+    // it too, their bits unchanged
+    if (R > kDecodeRows) {
       wide_pv<kD>(p, sc, R, a, n, s, token, ilo, ihi);
       continue;
     }
