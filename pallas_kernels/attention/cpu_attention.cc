@@ -229,6 +229,7 @@ struct Scratch {
 };
 
 constexpr int kDecodeRows = 8;  // at most this many score rows per KV head: plain dots
+constexpr int64_t kNarrowTile = 16;  // score rows per tile of an invariant prefill's pass 1
 // run_prefill_amx with at most this many score rows per KV head (padded to 16s) takes K rows as
 // the tiles' A operand (no transposed copy of K) and transposes the scores instead
 constexpr int64_t kKeysAsA = 32;
@@ -809,7 +810,7 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   sc.qb.resize((HR + pad_rows) * kD);
   reset_row_state(sc, HR, kD);
   sc.s.resize((HR + pad_rows) * split);
-  if (!wide) sc.part.resize(HR * 16);  // the narrow pass 1's partial sums
+  if (!wide) sc.part.resize(std::max<int64_t>(HR, kNarrowTile) * 16);  // narrow pass 1's sums
   copy_bf16_queries(p, it, start, G, R, kD, sc.qb.data());
   int32_t lo, hi;
   key_range(p, it, ctx, kv_len, lo, hi);
@@ -847,6 +848,41 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
     // pass 1: s[(h*R + r) * n + j] = q . k_j
     if (wide) {
       wide_scores<kD>(p, sc, R, a, n, s, token);
+    } else if (R > kDecodeRows) {
+      // the batch-invariant mode's prefill items: the loop below's operations for each score,
+      // but per KV head and tile of kNarrowTile rows, so that the tile's partial sums stay in L1
+      // (the loop below keeps HR x 16 of them, for a 512-row item megabytes)
+      for (int64_t jb = 0; jb < n; jb += 16) {
+        const int64_t nb = std::min<int64_t>(16, n - jb);
+        for (int64_t h = 0; h < Hkv; ++h) {
+          for (int64_t r0 = 0; r0 < R; r0 += kNarrowTile) {
+            const int64_t rt = std::min<int64_t>(kNarrowTile, R - r0);
+            for (int64_t jj = 0; jj < 16; ++jj) {
+              const int slot = kSumSlot[jj];
+              if (jj >= nb) {
+                for (int64_t r = 0; r < rt; ++r) part[r * 16 + slot] = _mm512_setzero_ps();
+                continue;
+              }
+              const uint16_t* kr = kbase + token(a + jb + jj) + h * kD;
+              __m512bh kc[kC];
+              for (int c = 0; c < kC; ++c)
+                kc[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+              for (int64_t r = 0; r < rt; ++r) {
+                const uint16_t* qr = qb + (h * R + r0 + r) * kD;
+                __m512 t = _mm512_setzero_ps();
+                for (int c = 0; c < kC; ++c)
+                  t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(qr + 32 * c), kc[c]);
+                part[r * 16 + slot] = t;
+              }
+            }
+            for (int64_t r = 0; r < rt; ++r) {
+              const __m512 sums = sum16(part + r * 16);
+              _mm512_mask_storeu_ps(s + (h * R + r0 + r) * n + jb,
+                                    static_cast<__mmask16>((1u << nb) - 1), sums);
+            }
+          }
+        }
+      }
     } else for (int64_t jb = 0; jb < n; jb += 16) {
       const int64_t nb = std::min<int64_t>(16, n - jb);
       for (int64_t jj = 0; jj < 16; ++jj) {
