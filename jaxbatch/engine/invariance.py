@@ -1,7 +1,8 @@
-"""Batch-invariant numerics (`batch_invariant: true | false | auto`, `--batch-invariant`;
-`jaxbatch batch` runs auto): a request gives the same tokens alone or in any batch, in any bucket, at any
-row of its step, with prefix caching on or off and at any prefill chunking, because every number
-of a row is computed by a sequence of operations fixed by that row's own data.
+"""Batch-invariant numerics (`batch_invariant: true | false | auto`, auto the default for serve,
+LLM and batch: on where measured no slower, engine/invariance_cost.py): a request gives the same
+tokens alone or in any batch, in any bucket, at any row of its step, with prefix caching on or
+off and at any prefill chunking, because every number of a row is computed by a sequence of
+operations fixed by that row's own data.
 
 What each part of the step does for it:
 - linear layers and the head with bf16 weights: every step, whatever its token count, runs the
