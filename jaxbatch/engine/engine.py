@@ -180,8 +180,8 @@ class Engine:
             if isinstance(w, QuantWeight) for f in w.fmts}
         quant_acts = choose_quant_acts(quant_shapes, config.model.dtype, root) \
             if mesh is None else {}
-        bf16_shapes = {(w.n, w.k) for w in model.params["layers"].values()
-                       if isinstance(w, QuantWeight) and "BF16" in w.fmts}
+        bf16_shapes = {(w.n, w.k) for w in model.params["layers"].values()  # experts: kernel
+                       if isinstance(w, QuantWeight) and "BF16" in w.fmts and not w.experts}
         bf16_xla_rows = choose_bf16_route(bf16_shapes, root, {
             (n, k): a for (f, n, k), a in quant_acts.items() if f == "BF16"}) \
             if mesh is None and config.model.dtype == "bfloat16" else {}

@@ -329,8 +329,8 @@ def _bf16_rows(w_out_in: np.ndarray) -> RawBlocks:
 
 
 def bf16_rows_params(params: dict) -> dict:
-    """The params with the dense linear weights, the embedding and an untied head held as BF16
-    rows (`QuantWeight`s the quantised matmul reads, one resident copy each), as an HF
+    """The params with the dense linear weights, the routed experts, the embedding and an
+    untied head held as BF16 rows (`QuantWeight`s the quantised matmul reads, one resident copy each), as an HF
     directory's bf16 weights load (model/hf.py `bf16_blocks`): what a file whose format is not
     kept (a Q4_1 or Q5_0 GGUF, dequantised) runs in bfloat16 on one CPU device. The kernel gives
     a row the same bits at every step size (a batch-invariant mode for every M), and a weight
@@ -343,6 +343,20 @@ def bf16_rows_params(params: dict) -> dict:
             continue
         layers[name] = from_raw([_bf16_rows(np.asarray(jax.device_get(w[i])).T)
                                  for i in range(w.shape[0])])
+    # routed experts [L, E, in, out] (e.g. a Q5_0 file's, dequantised): BF16 rows [E * out, in]
+    # per layer, so that the routed-expert kernel reads only the chosen experts (float arrays
+    # go through ragged_dot, on XLA:CPU a dense dot against every expert)
+    for name in ("experts_gate", "experts_up", "experts_down"):
+        w = layers.get(name)
+        if w is None or not isinstance(w, jax.Array) or w.ndim != 4 or w.shape[2] % qk:
+            continue
+        E = int(w.shape[1])
+        raws = []
+        for i in range(w.shape[0]):
+            rows = _bf16_rows(np.swapaxes(np.asarray(jax.device_get(w[i])), 1, 2).reshape(
+                E * int(w.shape[3]), int(w.shape[2])))
+            raws.append(RawBlocks("BF16", rows.rows, rows.k, experts=E))
+        layers[name] = from_raw(raws)
     out = {**params, "layers": layers}
     embed = params["embed"]
     if isinstance(embed, jax.Array) and embed.ndim == 2 and embed.shape[1] % qk == 0:

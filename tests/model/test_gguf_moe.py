@@ -178,3 +178,35 @@ def test_experts_read_in_place_from_the_file(tmp_path):
     np.testing.assert_array_equal(
         prefill_logits(arch, llama.as_run_on_cpu(mapped, arch), IDS, jnp.float32),
         prefill_logits(arch, llama.as_run_on_cpu(stacked, arch), IDS, jnp.float32))
+
+
+def test_dequantised_experts_held_as_bf16_rows(tmp_path):
+    """Experts in a format the engine does not keep (Q5_0: llama-quantize's fallback where a
+    Q4_K_M width is not whole 256-blocks) are dequantised; in bfloat16 on CPU they are then held
+    as BF16 rows (model/quantize.py bf16_rows_params), so the routed-expert kernel reads only the
+    chosen experts: exactly the dequantised bf16 values, and logits within bf16 rounding of
+    transformers' float32."""
+    from jaxbatch.model.quantize import bf16_rows_params
+    from pallas_kernels.matmul.quant_formats import dequantize
+
+    model = _model("qwen3_moe", str(tmp_path / "hf"))
+    path = write_moe_gguf(str(tmp_path / "m.gguf"), model, str(tmp_path / "hf"),
+                          lambda name: QT.Q5_0)
+    arch, params, cfg = model_gguf.load_gguf(path, jnp.bfloat16)
+    assert not isinstance(params["layers"]["experts_gate"], QuantWeight)  # Q5_0: dequantised
+    rows = bf16_rows_params(params)
+    for leaf in EXPERT_LEAVES:
+        w, dense = rows["layers"][leaf], np.asarray(params["layers"][leaf], np.float32)
+        assert isinstance(w, QuantWeight) and w.fmts == ("BF16",) and w.experts == 8, leaf
+        for li in range(arch.num_layers):  # [E * out, in] rows -> [E, in, out]
+            got = np.asarray(dequantize(w.parts[0][li], "BF16", w.k), np.float32)
+            got = np.swapaxes(got.reshape(w.experts, w.n, w.k), 1, 2)
+            np.testing.assert_array_equal(got, dense[li])
+    cpu_library.available(str(tmp_path / "kernels"))
+    if not quant.available(jnp.bfloat16):
+        pytest.skip("the quantised matmul kernel for bfloat16 is not built on this CPU")
+    on_cpu = llama.as_run_on_cpu(rows, arch)
+    assert on_cpu["layers"]["experts_gate"].kernel
+    ref = _transformers_logits(path, cfg)
+    ours = prefill_logits(arch, on_cpu, IDS, jnp.uint16)
+    assert np.abs(ours - ref).max() <= 3e-2 * np.abs(ref).max()
