@@ -4,9 +4,9 @@ another thread of the process compiles.
 Why: an engine's warm-up compiles its step shapes on several threads (runner.compile_buckets), and
 JAX writes each executable to the persistent cache from the thread that compiled it. On XLA:CPU
 (jax 0.10.2) `executable.serialize()` aborted the whole process (SIGABRT, no Python exception)
-while another thread was compiling, in the suite's warm-up of the real SmolLM2 server on an AMD
-EPYC (2026-12-05; CI on an Intel Xeon had aborted near the same point of the suite the day
-before); not reproduced when that test ran alone. Compiles still run side by side (each mostly uses one core); a cache write or read waits for the compiles
+while another thread was compiling: twice in 2026-12, both in the suite's warm-up of the real
+SmolLM2 server (CI on an Intel Xeon; an AMD EPYC), not reproduced alone. Compiles still run side
+by side (each mostly uses one core); a cache write or read waits for the compiles
 in flight and holds off new ones for the milliseconds it takes.
 
 `install()` wraps JAX's three entry points (jax._src.compiler.backend_compile_and_load, and
