@@ -70,11 +70,7 @@ class RecompileError(RuntimeError):
 
 
 def enable_persistent_cache(cache_root: str) -> None:
-    """Cache every compiled executable under <cache_root>/xla (however quick it was to build),
-    its writes and reads kept apart from compiles on other threads (engine/xla_cache_lock.py)."""
-    from jaxbatch.engine import xla_cache_lock
-
-    xla_cache_lock.install()
+    """Cache every compiled executable under <cache_root>/xla (however quick it was to build)."""
     path = os.path.join(cache_root, "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
