@@ -56,3 +56,19 @@ def tiny_models(tmp_path_factory):
         return models[kind]
 
     return get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+    """After each test module, JAX's caches let go of its compiled executables. Each loaded
+    XLA:CPU executable holds ~8 memory mappings (its JIT code and data) while a cache keeps it;
+    over the whole suite one process passed Linux's default vm.max_map_count (65,530) and
+    XLA then crashed in whatever mapped next (SIGABRT or SIGSEGV in a later module's warm-up,
+    2026-12). Set up before the module's own fixtures, so torn down after them."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
