@@ -64,7 +64,7 @@ def measurement_identity() -> str:
     shapes: the device, the kernels (the CPU kernel library's content hash), jaxbatch's version
     and jax's, and the measuring code itself (this file, engine/precision.py and
     engine/calibration.py: a change to how a choice is timed re-measures too, though the package
-    version stays). Any change is a new
+    version stays; engine/invariance_cost.py too). Any change is a new
     cache key, measured again by itself (no hand-bumped tags)."""
     return f"{device_identity()}|kernels {cpu_library.content_hash()}|" \
            f"jaxbatch {_package_version()} {_measuring_code_hash()}|jax {jax.__version__}"
@@ -82,7 +82,7 @@ def _package_version() -> str:
 def _measuring_code_hash() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256()
-    for name in ("measurements.py", "precision.py", "calibration.py"):
+    for name in ("measurements.py", "precision.py", "calibration.py", "invariance_cost.py"):
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:12]
