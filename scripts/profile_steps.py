@@ -30,7 +30,7 @@ def profile_engine(engine: Any, prompts: list, params: list, steps: int = 30,
 
     from jaxbatch.core.request import NewRequest
     from jaxbatch.engine import compile_guard
-    from jaxbatch.engine.runner import plain_greedy, step_fn
+    from jaxbatch.engine.runner import packed_step_fn, plain_greedy
 
     runner = engine.runner
     recorded: list[tuple[Any, Any]] = []
@@ -76,14 +76,16 @@ def profile_engine(engine: Any, prompts: list, params: list, steps: int = 30,
     with compile_guard.planned():
         for _, bucket in recorded:
             if bucket not in variants:
-                example = jax.device_put(next(h for h, b in recorded if b == bucket))
-                plain = jax.jit(functools.partial(step_fn, arch=runner.arch,
-                                                  attention_fn=no_attention), donate_argnums=(1,))
-                variants[bucket] = (runner.executables[bucket],
-                                    plain.lower(runner.params, scratch, example).compile())
+                example = runner.device_inputs(next(h for h, b in recorded if b == bucket))
+                plain = jax.jit(functools.partial(packed_step_fn, arch=runner.arch,
+                                                  attention_fn=no_attention),
+                                donate_argnums=(1,), static_argnums=(3,))
+                variants[bucket] = (runner.executables[bucket], plain.lower(
+                    runner.params, scratch, example, runner.step_layout(bucket)).compile())
     full_s = rest_s = sampler_s = 0.0
     for host, bucket in recorded:
-        inputs = jax.device_put(host)
+        inputs = runner.device_inputs(host)
+        sampling = jax.device_put(host.sampling)
         for which, exe in enumerate(variants[bucket]):
             t = time.perf_counter()
             scratch, logits, *_ = exe(runner.params, scratch, inputs)
@@ -95,7 +97,7 @@ def profile_engine(engine: Any, prompts: list, params: list, steps: int = 30,
                     continue
                 t = time.perf_counter()
                 jax.block_until_ready(runner.samplers[bucket.num_seqs, False](
-                    logits, inputs.sampling, logits))
+                    logits, sampling, logits))
                 sampler_s += time.perf_counter() - t
             else:
                 rest_s += dt

@@ -31,7 +31,8 @@ import numpy as np
 
 from jaxbatch.config import CacheConfig
 from jaxbatch.core.sampling_params import MAX_LOGPROBS
-from jaxbatch.engine import compile_guard, sharding
+from jaxbatch.engine import compile_guard, packed_inputs, sharding
+from jaxbatch.engine.packed_inputs import ModelInputs
 from jaxbatch.engine.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs_fn
 from jaxbatch.engine.sampler import SamplerOutput, adjust_logits, greedy_argmax, sample
 from jaxbatch.engine.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
@@ -70,8 +71,8 @@ def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any) -> int:
     return max(2, int(gb * 2**30 // (per_token * cache.page_size)))
 
 
-def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_fn,
-            experts_fn=None):
+def step_fn(params, kv_cache, inputs: StepInputs | ModelInputs, *, arch: ModelArch,
+            attention_fn, experts_fn=None):
     """Model forward for one bucket -> (updated cache, logits f32[S, V] of the sampling rows,
     hidden [T, H]: left on the device, read only for prompt logprobs, greedy ids i32[S]: the
     argmax of the logits, the whole answer of a step whose rows are all plain greedy)."""
@@ -82,6 +83,13 @@ def step_fn(params, kv_cache, inputs: StepInputs, *, arch: ModelArch, attention_
     )
     logits = llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch)
     return kv_cache, logits, hidden, greedy_argmax(logits)
+
+
+def packed_step_fn(params, kv_cache, packed: jax.Array, layout: packed_inputs.Layout, *,
+                   arch: ModelArch, attention_fn, experts_fn=None):
+    """step_fn on the model inputs packed into one int32 array (engine/packed_inputs.py)."""
+    return step_fn(params, kv_cache, packed_inputs.unpack(packed, layout), arch=arch,
+                   attention_fn=attention_fn, experts_fn=experts_fn)
 
 
 def plain_greedy(s: Any) -> bool:
@@ -145,11 +153,11 @@ class Runner:
             self.cache_dtype)
         init_cache = functools.partial(llama.init_kv_cache, arch, self.num_pages, self.page_size,
                                        self.cache_dtype)
-        step = functools.partial(step_fn, arch=arch, attention_fn=attention_fn,
+        step = functools.partial(packed_step_fn, arch=arch, attention_fn=attention_fn,
                                  experts_fn=experts_fn)
         if self.placement is None:
             self.kv_cache = init_cache(zeros=kv_zeros or jnp.zeros)
-            self._jitted = jax.jit(step, donate_argnums=(1,))
+            self._jitted = jax.jit(step, donate_argnums=(1,), static_argnums=(3,))
             # The sampler is compiled per sequence count only (it does not depend on T):
             # separating it from the step halves the per-bucket compile time (sorting and RNG
             # compile slowly).
@@ -159,7 +167,7 @@ class Runner:
             pl = self.placement
             cache_s = {"k": pl.cache, "v": pl.cache}
             self.kv_cache = jax.jit(init_cache, out_shardings=cache_s)()  # never whole on one
-            self._jitted = jax.jit(step, donate_argnums=(1,),
+            self._jitted = jax.jit(step, donate_argnums=(1,), static_argnums=(3,),
                                    in_shardings=(pl.params, cache_s, pl.replicated),
                                    out_shardings=(cache_s, pl.replicated, pl.replicated,
                                                   pl.replicated))
@@ -248,8 +256,9 @@ class Runner:
         V = self.arch.vocab_size
 
         def step(b: Bucket) -> None:
-            example = dummy_step_inputs(b, self.pages_per_seq, V)
-            steps[b] = self._jitted.lower(self.params, cache_spec, example).compile()
+            layout = self.step_layout(b)
+            packed = jax.ShapeDtypeStruct((layout.words,), jnp.int32)
+            steps[b] = self._jitted.lower(self.params, cache_spec, packed, layout).compile()
 
         def sampler(S: int) -> None:
             logits = jax.ShapeDtypeStruct((S, V), jnp.float32)
@@ -288,28 +297,38 @@ class Runner:
         for key in [k for k in self.samplers if k[0] not in seqs]:
             del self.samplers[key]
 
+    def step_layout(self, bucket: Bucket) -> packed_inputs.Layout:
+        """How a step of this bucket packs its model inputs (static: shapes follow the bucket)."""
+        example = dummy_step_inputs(bucket, self.pages_per_seq, self.arch.vocab_size)
+        return packed_inputs.layout_of(packed_inputs.model_inputs(example))
+
+    def _put(self, tree: Any) -> Any:
+        if self.placement is None:
+            return jax.device_put(tree)
+        return sharding.place(tree, sharding.replicated_like(tree, self.placement.replicated))
+
+    def device_inputs(self, host: StepInputs) -> jax.Array:
+        """A step's model inputs on the device, packed: what its executable takes."""
+        return self._put(packed_inputs.pack(packed_inputs.model_inputs(host)))
+
     def execute(self, host: StepInputs, bucket: Bucket) -> SamplerOutput:
         """Run one step; returns the sampler's output as numpy arrays."""
         exe = self.executables[bucket]  # KeyError = a shape nobody planned for
         if self.leader is not None:
             self.leader.step(host, bucket)
-        if self.placement is None:
-            inputs = jax.device_put(host)
-        else:
-            inputs = sharding.place(host, sharding.replicated_like(host, self.placement.replicated))
-        # the step was compiled without the sampler's adjustments (it never reads them)
-        step_inputs = inputs if inputs.sampling.adjust is None else dataclasses.replace(
-            inputs, sampling=dataclasses.replace(inputs.sampling, adjust=None))
         self.kv_cache, logits, self._hidden, greedy = exe(self.params, self.kv_cache,
-                                                          step_inputs)
-        S, adjust = bucket.num_seqs, inputs.sampling.adjust
+                                                          self.device_inputs(host))
+        S = bucket.num_seqs
         if plain_greedy(host.sampling):  # the sampler's output without running it
             host_out: Any = (np.asarray(jax.device_get(greedy)), np.zeros(S, np.float32),
                              np.zeros((S, MAX_LOGPROBS), np.int32),
                              np.zeros((S, MAX_LOGPROBS), np.float32))
             return SamplerOutput(*host_out)  # numpy, as device_get returns the sampler's
+        sampling = self._put(host.sampling)  # only now: a plain greedy step never reads it
+        adjust = sampling.adjust
         adjusted = logits if adjust is None else self.samplers[S, True](logits, adjust)
-        return jax.device_get(self.samplers[S, False](adjusted, step_inputs.sampling, logits))
+        return jax.device_get(self.samplers[S, False](
+            adjusted, dataclasses.replace(sampling, adjust=None), logits))
 
     def _compile_prompt_logprobs(self) -> jax.stages.Compiled:
         """params, hidden [P, H], targets i32[P] -> PromptLogprobsOutput, P = PROMPT_LOGPROBS_ROWS
