@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -263,10 +264,11 @@ def _release_blocks() -> None:
     _host_stack = None
 
 
-def _time_quant(fmt: str, n: int, k: int, act: str, rows: int, repeats: int = 5) -> float:
-    """Seconds of one bf16 call of the quantised matmul in mode `act` on a stack of
-    layers of [n, k] weights in `fmt` (stepping through the layers: read from memory); act
-    "xla": XLA's dot on the layer's rows bitcast to bf16 (BF16 only)."""
+def _quant_timer(fmt: str, n: int, k: int, act: str, rows: int) -> Callable[[], float]:
+    """A compiled bf16 call of the quantised matmul in mode `act` on a stack of layers of
+    [n, k] weights in `fmt`; each call of the returned function times one call on the next
+    layer (stepping through the layers: read from memory), in seconds. act "xla": XLA's dot on
+    the layer's rows bitcast to bf16 (BF16 only)."""
     from pallas_kernels.matmul import quant
     from pallas_kernels.matmul.quant_formats import row_bytes
 
@@ -282,14 +284,39 @@ def _time_quant(fmt: str, n: int, k: int, act: str, rows: int, repeats: int = 5)
     call = jax.jit(xla_dot if act == "xla" else
                    lambda x, w, li: quant.quant_matmul(x, w, li, fmt=fmt, k=k, act=act))
     jax.block_until_ready(call(x, w, 0))
-    times = []
-    for i in range(repeats if rows == 1 else max(2, repeats - 1)):  # many rows: steadier
+    at = 0
+
+    def timed() -> float:
+        nonlocal at
+        at = (at + 1) % layers
         t = time.perf_counter()
-        jax.block_until_ready(call(x, w, (i + 1) % layers))
-        times.append(time.perf_counter() - t)
-    # the fastest: noise only adds time (one timing of XLA's 512-row dot on an AMX Xeon read
-    # 58 ms in a first start, 26-36 ms in a quiet process, and set the route too high)
-    return float(np.min(times))
+        jax.block_until_ready(call(x, w, at))
+        return time.perf_counter() - t
+
+    return timed
+
+
+def _time_quant(fmt: str, n: int, k: int, act: str, rows: int, repeats: int = 5) -> float:
+    """Seconds of one call of `_quant_timer`'s matmul: the fastest of `repeats` (noise only
+    adds time: one timing of XLA's 512-row dot on an AMX Xeon read 58 ms in a first start,
+    26-36 ms in a quiet process, and set the route too high)."""
+    timed = _quant_timer(fmt, n, k, act, rows)
+    return float(min(timed() for _ in range(repeats if rows == 1 else max(2, repeats - 1))))
+
+
+def _time_modes(fmt: str, n: int, k: int, modes: tuple[str, ...], rows: int,
+                rounds: int = 5) -> dict[str, float]:
+    """The fastest call of each mode, the modes timed in turn within each round: a busy spell
+    (another process compiling, the VM's memory slowing) then slows both, not one. Timed one
+    mode after the other, a start-up on an AMD EPYC beside a compiler recorded int8 at 1 row as
+    4.0 ms against float's 0.37 (quiet: 0.10 vs 0.17) and kept Q4_K [1536 x 1536] in float mode,
+    ~2x slower at decode."""
+    timers = {act: _quant_timer(fmt, n, k, act, rows) for act in modes}
+    best = {act: float("inf") for act in modes}
+    for _ in range(rounds if rows == 1 else max(2, rounds - 2)):
+        for act, timed in timers.items():
+            best[act] = min(best[act], timed())
+    return best
 
 
 def _quant_modes(fmt: str, n: int) -> tuple[str, ...]:
@@ -330,8 +357,8 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
         path = os.path.join(cache_root, "precision", f"quant-act-{key}.json")
         def measure(fmt: str = fmt, n: int = n, k: int = k,
                     modes: tuple[str, ...] = modes) -> dict[str, float]:
-            return {f"{act} {rows}": _time_quant(fmt, n, k, act, rows)
-                    for rows in QUANT_ACT_ROWS for act in modes}
+            return {f"{act} {rows}": t for rows in QUANT_ACT_ROWS
+                    for act, t in _time_modes(fmt, n, k, modes, rows).items()}
 
         seconds, source = cached(path, ident, "seconds", measure)
         ratio = float(np.prod([seconds[f"{other} {r}"] / seconds[f"float {r}"]
