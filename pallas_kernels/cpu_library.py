@@ -23,6 +23,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -38,8 +39,19 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "quant_amx.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),
            os.path.join(_HERE, "zeros.cc"))
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-mprefer-vector-width=512",
-         "-std=c++17", "-fPIC"]
+
+
+def flags_for(machine: str) -> list[str]:
+    """The compile flags on a CPU architecture (`platform.machine()`): -mprefer-vector-width is
+    x86's alone (GCC rejects it elsewhere, and with it the whole library failed to build on
+    aarch64, attention included; every source compiles for aarch64 without it, the AVX-512
+    paths left out by their #if)."""
+    x86 = machine.lower() in ("x86_64", "amd64", "i386", "i686")
+    return ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno",
+            *(["-mprefer-vector-width=512"] if x86 else []), "-std=c++17", "-fPIC"]
+
+
+FLAGS = flags_for(platform.machine())
 _PREFIX = "jaxbatch-cpu-"  # the library's file name: _PREFIX, its build key, ".so"
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
@@ -82,8 +94,6 @@ def _cpu_flags() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine()
 
 

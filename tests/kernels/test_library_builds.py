@@ -1,11 +1,15 @@
-"""The C++ kernel library builds wherever there is a C++ compiler on x86-64 Linux. The kernel
-tests skip where it did not build (a machine without a compiler runs the jnp paths), so without
-this test a broken source would turn them all into skips and leave the suite green."""
+"""The C++ kernel library builds wherever there is a C++ compiler on x86-64 Linux, and its sources
+compile for aarch64 with the flags the library uses there. The kernel tests skip where it did not
+build (a machine without a compiler runs the jnp paths), so without this test a broken source
+would turn them all into skips and leave the suite green."""
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,3 +24,33 @@ def test_the_library_builds_and_registers(tmp_path):
     why = cpu_library.available(str(tmp_path / "kernel-cache"))
     assert why is None, why
     assert cpu_library.registered()
+
+
+def test_the_sources_compile_for_aarch64(tmp_path):
+    """Every source compiles with aarch64's flags (cpu_library.flags_for), cross-compiled with
+    Debian's g++-aarch64-linux-gnu where it is installed: the x86-only -mprefer-vector-width
+    once broke the whole library there. -march=native names the build machine's CPU, so the
+    cross build targets armv8.2-a with dotprod, the oldest core the ARM kernels would aim at."""
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    if cxx is None:
+        pytest.skip("no aarch64 cross compiler (apt install g++-aarch64-linux-gnu)")
+    import jaxlib
+
+    flags = ["-march=armv8.2-a+dotprod" if f == "-march=native" else f
+             for f in cpu_library.flags_for("aarch64")]
+    assert not any(f.startswith("-mprefer-vector-width") for f in flags)
+    include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
+
+    def build(src: str) -> subprocess.CompletedProcess:
+        obj = str(tmp_path / (os.path.basename(src) + ".o"))
+        return subprocess.run([cxx, *flags, "-I", include, "-c", src, "-o", obj],
+                              capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
+        results = list(ex.map(build, cpu_library.SOURCES))
+    for src, res in zip(cpu_library.SOURCES, results, strict=True):
+        assert res.returncode == 0, f"{src}:\n{res.stderr[-3000:]}"
+    objs = [str(tmp_path / (os.path.basename(s) + ".o")) for s in cpu_library.SOURCES]
+    res = subprocess.run([cxx, "-shared", *objs, "-o", str(tmp_path / "lib.so")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
