@@ -4,14 +4,13 @@ step(): schedule -> plan -> run (one compiled step per sub-step) -> update -> de
 -> RequestOutputs for every request that advanced or finished.
 
 `Engine.from_config(config)` loads the model, resolves max_model_len once, builds the parts
-(runner and its KV cache, page allocator, scheduler, planner) and warms up; `Engine(...)` takes
-the parts as they are, so tests can hand it fakes.
+(runner and its KV cache, page allocator, scheduler, planner) and warms up (engine/startup.py);
+`Engine(...)` takes the parts as they are, so tests can hand it fakes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import random
@@ -20,10 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from jaxbatch.config import EngineConfig, cache_dir
+from jaxbatch.config import EngineConfig
 from jaxbatch.core import parallel_sampling
 from jaxbatch.core.detokenizer import IncrementalDetokenizer
 from jaxbatch.core.grammar import GrammarMatchers, MatcherError
@@ -33,49 +29,17 @@ from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from jaxbatch.engine import compile_guard, invariance, isolation, multihost, prompt_logprobs
-from jaxbatch.engine.attention import attention_fn, resolve_backend
-from jaxbatch.engine.calibration import calibrate, calibration_ident, calibration_path
+from jaxbatch.engine import compile_guard, isolation, prompt_logprobs, startup
 from jaxbatch.engine.client import EngineStats
-from jaxbatch.engine.draft import build_draft_proposer
-from jaxbatch.engine.precision import (
-    PrecisionChoice,
-    choose_bf16_route,
-    choose_compute_dtype,
-    choose_quant_acts,
-    choose_small_matmul,
-)
-from jaxbatch.engine.replan import BackgroundReplan, live_replan_setup
+from jaxbatch.engine.precision import PrecisionChoice
+from jaxbatch.engine.replan import BackgroundReplan
 from jaxbatch.engine.runner import Runner
-from jaxbatch.engine.sharding import collective_gbps, engine_mesh
 from jaxbatch.engine.speculation import Speculator
 from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
-from jaxbatch.model.loader import LoadedModel, load_arch, load_model
-from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
-from jaxbatch.planner import StepPlanner, StepTrace, SubStep, make_planner
-from pallas_kernels import cpu_library
-from pallas_kernels.matmul import quant
-from pallas_kernels.zeros import untouched_zeros
+from jaxbatch.model.loader import LoadedModel
+from jaxbatch.planner import StepPlanner, StepTrace, SubStep
 
 log = logging.getLogger("jaxbatch")
-
-
-def _invariance_cost(model: LoadedModel, config: EngineConfig, quant_acts: dict,
-                     bf16_xla_rows: dict, small_rows: int | None, root: str) -> dict[str, float]:
-    """The measured seconds of one layer of a decode- and a prefill-sized step in each mode
-    (engine/invariance_cost.py), for `batch_invariant: auto`."""
-    from jaxbatch.engine import invariance_cost
-
-    arch = model.arch
-    linears = [(f, w.n, w.k, quant_acts.get((f, w.n, w.k), "float"))
-               for name, w in model.params["layers"].items()
-               if name in LINEAR_WEIGHTS and isinstance(w, QuantWeight) and w.experts == 0
-               for f in w.fmts[:1]]
-    floats = None if small_rows is None else (
-        arch.hidden_size, arch.intermediate_size, arch.num_layers, small_rows)
-    return invariance_cost.measure(
-        arch, config.cache.page_size, config.scheduler.max_num_seqs,
-        config.scheduler.max_num_batched_tokens, linears, bf16_xla_rows, floats, root)
 
 
 class Engine:
@@ -128,99 +92,9 @@ class Engine:
         the devices this engine runs on (a data-parallel replica's; tensor_parallel_size of
         them); None: the first tensor_parallel_size devices."""
         t_start = time.perf_counter()
-        compile_guard.install()
-        root = cache_dir(config.model.cache_dir)
-        compile_guard.enable_persistent_cache(root)
-        on_cpu = jax.default_backend() == "cpu"
-        if on_cpu:  # g++ (where not built at install) runs while Python parses the metadata
-            cpu_library.build_in_background(root)
-        precision: PrecisionChoice | None = None
-        if config.model.dtype == "auto":  # decided before the weights are read (one copy)
-            arch = model.arch if model is not None else load_arch(config.model.model, root)
-            if on_cpu:  # the build done first: it would skew the timings
-                cpu_library.available(root)
-            precision = choose_compute_dtype(arch.hidden_size, arch.intermediate_size, root,
-                                             on_cpu and config.runner.tensor_parallel_size == 1)
-            config = dataclasses.replace(
-                config, model=dataclasses.replace(config.model, dtype=precision.dtype))
-        if model is None:
-            # bf16 on one CPU device: an HF directory's weights held once, as BF16 rows for the
-            # quantised matmul (as a bf16 GGUF's), not an array plus a small-matmul packed copy
-            rows = config.runner.tensor_parallel_size == 1 and config.model.quantization is None
-            model = load_model(config.model.model, config.model.dtype, cache_dir=root,
-                               tokenizer=config.model.tokenizer, bf16_rows=on_cpu and rows)
-        model = model.with_dtype(config.model.dtype)
-        model = model.quantized(config.model.quantization)  # after the dtype (model/quantize.py)
-        if on_cpu and config.runner.tensor_parallel_size == 1 and \
-                config.model.quantization is None and cpu_library.available(root) is None \
-                and quant.available(jnp.bfloat16):
-            # bf16 weights dequantised from a file (a GGUF format not kept in blocks) as BF16
-            # rows too: one kernel for every step size, as an HF directory's
-            model = model.as_bf16_rows()
-        config = dataclasses.replace(
-            config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
-        assert config.model.max_model_len is not None
-        mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
-        arch = model.arch
-        # float bf16 linears on one CPU device: steps up to the size where the small matmul beats
-        # XLA's dot (engine/precision.py); not when all are quantised or BF16 rows (quant kernel)
-        linears = [isinstance(w, QuantWeight) for name, w in model.params["layers"].items()
-                   if name in LINEAR_WEIGHTS]
-        float_linears, quantised = not all(linears), any(linears)
-        backend = resolve_backend(config.runner.attention_backend, root)  # builds the kernels
-        # the default mode's routes, as measured: the small matmul's row limit for float bf16
-        # linears; GGUF / int8 weights' activation mode per format and shape; for BF16 rows the
-        # step size from which XLA's dot measures faster
-        small_rows = (choose_small_matmul(arch.hidden_size, arch.intermediate_size,
-                                          arch.num_layers, root)
-                      if mesh is None and config.model.dtype == "bfloat16" and float_linears
-                      else 0)
-        quant_shapes = {(f, w.n, w.k) for w in jax.tree.leaves(
-            model.params, is_leaf=lambda w: isinstance(w, QuantWeight))
-            if isinstance(w, QuantWeight) for f in w.fmts}
-        quant_acts = choose_quant_acts(quant_shapes, config.model.dtype, root) \
-            if mesh is None else {}
-        bf16_shapes = {(w.n, w.k) for w in model.params["layers"].values()  # experts: kernel
-                       if isinstance(w, QuantWeight) and "BF16" in w.fmts and not w.experts}
-        bf16_xla_rows = choose_bf16_route(bf16_shapes, root, {
-            (n, k): a for (f, n, k), a in quant_acts.items() if f == "BF16"}) \
-            if mesh is None and config.model.dtype == "bfloat16" else {}
-        invariance_choice = invariance.resolve(
-            config.runner.batch_invariant, invariance.obstacle(
-                config.model.dtype, mesh is not None, float_linears, quantised, backend),
-            functools.partial(_invariance_cost, model, config, quant_acts, bf16_xla_rows,
-                              small_rows if float_linears else None, root))
-        invariant = invariance_choice.on
-        if invariant:  # one kernel for every step (engine/invariance.py)
-            small_rows = invariance.ALL_ROWS if float_linears else 0
-            bf16_xla_rows = {}
-        attention = attention_fn(backend, root, batch_invariant=invariant)
-        runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
-                        attention, mesh, small_matmul_rows=small_rows, quant_acts=quant_acts,
-                        bf16_xla_rows=bf16_xla_rows,  # on CPU: a KV cache not touched yet
-                        kv_zeros=functools.partial(untouched_zeros, cache_dir=root))
-        runner.batch_invariant = invariant
-        runner.invariance = invariance_choice
-        # the runner holds the params in the forms it runs: the loaded copy goes (one resident copy
-        # of each weight; the model keeps arch, tokenizer, EOS ids) unless `keep_loaded_params`
-        if not keep_loaded_params:
-            model = dataclasses.replace(model, params={})
-        runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several
-        scheduler = Scheduler(config.scheduler, PageAllocator(
-            runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))
-        config, replan = live_replan_setup(config, root, model.arch)  # may load a learned set
-        planner = make_planner(config, model.arch, collective_gbps(
-            config.planner.collective_gbps, runner.placement, model.arch.hidden_size))
-        # step times saved by an earlier start of the same model on this machine are reused
-        ident = calibration_ident(model, config, runner, backend)
-        with compile_guard.planned():
-            warmup = runner.compile(planner.buckets, progress=config.runner.progress)
-            calibrate(planner, runner, calibration_path(root, ident), ident,
-                      progress=config.runner.progress)
-        draft = build_draft_proposer(config, model, runner.num_pages * config.cache.page_size,
-                                     cls.from_config)
-        engine = cls(config, model, runner, scheduler, planner, draft)
-        engine.precision, engine.replan, engine.warmup_seconds = precision, replan, warmup
+        p = startup.build_parts(config, model, devices, keep_loaded_params, cls.from_config)
+        engine = cls(p.config, p.model, p.runner, p.scheduler, p.planner, p.draft)
+        engine.precision, engine.replan, engine.warmup_seconds = p.precision, p.replan, p.warmup
         engine.startup_seconds = time.perf_counter() - t_start
         return engine
 
