@@ -32,8 +32,8 @@ Per MODEL, every measurement in its own child process (so its peak RSS, from wai
      same prompt; median. Prefix caching is off in this child (the same prompt is run again:
      a cache hit would time the cache, and llama-bench computes every prompt from scratch).
   4. --llamacpp DIR and a .gguf MODEL: `llama-bench -p PROMPT -n DECODE -t THREADS -r REPEAT -o json`
-     with --repack 0 and the default, with DIR/bin and DIR/bin-noamx / DIR/bin-avx2 where they exist; the best pp
-     and tg over those (llama.cpp's best build per figure is the fair comparison), the median of
+     with --repack 0 and the default, with DIR/bin, and DIR/bin-noamx and DIR/bin-avx2 where they
+     exist; the best pp and tg over those (llama.cpp's best build per figure is the fair comparison), the median of
      its samples (avg_ts is recorded too). jaxbatch / llama.cpp ratios. With --rounds N, 2-4 run
      N times alternated (warm child, llama-bench, warm child, ...); each figure is the median
      over rounds and each round's ratio is recorded (a VM's memory speed drifts by 10-20% over
@@ -337,7 +337,8 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("models", nargs="*", help=".gguf files or HF directories")
-    p.add_argument("--llamacpp", default=None, help="llama.cpp folder with bin/ (and bin-noamx/, bin-avx2/)")
+    p.add_argument("--llamacpp", default=None,
+                   help="llama.cpp folder with bin/ (and bin-noamx/, bin-avx2/)")
     p.add_argument("--bench64", action="store_true", help="also bench64 throughput")
     p.add_argument("--out", default=os.environ.get("OUT"),
                    help="folder for results and logs (default runs/bench_scale-DATE-TIME in the "

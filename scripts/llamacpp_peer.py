@@ -36,8 +36,8 @@ def llama_bench(llamacpp: str, model: str, args: argparse.Namespace, logs: str,
                 round_no: int = 0) -> list[dict]:
     """One llama-bench process per (build, repack): a crash of one leaves the others."""
     out = []
-    # bin-avx2: llama.cpp without AVX-512 (setup_llamacpp.sh DIR avx2), on Zen 4 the faster
-    # decode build (35.0 vs 26.8 tok/s, Q4_K_M 1.5B)
+    # bin-avx2: llama.cpp without AVX-512 (setup_llamacpp.sh DIR avx2); on the AMD EPYC (Zen 4)
+    # the faster decode build (2026-12-05, mixtral-2b-Q4_K_M tg64: 63.6 vs 61.9 tok/s native)
     for build in ("bin", "bin-noamx", "bin-avx2"):
         exe = os.path.join(llamacpp, build, "llama-bench")
         if not os.path.exists(exe):
