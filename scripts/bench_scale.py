@@ -34,8 +34,8 @@ Per MODEL, every measurement in its own child process (so its peak RSS, from wai
   4. --llamacpp DIR and a .gguf MODEL: `llama-bench -p PROMPT -n DECODE -t THREADS -r REPEAT -o json`
      with --repack 0 and the default, with DIR/bin, and DIR/bin-noamx and DIR/bin-avx2 where they
      exist; the best pp and tg over those (llama.cpp's best build per figure is the fair
-     comparison), the median of its samples (avg_ts is recorded too). jaxbatch / llama.cpp ratios. With --rounds N, 2-4 run
-     N times alternated (warm child, llama-bench, warm child, ...); each figure is the median
+     comparison), the median of its samples (avg_ts is recorded too). jaxbatch / llama.cpp
+     ratios. With --rounds N, 2-4 run N times alternated (warm child, llama-bench, warm child, ...); each figure is the median
      over rounds and each round's ratio is recorded (a VM's memory speed drifts by 10-20% over
      minutes: back-to-back figures compare fairer than figures minutes apart).
   5. --bench64: jaxbatch bench64 steady throughput (one warm-up pass, one timed pass of all 64
