@@ -36,8 +36,9 @@ Per MODEL, every measurement in its own child process (so its peak RSS, from wai
      exist; the best pp and tg over those (llama.cpp's best build per figure is the fair
      comparison), the median of its samples (avg_ts is recorded too). jaxbatch / llama.cpp
      ratios. With --rounds N, 2-4 run N times alternated (warm child, llama-bench, warm child,
-     ...); each figure is the median over rounds and each round's ratio is recorded (a VM's memory speed drifts by 10-20% over
-     minutes: back-to-back figures compare fairer than figures minutes apart).
+     ...); each figure is the median over rounds and each round's ratio is recorded (a VM's
+     memory speed drifts by 10-20% over minutes: back-to-back figures compare fairer than
+     figures minutes apart).
   5. --bench64: jaxbatch bench64 steady throughput (one warm-up pass, one timed pass of all 64
      requests through LLM.generate, greedy, ignore_eos; (prompt + output tokens) / s, as
      bench_throughput.py; prefix caching at its default, on). With --llamacpp and a .gguf:

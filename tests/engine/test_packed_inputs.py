@@ -24,7 +24,8 @@ def test_pack_unpack_round_trip_inside_jit():
         logits_indices=np.array([-0.0, np.nan, 1e-40], np.float32))
     layout = packed_inputs.layout_of(host)
     flat = packed_inputs.pack(host)
-    assert flat.dtype == np.int32 and flat.shape == (layout.words,) == (7 + 7 + 7 + 3 + 15 + 4 + 1 + 3,)
+    words = 7 + 7 + 7 + 3 + 15 + 4 + 1 + 3  # every leaf's elements
+    assert flat.dtype == np.int32 and flat.shape == (layout.words,) == (words,)
     back = jax.jit(packed_inputs.unpack, static_argnums=1)(jnp.asarray(flat), layout)
     for want, got in zip(jax.tree.leaves(host), jax.tree.leaves(back), strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
