@@ -37,6 +37,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "quant.cc"),
            os.path.join(_HERE, "matmul", "quant_int8.cc"),
            os.path.join(_HERE, "matmul", "quant_amx.cc"),
+           os.path.join(_HERE, "matmul", "quant_panel.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),
            os.path.join(_HERE, "zeros.cc"))
 
@@ -67,7 +68,8 @@ FEATURES = {"small_matmul": "JaxbatchSmallMatmulSupported",
             "quant_matmul_bf16": "JaxbatchQuantMatmulBf16",
             "quant_matmul_f32": "JaxbatchQuantMatmulF32",
             "quant_matmul_int8": "JaxbatchQuantMatmulInt8",
-            "quant_matmul_amx": "JaxbatchQuantMatmulAmx"}
+            "quant_matmul_amx": "JaxbatchQuantMatmulAmx",
+            "quant_matmul_panel": "JaxbatchQuantMatmulPanel"}
 
 _lock = threading.Lock()
 _registered: str | None = None

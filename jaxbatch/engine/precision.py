@@ -321,15 +321,17 @@ def _time_modes(fmt: str, n: int, k: int, modes: tuple[str, ...], rows: int,
 
 def _quant_modes(fmt: str, n: int) -> tuple[str, ...]:
     """The activation modes the quantised matmul has for this machine, format and N (bf16 x):
-    "float" and, for the block formats, "int8" (AVX512-VNNI); for BF16 rows "amx" (AMX-BF16,
-    N a multiple of 16)."""
+    "float" and, for the block formats, "int8" (AVX512-VNNI); for BF16 rows with N a multiple of
+    16 "amx" (AMX-BF16), else "panel" (AVX512-BF16 outer-product tiles)."""
     from pallas_kernels.matmul import quant
 
     if not quant.available(jnp.bfloat16):
         return ()
-    if fmt == "BF16":
-        return ("float", "amx") if n % 16 == 0 and quant.available(jnp.bfloat16, "amx") \
-            else ("float",)
+    if fmt == "BF16":  # AMX tiles where the CPU has them, else the outer-product panels
+        for act in quant.BF16_ONLY_ACTS:
+            if n % 16 == 0 and quant.available(jnp.bfloat16, act):
+                return ("float", act)
+        return ("float",)
     if fmt in FLOAT_FORMATS:
         return ("float",)
     return ("float", "int8") if quant.available(jnp.bfloat16, "int8") else ("float",)
@@ -339,7 +341,7 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
                       ) -> dict[tuple[str, int, int], str]:
     """Per (format, n, k) of the model's quantised (or BF16-row) weights, the quantised matmul's
     activation mode: the other mode ("int8", llama.cpp's scheme, for block formats; "amx", Intel
-    AMX tiles, for BF16 rows) where it is faster than "float" by the geometric mean of the two
+    AMX tiles, or "panel", outer-product AVX512-BF16 tiles, for BF16 rows) where it is faster than "float" by the geometric mean of the two
     step sizes' times (QUANT_ACT_ROWS), else "float"; measured once per machine and shape
     (cached). Only for bfloat16 compute (already rounded activations); float32 keeps "float"
     (its exactness against float32 references)."""
@@ -391,7 +393,7 @@ def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str,
     CPU's bf16 dots at prefill sizes); absent where it never is. Timed from the largest size
     down, stopping at the first the kernel holds; once per machine and shape (cached);
     decode-sized steps always run the kernel. `acts`: the kernel's mode per (N, K) (default
-    "float"; "amx" where choose_quant_acts chose AMX tiles)."""
+    "float"; "amx" / "panel" where choose_quant_acts chose them)."""
     from pallas_kernels.matmul import quant
 
     if jax.default_backend() != "cpu" or not shapes or not quant.available(jnp.bfloat16):

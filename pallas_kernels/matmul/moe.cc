@@ -53,6 +53,8 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
                      int64_t rb);
 bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
                     bool out_f32, int64_t M, int64_t N, int64_t K);
+int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
+                     bool out_f32, int64_t M, int64_t N, int64_t K);
 }  // namespace jaxbatch_quant
 
 namespace {
@@ -85,12 +87,16 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
         "moe_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, E * N, RB] (or a file u8 [G, 32] "
         "with in_file), one layer index (or offset), out [M, N] in x's dtype or f32");
   if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moe_matmul: bad format");
-  if (act < 0 || act > 2) return ffi::Error::InvalidArgument("moe_matmul: act is 0, 1 or 2");
+  if (act < 0 || act > 3)
+    return ffi::Error::InvalidArgument("moe_matmul: act is 0, 1, 2 or 3");
   if (act == 1 && !kIntFormat[fmt])
     return ffi::Error::InvalidArgument("moe_matmul: BF16 and F16 weights take float activations");
   if (act == 2 && (fmt != kBF16 || !bf16 || n % 16 != 0))
     return ffi::Error::InvalidArgument(
         "moe_matmul: act amx is for BF16 weights, bf16 x and N % 16 == 0");
+  if (act == 3 && (fmt != kBF16 || !bf16 || n % 16 != 0))
+    return ffi::Error::InvalidArgument(
+        "moe_matmul: act panel is for BF16 weights, bf16 x and N % 16 == 0");
   const int64_t M = xd[0], K = xd[1], N = n, E = experts;
   if (K != k || K <= 0 || K % kBlockWeights[fmt] != 0 || N <= 0 || E <= 0 || od[0] != M ||
       od[1] != N || group_sizes.element_count() != static_cast<size_t>(E))
@@ -134,6 +140,7 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     void* oe = ob + r0 * N * o_elt;
     const uint8_t* we = wl + e * N * rb;
     if (act == 2) return jaxbatch_quant::QuantMatmulAmx(p, xe, we, oe, out_f32, rows, N, K);
+    if (act == 3) return jaxbatch_quant::QuantMatmulPanel(p, xe, we, oe, out_f32, rows, N, K) > 0;
     if (act == 1)
       return jaxbatch_quant::QuantMatmulInt8(p, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
     return jaxbatch_quant::QuantMatmulFloat(p, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
@@ -166,7 +173,8 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   }
   if (!ok)
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      act == 2   ? "moe_matmul: act amx needs AMX-BF16 and the OS's permission"
+                      act == 3   ? "moe_matmul: act panel needs AVX512-BF16 (or its buffer)"
+                      : act == 2 ? "moe_matmul: act amx needs AMX-BF16 and the OS's permission"
                       : act == 1 ? "moe_matmul: act int8 needs AVX512-VNNI (and BW, VL)"
                       : bf16     ? "moe_matmul: bf16 x needs AVX512-BF16"
                                  : "moe_matmul: f32 x needs AVX512F");
@@ -188,5 +196,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchMoeMatmul, MoeMatmul,
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("experts")
-                                  .Attr<int64_t>("act")  // 0 float, 1 int8, 2 amx (BF16)
+                                  .Attr<int64_t>("act")  // 0 float, 1 int8, 2 amx, 3 panel
                                   .Attr<int64_t>("in_file"));

@@ -16,6 +16,10 @@ call has, nor on tiles or threads):
 - act="amx" (quant_amx.cc; BF16 weights, bf16 x, N a multiple of 16, a CPU with AMX-BF16): Intel
   AMX tiles, the weights' rows read as they are; each output one f32 accumulator over K in 32-k
   steps (TDPBF16PS).
+- act="panel" (quant_panel.cc; BF16 weights, bf16 x, N a multiple of 16, AVX512-BF16): outer-
+  product register tiles, the weights' rows read as they are; each output one f32 accumulator
+  updated once per k pair in K order (VDPBF16PS on 16 outputs at a time): no reduction at the
+  end, so faster than "float" at prefill sizes.
 Choose the mode per weight (format, N, K), never per M: each has its own rounding.
 
 The result is in x's dtype, or float32 (out_dtype) from bfloat16 x: the f32 sums unrounded.
@@ -37,13 +41,16 @@ from pallas_kernels.matmul.quant_formats import (  # noqa: F401 - one place
 from pallas_kernels.matmul.quant_formats import FORMAT_IDS as _CODES
 
 TARGET = "jaxbatch_quant_matmul"
-ACTS = {"float": 0, "int8": 1, "amx": 2}  # the kernel's `act` attribute
+ACTS = {"float": 0, "int8": 1, "amx": 2, "panel": 3}  # the kernel's `act` attribute
+# the modes for BF16 rows only, with bf16 x and N a multiple of 16
+BF16_ONLY_ACTS = ("amx", "panel")
 
 
 def available(x_dtype, act: str = "float") -> bool:
     """The CPU library is registered and this build has the path for x's dtype and `act`: float
     mode bf16 needs AVX512-BF16, f32 AVX512F; int8 mode (either dtype) AVX512-VNNI; amx mode
-    (bf16 only) AMX-BF16 and the OS's permission to use the tiles."""
+    (bf16 only) AMX-BF16 and the OS's permission to use the tiles; panel mode (bf16 only)
+    AVX512-BF16."""
     dt = jnp.dtype(x_dtype)
     if act not in ACTS:
         raise ValueError(f"act must be one of {list(ACTS)}, got {act!r}")
@@ -51,8 +58,8 @@ def available(x_dtype, act: str = "float") -> bool:
         return False
     if act == "int8":
         return cpu_library.has("quant_matmul_int8")
-    if act == "amx":
-        return dt == jnp.bfloat16 and cpu_library.has("quant_matmul_amx")
+    if act in BF16_ONLY_ACTS:
+        return dt == jnp.bfloat16 and cpu_library.has(f"quant_matmul_{act}")
     return cpu_library.has("quant_matmul_bf16" if dt == jnp.bfloat16 else "quant_matmul_f32")
 
 
@@ -65,8 +72,8 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
     raw blocks, as a .gguf file stores a 2-D tensor of ggml shape [K, N]. `layer` (an i32 scalar,
     traced in a layer scan) picks one: pass the stack rather than slicing it in the scan, where
     XLA copies the slice for the call. A layer out of range is an error at run time. `act`:
-    "float" (weights dequantised), "int8" (x quantised to int8 blocks, integer dots) or "amx"
-    (BF16 rows on AMX tiles).
+    "float" (weights dequantised), "int8" (x quantised to int8 blocks, integer dots), "amx"
+    (BF16 rows on AMX tiles) or "panel" (BF16 rows in outer-product tiles).
 
     With `n` > 0, w is instead a whole mapped .gguf file as uint8 [G, 32] and `layer` the
     offset of the layer's [n, RB] rows in it, in 32-byte units (GGUF aligns tensor data to 32
@@ -77,9 +84,10 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
         raise ValueError(f"quant_matmul: act must be one of {list(ACTS)}, got {act!r}")
     if act == "int8" and fmt in FLOAT_FORMATS:
         raise ValueError(f"quant_matmul: {fmt} weights take float activations")
-    if act == "amx" and (fmt != "BF16" or x.dtype != jnp.bfloat16 or (n or w.shape[1]) % 16):
-        raise ValueError("quant_matmul: act amx is for BF16 weights, bfloat16 x and N a multiple "
-                         f"of 16 (got {fmt}, {x.dtype}, N = {n or w.shape[1]})")
+    if act in BF16_ONLY_ACTS and (fmt != "BF16" or x.dtype != jnp.bfloat16
+                                  or (n or w.shape[1]) % 16):
+        raise ValueError(f"quant_matmul: act {act} is for BF16 weights, bfloat16 x and N a "
+                         f"multiple of 16 (got {fmt}, {x.dtype}, N = {n or w.shape[1]})")
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"quant_matmul: x must be [M, {k}], got {x.shape}")
     if n > 0:

@@ -50,12 +50,12 @@ ROUTINGS = [((1, 0, 1, 1, 0, 0), 0), ((0, 0, 3, 0, 0, 2), 2), ((9, 1, 0, 17, 0, 
 
 @pytest.mark.parametrize("dt", list(DTYPES))
 @pytest.mark.parametrize("fmt,act", [(f, "float") for f in quant.FORMATS] +
-                         [(f, "int8") for f in quant.INT8_FORMATS])
+                         [(f, "int8") for f in quant.INT8_FORMATS] + [("BF16", "panel")])
 def test_routed_rows_match_the_exact_product_and_the_dense_kernel(fmt, act, dt):
     dtype = DTYPES[dt]
     _need(dtype, act)
     rng = np.random.default_rng(list(quant.FORMATS).index(fmt) * 7 + len(dt) + len(act))
-    E, n, k = 6, 40, 512
+    E, n, k = 6, 48 if act == "panel" else 40, 512  # panel: N a multiple of 16
     w = _experts(fmt, E, n, k, rng)
     wf = np.stack([dequant(fmt, w[e * n:(e + 1) * n], dtype) for e in range(E)]).astype(
         np.float64)  # [E, N, K]
@@ -76,7 +76,7 @@ def test_routed_rows_match_the_exact_product_and_the_dense_kernel(fmt, act, dt):
             rows = slice(row, row + size)
             exact = xf[rows] @ wf[e].T
             mag = np.abs(xf[rows]) @ np.abs(wf[e]).T
-            if act == "float":
+            if act in ("float", "panel"):
                 sum_err = k * 2.0**-24 * mag
                 bound = sum_err + u * (np.abs(exact) + sum_err)
             else:
