@@ -35,7 +35,6 @@ import pytest
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quant
 
-
 NEEDS = {"amx": "AMX-BF16 (and the OS's permission to use the tiles)", "panel": "AVX512-BF16"}
 
 
