@@ -229,7 +229,6 @@ struct Scratch {
 };
 
 constexpr int kDecodeRows = 8;  // at most this many score rows per KV head: plain dots
-constexpr int64_t kNarrowTile = 16;  // score rows per tile of an invariant prefill's pass 1
 // run_prefill_amx with at most this many score rows per KV head (padded to 16s) takes K rows as
 // the tiles' A operand (no transposed copy of K) and transposes the scores instead
 constexpr int64_t kKeysAsA = 32;
@@ -810,7 +809,7 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   sc.qb.resize((HR + pad_rows) * kD);
   reset_row_state(sc, HR, kD);
   sc.s.resize((HR + pad_rows) * split);
-  if (!wide) sc.part.resize(std::max<int64_t>(HR, kNarrowTile) * 16);  // narrow pass 1's sums
+  if (!wide) sc.part.resize(HR * 16);  // narrow pass 1's sums (decode rows)
   copy_bf16_queries(p, it, start, G, R, kD, sc.qb.data());
   int32_t lo, hi;
   key_range(p, it, ctx, kv_len, lo, hi);
@@ -850,36 +849,29 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
       wide_scores<kD>(p, sc, R, a, n, s, token);
     } else if (R > kDecodeRows) {
       // the batch-invariant mode's prefill items: the loop below's operations for each score,
-      // but per KV head and tile of kNarrowTile rows, so that the tile's partial sums stay in L1
-      // (the loop below keeps HR x 16 of them, for a 512-row item megabytes)
+      // but row by row, the row's query in registers and its 16 keys' partial sums too (no
+      // stores and reloads of them: the loop below's order keeps HR x 16 of them in memory)
       for (int64_t jb = 0; jb < n; jb += 16) {
         const int64_t nb = std::min<int64_t>(16, n - jb);
+        const uint16_t* krow[16];
+        for (int64_t jj = 0; jj < nb; ++jj) krow[jj] = kbase + token(a + jb + jj);
         for (int64_t h = 0; h < Hkv; ++h) {
-          for (int64_t r0 = 0; r0 < R; r0 += kNarrowTile) {
-            const int64_t rt = std::min<int64_t>(kNarrowTile, R - r0);
+          for (int64_t r = 0; r < R; ++r) {
+            const uint16_t* qr = qb + (h * R + r) * kD;
+            __m512bh qc[kC];
+            for (int c = 0; c < kC; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+            __m512 t[16];
             for (int64_t jj = 0; jj < 16; ++jj) {
-              const int slot = kSumSlot[jj];
-              if (jj >= nb) {
-                for (int64_t r = 0; r < rt; ++r) part[r * 16 + slot] = _mm512_setzero_ps();
-                continue;
-              }
-              const uint16_t* kr = kbase + token(a + jb + jj) + h * kD;
-              __m512bh kc[kC];
-              for (int c = 0; c < kC; ++c)
-                kc[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
-              for (int64_t r = 0; r < rt; ++r) {
-                const uint16_t* qr = qb + (h * R + r0 + r) * kD;
-                __m512 t = _mm512_setzero_ps();
+              __m512 u = _mm512_setzero_ps();
+              if (jj < nb) {
+                const uint16_t* kr = krow[jj] + h * kD;
                 for (int c = 0; c < kC; ++c)
-                  t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(qr + 32 * c), kc[c]);
-                part[r * 16 + slot] = t;
+                  u = _mm512_dpbf16_ps(u, qc[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
               }
+              t[kSumSlot[jj]] = u;
             }
-            for (int64_t r = 0; r < rt; ++r) {
-              const __m512 sums = sum16(part + r * 16);
-              _mm512_mask_storeu_ps(s + (h * R + r0 + r) * n + jb,
-                                    static_cast<__mmask16>((1u << nb) - 1), sums);
-            }
+            _mm512_mask_storeu_ps(s + (h * R + r) * n + jb,
+                                  static_cast<__mmask16>((1u << nb) - 1), sum16(t));
           }
         }
       }
