@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -337,19 +337,23 @@ def _quant_modes(fmt: str, n: int) -> tuple[str, ...]:
     return ("float", "int8") if quant.available(jnp.bfloat16, "int8") else ("float",)
 
 
-def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root: str
+def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root: str,
+                      rows_only: Collection[tuple[str, int, int]] = ()
                       ) -> dict[tuple[str, int, int], str]:
     """Per (format, n, k) of the model's quantised (or BF16-row) weights, the quantised matmul's
     activation mode: the other mode ("int8", llama.cpp's scheme, for block formats; "amx", Intel
     AMX tiles, or "panel", outer-product AVX512-BF16 tiles, for BF16 rows) where it is faster than "float" by the geometric mean of the two
     step sizes' times (QUANT_ACT_ROWS), else "float"; measured once per machine and shape
-    (cached). Only for bfloat16 compute (already rounded activations); float32 keeps "float"
+    (cached). `rows_only`: shapes whose weights cannot be packed into panels (the "panel" mode
+    is not offered). Only for bfloat16 compute (already rounded activations); float32 keeps "float"
     (its exactness against float32 references)."""
     if dtype != "bfloat16" or not shapes:
         return {}
     out: dict[tuple[str, int, int], str] = {}
     for fmt, n, k in sorted(shapes):
         modes = _quant_modes(fmt, n)
+        if (fmt, n, k) in rows_only:
+            modes = tuple(m for m in modes if m != "panel")
         if len(modes) < 2:  # nothing to choose (plain f16 weights; no int8 / AMX path)
             out[fmt, n, k] = "float"
             continue

@@ -120,10 +120,15 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
                                       arch.num_layers, root)
                   if mesh is None and config.model.dtype == "bfloat16" and float_linears
                   else 0)
-    quant_shapes = {(f, w.n, w.k) for w in jax.tree.leaves(
-        model.params, is_leaf=lambda w: isinstance(w, QuantWeight))
-        if isinstance(w, QuantWeight) for f in w.fmts}
-    quant_acts = choose_quant_acts(quant_shapes, config.model.dtype, root) \
+    quant_leaves = [w for w in jax.tree.leaves(
+        model.params, is_leaf=lambda w: isinstance(w, QuantWeight)) if isinstance(w, QuantWeight)]
+    quant_shapes = {(f, w.n, w.k) for w in quant_leaves for f in w.fmts}
+    # BF16 weights the panel mode would read as rows (in place from a file, experts, unstacked):
+    # offered the float mode only, since panels from rows read 16 streams at decode
+    # (quant_panel.cc); stacked ones are packed into panels at load
+    rows_only = {("BF16", w.n, w.k) for w in quant_leaves
+                 if w.offsets is not None or w.experts or not w.stacked}
+    quant_acts = choose_quant_acts(quant_shapes, config.model.dtype, root, rows_only) \
         if mesh is None else {}
     bf16_shapes = {(w.n, w.k) for w in model.params["layers"].values()  # experts: kernel
                    if isinstance(w, QuantWeight) and "BF16" in w.fmts and not w.experts}

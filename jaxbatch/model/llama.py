@@ -425,7 +425,16 @@ def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None
         modes = tuple(acts(f, w.n, w.k) for f in w.fmts) if acts is not None else ()
         xla_rows = bf16_xla_rows(w.n, w.k) if bf16_xla_rows is not None and w.stacked \
             and "BF16" in w.fmts else 0
-        return dataclasses.replace(w, kernel=True, acts=modes, xla_from_rows=xla_rows)
+        # BF16 rows in panel mode, held in memory and never bitcast for XLA's dot: packed into
+        # panels once here (one stream per 16 outputs at decode; same bits as from the rows)
+        parts = list(w.parts)
+        if w.stacked and w.offsets is None and not w.experts and xla_rows == 0:
+            for i, mode in enumerate(modes):
+                if mode == "panel":
+                    parts[i] = quant.pack_panels(parts[i])
+                    modes = (*modes[:i], "panel_packed", *modes[i + 1:])
+        return dataclasses.replace(w, parts=tuple(parts), kernel=True, acts=modes,
+                                   xla_from_rows=xla_rows)
 
     return jax.tree.map(lambda w: on_kernel(w) if isinstance(w, QuantWeight) else w, params,
                         is_leaf=lambda w: isinstance(w, QuantWeight))

@@ -53,8 +53,8 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
                      int64_t rb);
 bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
                     bool out_f32, int64_t M, int64_t N, int64_t K);
-int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
-                     bool out_f32, int64_t M, int64_t N, int64_t K);
+int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
+                     void* out, bool out_f32, int64_t M, int64_t N, int64_t K);
 }  // namespace jaxbatch_quant
 
 namespace {
@@ -140,7 +140,8 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     void* oe = ob + r0 * N * o_elt;
     const uint8_t* we = wl + e * N * rb;
     if (act == 2) return jaxbatch_quant::QuantMatmulAmx(p, xe, we, oe, out_f32, rows, N, K);
-    if (act == 3) return jaxbatch_quant::QuantMatmulPanel(p, xe, we, oe, out_f32, rows, N, K) > 0;
+    if (act == 3)
+      return jaxbatch_quant::QuantMatmulPanel(p, xe, we, false, oe, out_f32, rows, N, K) > 0;
     if (act == 1)
       return jaxbatch_quant::QuantMatmulInt8(p, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
     return jaxbatch_quant::QuantMatmulFloat(p, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);

@@ -904,8 +904,8 @@ bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void
                     bool out_f32, int64_t M, int64_t N, int64_t K);
 // quant_panel.cc: the panel mode for BF16 rows and bf16 x (1 done, 0 this build has none, -1 a
 // thread's buffer could not be allocated)
-int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
-                     bool out_f32, int64_t M, int64_t N, int64_t K);
+int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
+                     void* out, bool out_f32, int64_t M, int64_t N, int64_t K);
 }  // namespace jaxbatch_quant
 
 namespace {
@@ -930,13 +930,13 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
         "n > 0), one layer index (or offset), out [M, N] in x's dtype or f32");
   if (fmt < 0 || fmt >= kNumFormats)
     return ffi::Error::InvalidArgument("quant_matmul: unknown format");
-  if (act < 0 || act > 3)
-    return ffi::Error::InvalidArgument("quant_matmul: act is 0, 1, 2 or 3");
+  if (act < 0 || act > 4)
+    return ffi::Error::InvalidArgument("quant_matmul: act is 0, 1, 2, 3 or 4");
   if (act == 1 && (fmt == kBF16 || fmt == kF16))
     return ffi::Error::InvalidArgument("quant_matmul: BF16 and F16 weights take float activations");
   if (act == 2 && (fmt != kBF16 || !bf16))
     return ffi::Error::InvalidArgument("quant_matmul: act amx is for BF16 weights and bf16 x");
-  if (act == 3 && (fmt != kBF16 || !bf16))
+  if (act >= 3 && (fmt != kBF16 || !bf16))
     return ffi::Error::InvalidArgument("quant_matmul: act panel is for BF16 weights and bf16 x");
   const int64_t M = xd[0], K = xd[1], N = in_file ? n : wd[1];
   const int64_t rb = K / kBlockWeights[fmt] * kBlockBytes[fmt];
@@ -959,10 +959,10 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "quant_matmul: act amx needs AMX-BF16 and the OS's permission to use it");
   }
-  if (act == 3) {
+  if (act >= 3) {  // 3: panels from rows, 4: packed panels
     if (N % 16 != 0)
       return ffi::Error::InvalidArgument("quant_matmul: act panel needs N % 16 == 0");
-    const int done = jaxbatch_quant::QuantMatmulPanel(pool, x.untyped_data(), wl,
+    const int done = jaxbatch_quant::QuantMatmulPanel(pool, x.untyped_data(), wl, act == 4,
                                                       out->untyped_data(), out_f32, M, N, K);
     if (done > 0) return ffi::Error::Success();
     if (done < 0)
@@ -996,7 +996,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
                                   .Ret<ffi::AnyBuffer>()  // out [M, N]
                                   .Attr<int64_t>("fmt")
                                   .Attr<int64_t>("k")
-                                  .Attr<int64_t>("act")  // 0 float, 1 int8, 2 amx, 3 panel
+                                  .Attr<int64_t>("act")  // 0 float, 1 int8, 2 amx, 3 panel, 4 packed
                                   .Attr<int64_t>("n"));  // > 0: w is a file, N = n
 
 // 1 when this build has the bf16-x path (AVX512-BF16), the f32-x path (AVX512F)

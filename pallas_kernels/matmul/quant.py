@@ -19,7 +19,8 @@ call has, nor on tiles or threads):
 - act="panel" (quant_panel.cc; BF16 weights, bf16 x, N a multiple of 16, AVX512-BF16): outer-
   product register tiles, the weights' rows read as they are; each output one f32 accumulator
   updated once per k pair in K order (VDPBF16PS on 16 outputs at a time): no reduction at the
-  end, so faster than "float" at prefill sizes.
+  end, so faster than "float" at prefill sizes. act="panel_packed": the same sums from weights
+  already in panels (pack_panels: one stream per 16 outputs, as fast as "float" at one row).
 Choose the mode per weight (format, N, K), never per M: each has its own rounding.
 
 The result is in x's dtype, or float32 (out_dtype) from bfloat16 x: the f32 sums unrounded.
@@ -41,9 +42,12 @@ from pallas_kernels.matmul.quant_formats import (  # noqa: F401 - one place
 from pallas_kernels.matmul.quant_formats import FORMAT_IDS as _CODES
 
 TARGET = "jaxbatch_quant_matmul"
-ACTS = {"float": 0, "int8": 1, "amx": 2, "panel": 3}  # the kernel's `act` attribute
-# the modes for BF16 rows only, with bf16 x and N a multiple of 16
+ACTS = {"float": 0, "int8": 1, "amx": 2, "panel": 3, "panel_packed": 4}  # the `act` attribute
+# the modes for BF16 rows only, with bf16 x and N a multiple of 16 (chosen among by measurement;
+# "panel_packed" is "panel" on weights packed at load)
 BF16_ONLY_ACTS = ("amx", "panel")
+_FEATURE = {"amx": "quant_matmul_amx", "panel": "quant_matmul_panel",
+            "panel_packed": "quant_matmul_panel"}
 
 
 def available(x_dtype, act: str = "float") -> bool:
@@ -58,8 +62,8 @@ def available(x_dtype, act: str = "float") -> bool:
         return False
     if act == "int8":
         return cpu_library.has("quant_matmul_int8")
-    if act in BF16_ONLY_ACTS:
-        return dt == jnp.bfloat16 and cpu_library.has(f"quant_matmul_{act}")
+    if act in _FEATURE:
+        return dt == jnp.bfloat16 and cpu_library.has(_FEATURE[act])
     return cpu_library.has("quant_matmul_bf16" if dt == jnp.bfloat16 else "quant_matmul_f32")
 
 
@@ -73,7 +77,8 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
     traced in a layer scan) picks one: pass the stack rather than slicing it in the scan, where
     XLA copies the slice for the call. A layer out of range is an error at run time. `act`:
     "float" (weights dequantised), "int8" (x quantised to int8 blocks, integer dots), "amx"
-    (BF16 rows on AMX tiles) or "panel" (BF16 rows in outer-product tiles).
+    (BF16 rows on AMX tiles), "panel" (BF16 rows in outer-product tiles) or "panel_packed"
+    (the same on w from pack_panels).
 
     With `n` > 0, w is instead a whole mapped .gguf file as uint8 [G, 32] and `layer` the
     offset of the layer's [n, RB] rows in it, in 32-byte units (GGUF aligns tensor data to 32
@@ -84,8 +89,7 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
         raise ValueError(f"quant_matmul: act must be one of {list(ACTS)}, got {act!r}")
     if act == "int8" and fmt in FLOAT_FORMATS:
         raise ValueError(f"quant_matmul: {fmt} weights take float activations")
-    if act in BF16_ONLY_ACTS and (fmt != "BF16" or x.dtype != jnp.bfloat16
-                                  or (n or w.shape[1]) % 16):
+    if act in _FEATURE and (fmt != "BF16" or x.dtype != jnp.bfloat16 or (n or w.shape[1]) % 16):
         raise ValueError(f"quant_matmul: act {act} is for BF16 weights, bfloat16 x and N a "
                          f"multiple of 16 (got {fmt}, {x.dtype}, N = {n or w.shape[1]})")
     if x.ndim != 2 or x.shape[1] != k:
@@ -111,3 +115,14 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
                jnp.asarray(layer, jnp.int32).reshape(1), fmt=np.int64(_CODES[fmt]),
                k=np.int64(k), act=np.int64(ACTS[act]), n=np.int64(n))
     return jax.lax.bitcast_convert_type(out, jnp.bfloat16) if out_bits else out
+
+
+def pack_panels(rows: jax.Array) -> jax.Array:
+    """BF16 rows uint8 [..., N, 2K] -> the same bytes as "panel_packed" reads them: per 16
+    output features, the K / 2 k pairs in order, each the 16 features' pair (64 bytes), i.e.
+    [..., N / 16, K / 2, 16, 4 bytes] (N a multiple of 16). Same shape and size as the rows."""
+    *lead, n, rb = rows.shape
+    if n % 16 or rb % 4:
+        raise ValueError(f"pack_panels: N must be a multiple of 16, got {n}")
+    panels = rows.reshape(*lead, n // 16, 16, rb // 4, 4)
+    return jnp.swapaxes(panels, -3, -2).reshape(rows.shape)

@@ -72,6 +72,7 @@ struct Job {
   void* out;          // [M, N] bf16 (u16) or f32
   int64_t M, N, K;
   bool out_f32;
+  bool packed;  // w already in panels ([N / 16][K / 2][16] words), else rows
   // work items: decode: chunks of `chunk` columns; prefill: (column block, row segment) pairs
   int64_t items, chunk, ncb, segrows;
   std::atomic<int64_t> next{0};
@@ -128,9 +129,8 @@ JB_INLINE void store16(const Job& j, int64_t m, int64_t n, __m512 acc) {
   }
 }
 
-// Decode: R rows x P panels (16 P columns from n0), K walked in 32-k chunks, each chunk's 16 x
-// 32 weights of a panel transposed in registers and dotted at once. P = 2 for one or two rows
-// (two independent chains per row hide VDPBF16PS's latency), else 1.
+// Decode on rows: R rows x P panels (16 P columns from n0), K walked in 32-k chunks, each
+// chunk's 16 x 32 weights of a panel transposed in registers and dotted at once.
 template <int R, int P>
 void few_rows_tile(const Job& j, int64_t n0) {
   __m512 acc[R][P];
@@ -157,13 +157,46 @@ void few_rows_tile(const Job& j, int64_t n0) {
     for (int p = 0; p < P; ++p) store16(j, r, n0 + 16 * p, acc[r][p]);
 }
 
+// Decode on packed panels: R rows x P panels, each panel's K / 2 words of 16 columns read as
+// one stream (64 bytes a VDPBF16PS per row), the next tile's line at the same place prefetched
+// into L2. P panels side by side give P independent chains per row: one panel's K / 2 dependent
+// VDPBF16PS wait on the instruction's latency (one row, SmolLM2's shapes in a 30-layer scan:
+// 1 panel ran 12-18% slower than the float mode's one-column tiles)
+template <int R, int P>
+void few_rows_packed(const Job& j, int64_t n0) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  const int64_t pairs = j.K / 2, ps = 32 * j.K;  // a panel's bytes
+  const uint8_t* w = j.w + n0 * j.K * 2;
+  const uint8_t* next = w + P * ps;
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh wv[P];
+    for (int p = 0; p < P; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * ps + 64 * i), _MM_HINT_T1);
+      wv[p] = (__m512bh)_mm512_loadu_si512(w + p * ps + 64 * i);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = bcast(j.x + r * j.K, i);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, wv[p]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) store16(j, r, n0 + 16 * p, acc[r][p]);
+}
+
 template <int R>
 void drain_few(Job& j) {
-  constexpr int P = R <= 2 ? 2 : 1;
+  // rows: 16 rows of a panel are 16 streams, and more panels side by side only more of them
+  // (two or four panels at one row ran SmolLM2's decode slower than one)
   for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
     const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
     int64_t n = lo;
-    for (; n + 16 * P <= hi; n += 16 * P) few_rows_tile<R, P>(j, n);
+    if (j.packed) {
+      constexpr int P = R == 1 ? 4 : R == 2 ? 2 : 1;
+      for (; n + 16 * P <= hi; n += 16 * P) few_rows_packed<R, P>(j, n);
+      for (; n < hi; n += 16) few_rows_packed<R, 1>(j, n);
+    }
     for (; n < hi; n += 16) few_rows_tile<R, 1>(j, n);
     j.done.fetch_add(1, std::memory_order_release);
   }
@@ -181,9 +214,10 @@ void pack_chunk(const Job& j, int64_t n0, int64_t panels, int64_t k0, int64_t kc
 }
 
 // R rows from m0 x P panels of the packed chunk; accumulators from / to `saved` between chunks
+// `buf`: the chunk's words of the first panel, the next panel's `ps` words on
 template <int R, int P>
-void chunk_tile(const Job& j, const __m512i* buf, int64_t pairs, int64_t m0, int64_t n0,
-                int64_t k0, bool last, __m512* saved) {
+void chunk_tile(const Job& j, const __m512i* buf, int64_t ps, int64_t pairs, int64_t m0,
+                int64_t n0, int64_t k0, bool last, __m512* saved) {
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p)
@@ -191,7 +225,7 @@ void chunk_tile(const Job& j, const __m512i* buf, int64_t pairs, int64_t m0, int
   const uint16_t* x = j.x + m0 * j.K + k0;
   for (int64_t i = 0; i < pairs; ++i) {
     __m512bh wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = pin((__m512bh)_mm512_load_si512(buf + p * pairs + i));
+    for (int p = 0; p < P; ++p) wv[p] = pin((__m512bh)_mm512_loadu_si512(buf + p * ps + i));
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = bcast(x + r * j.K, i);
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, wv[p]);
@@ -207,17 +241,17 @@ void chunk_tile(const Job& j, const __m512i* buf, int64_t pairs, int64_t m0, int
 }
 
 template <int P>
-void chunk_rows(const Job& j, const __m512i* buf, int64_t pairs, int64_t m_lo, int64_t m_hi,
-                int64_t n0, int64_t k0, bool last, __m512* saved) {
+void chunk_rows(const Job& j, const __m512i* buf, int64_t ps, int64_t pairs, int64_t m_lo,
+                int64_t m_hi, int64_t n0, int64_t k0, bool last, __m512* saved) {
   for (int64_t m = m_lo; m < m_hi; m += kTileRows) {
     __m512* s = saved + (m - m_lo) * P;
     switch (std::min<int64_t>(kTileRows, m_hi - m)) {
-      case 1: chunk_tile<1, P>(j, buf, pairs, m, n0, k0, last, s); break;
-      case 2: chunk_tile<2, P>(j, buf, pairs, m, n0, k0, last, s); break;
-      case 3: chunk_tile<3, P>(j, buf, pairs, m, n0, k0, last, s); break;
-      case 4: chunk_tile<4, P>(j, buf, pairs, m, n0, k0, last, s); break;
-      case 5: chunk_tile<5, P>(j, buf, pairs, m, n0, k0, last, s); break;
-      default: chunk_tile<kTileRows, P>(j, buf, pairs, m, n0, k0, last, s); break;
+      case 1: chunk_tile<1, P>(j, buf, ps, pairs, m, n0, k0, last, s); break;
+      case 2: chunk_tile<2, P>(j, buf, ps, pairs, m, n0, k0, last, s); break;
+      case 3: chunk_tile<3, P>(j, buf, ps, pairs, m, n0, k0, last, s); break;
+      case 4: chunk_tile<4, P>(j, buf, ps, pairs, m, n0, k0, last, s); break;
+      case 5: chunk_tile<5, P>(j, buf, ps, pairs, m, n0, k0, last, s); break;
+      default: chunk_tile<kTileRows, P>(j, buf, ps, pairs, m, n0, k0, last, s); break;
     }
   }
 }
@@ -244,7 +278,7 @@ Scratch& panel_scratch() {
 
 void drain_prefill(Job& j) {
   const int64_t kc_max = std::min(j.K, kChunkK);
-  const int64_t buf_bytes = kBlockCols * kc_max * 2;
+  const int64_t buf_bytes = j.packed ? 0 : kBlockCols * kc_max * 2;
   const int64_t saved_bytes = (j.segrows + kTileRows) * (kBlockCols / 16) * 64;
   char* mem = static_cast<char*>(panel_scratch().get(buf_bytes + saved_bytes));
   if (mem == nullptr) {
@@ -260,12 +294,20 @@ void drain_prefill(Job& j) {
       for (int64_t k0 = 0; k0 < j.K; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, j.K - k0), pairs = kc / 2;
         const bool last = k0 + kc == j.K;
-        pack_chunk(j, n0, panels, k0, kc, buf);
+        // rows: the chunk packed into this thread's buffer; panels: read where they are
+        const __m512i* src = buf;
+        int64_t ps = pairs;
+        if (j.packed) {
+          src = reinterpret_cast<const __m512i*>(j.w) + n0 / 16 * (j.K / 2) + k0 / 2;
+          ps = j.K / 2;
+        } else {
+          pack_chunk(j, n0, panels, k0, kc, buf);
+        }
         switch (panels) {
-          case 1: chunk_rows<1>(j, buf, pairs, m_lo, m_hi, n0, k0, last, saved); break;
-          case 2: chunk_rows<2>(j, buf, pairs, m_lo, m_hi, n0, k0, last, saved); break;
-          case 3: chunk_rows<3>(j, buf, pairs, m_lo, m_hi, n0, k0, last, saved); break;
-          default: chunk_rows<4>(j, buf, pairs, m_lo, m_hi, n0, k0, last, saved); break;
+          case 1: chunk_rows<1>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
+          case 2: chunk_rows<2>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
+          case 3: chunk_rows<3>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
+          default: chunk_rows<4>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
         }
       }
     }
@@ -294,11 +336,12 @@ Drain pick(int64_t M) {
 }  // namespace
 
 namespace jaxbatch_quant {
-// The panel mode over one layer's BF16 rows w [N, K] (N % 16 == 0, K % 32 == 0): 1 done, 0 this
-// build has no AVX512-BF16, -1 a thread's buffer could not be allocated. moe.cc calls it once per
-// routed expert.
-int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
-                     bool out_f32, int64_t M, int64_t N, int64_t K) {
+// The panel mode over one layer's BF16 weights w (N % 16 == 0, K % 32 == 0): rows [N, K], or
+// with `packed` panels [N / 16][K / 2][16] words (pack_panels in quant.py); 1 done, 0 this build
+// has no AVX512-BF16, -1 a thread's buffer could not be allocated. moe.cc calls it once per
+// routed expert (rows).
+int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
+                     void* out, bool out_f32, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__)
   auto j = std::make_shared<Job>();
   j->x = static_cast<const uint16_t*>(x);
@@ -308,6 +351,7 @@ int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, voi
   j->N = N;
   j->K = K;
   j->out_f32 = out_f32;
+  j->packed = packed;
   const int64_t threads =
       jaxbatch_quant::OnOneThread() ? 1 : std::max<int64_t>(1, pool.num_threads());
   if (M <= kFewRows) {
@@ -334,7 +378,8 @@ int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, voi
   while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
   return j->failed ? -1 : 1;
 #else
-  (void)pool, (void)x, (void)w, (void)out, (void)out_f32, (void)M, (void)N, (void)K;
+  (void)pool, (void)x, (void)w, (void)packed, (void)out, (void)out_f32, (void)M, (void)N;
+  (void)K;
   return 0;
 #endif
 }

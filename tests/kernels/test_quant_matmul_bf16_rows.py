@@ -163,6 +163,37 @@ def test_bad_arguments(act):
                            act=act)
 
 
+def test_pack_panels_layout():
+    """Panel p's k pair i holds the 16 features' pair i: bytes [16 p + c, 4 i : 4 i + 4]."""
+    rows = np.arange(32 * 24, dtype=np.int64).astype(np.uint8).reshape(1, 32, 24)
+    got = np.asarray(quant.pack_panels(jnp.asarray(rows))).reshape(2, 6, 16, 4)
+    for p in range(2):
+        for i in range(6):
+            for c in range(16):
+                np.testing.assert_array_equal(got[p, i, c], rows[0, 16 * p + c, 4 * i:4 * i + 4])
+
+
+@pytest.mark.parametrize("k,n", [(576, 192), (4096, 112), (64, 16)])
+def test_packed_panels_are_the_rows_bits(k, n):
+    """act "panel_packed" on pack_panels' weights equals "panel" on the rows bit for bit, at every
+    row count (decode paths of 1-8 rows, 1, 2 or 4 panels side by side, the prefill path with K
+    in chunks past 2048); skipped where the CPU has no AVX512-BF16."""
+    if not quant.available(jnp.bfloat16, act="panel"):
+        pytest.skip(f"this CPU (or the build) gives no {NEEDS['panel']}: no panel quant matmul")
+    rng = np.random.default_rng(k + n)
+    x, w = _bf16(rng, (100, k)), _bf16(rng, (n, k), 0.05)
+    ms = (100, *range(1, 10), 17, 33)
+    rows = jnp.asarray(_rows(w))[None]
+    xs = [jnp.asarray(x[:m]) for m in ms]
+    f = jax.jit(lambda xs, w, act: [quant.quant_matmul(xx, w, 0, fmt="BF16", k=k, act=act)
+                                    for xx in xs], static_argnums=2)
+    want = f(xs, rows, "panel")
+    got = f(xs, quant.pack_panels(rows), "panel_packed")
+    for m, a, b in zip(ms, want, got):
+        np.testing.assert_array_equal(np.asarray(b).view(np.uint16), np.asarray(a).view(np.uint16),
+                                      err_msg=f"m={m}")
+
+
 # ---- timing ----
 
 def _bench():
