@@ -170,7 +170,7 @@ def quant_cases(rng: np.random.Generator, variants: int) -> list[Case]:
         case("row bytes", "bad shapes", w=w[:, :, :-2]),
         case("out's shape", "bad shapes", out_shape=(M, NOUT + 1)),
         case("format", "unknown format", fmt=99),
-        case("act", "act is 0, 1 or 2", act=5),
+        case("act", "act is 0, 1", act=9),
         case("int8 BF16", "take float activations", fmt=5, act=1, w=w[:, :, :128]),
         case("layer words", "quant_matmul: x [M, K]", layer=[1, 0]),
         case("file layer word", "quant_matmul: x [M, K]", w=file, n=NOUT, layer=[1]),
