@@ -5,10 +5,12 @@ Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf
 small bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` and `matmul/quant_amx.cc`
 (matmuls over GGUF blocks, float and int8 activations; AMX tiles for bf16 rows) and `zeros.cc`
 (a zeroed KV cache without touching its pages); one `.so`, one FFI target each (TARGETS). The
-build is cached by everything that changes the binary: the sources, the compiler's version, the CPU's instruction
-set flags (it is built with -march=native, so a library built on one CPU model is never loaded on
-another) and jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when
-there is no compiler or the build fails; callers fall back to jnp and say so.
+build is cached by everything that changes the binary: the sources (and `ffi_safety.h`, the
+handlers' shared guard: no C++ exception leaves a handler), the compiler's version, the CPU's
+instruction set flags (it is built with -march=native, so a library built on one CPU model is
+never loaded on another) and jaxlib's version (the FFI headers). `register()` raises
+`KernelUnavailable` when there is no compiler or the build fails; callers fall back to jnp and
+say so.
 
 The sources compile one process each, side by side (os.cpu_count() at a time), then link: on 2
 vCPUs 26.6 -> ~13 s of a 1B model's first start (quant.cc alone is ~11 s). `build_in_background`
@@ -40,6 +42,8 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "quant_panel.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),
            os.path.join(_HERE, "zeros.cc"))
+# included by the sources (every handler's exception guard, ffi_safety.h): part of the build key
+HEADERS = (os.path.join(_HERE, "ffi_safety.h"),)
 
 
 def flags_for(machine: str) -> list[str]:
@@ -104,9 +108,10 @@ def cpu_has(flag: str) -> bool:
     return flag in _cpu_flags().split()
 
 
-def library_path(cache_dir: str) -> tuple[str, list[str]]:
+def library_path(cache_dir: str, extra_flags: tuple[str, ...] = ()) -> tuple[str, list[str]]:
     """Where the library for this machine lives, and the compile command of one source (the
-    source and its object file are appended)."""
+    source and its object file are appended). `extra_flags` (after FLAGS, so they win: the
+    tests' AddressSanitizer build) make another library, with its own build key."""
     import jaxlib
 
     cxx = _compiler()
@@ -117,14 +122,15 @@ def library_path(cache_dir: str) -> tuple[str, list[str]]:
         raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
     include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
     sources = []
-    for path in SOURCES:
+    for path in (*SOURCES, *HEADERS):
         with open(path, "rb") as f:
             sources.append(f.read())
+    flags = [*FLAGS, *extra_flags]
     key = hashlib.sha256(b"\0".join([
         *sources, version.encode(), _cpu_flags().encode(), jaxlib.__version__.encode(),
-        " ".join(FLAGS).encode()])).hexdigest()[:16]
+        " ".join(flags).encode()])).hexdigest()[:16]
     path = os.path.join(cache_dir, "kernels", f"{_PREFIX}{key}.so")
-    return path, [cxx, *FLAGS, "-I", include, "-c"]
+    return path, [cxx, *flags, "-I", include, "-c"]
 
 
 def content_hash() -> str:
@@ -141,7 +147,7 @@ def content_hash() -> str:
 @functools.cache
 def _sources_hash() -> str:
     digest = hashlib.sha256(" ".join(FLAGS).encode())
-    for path in SOURCES:
+    for path in (*SOURCES, *HEADERS):
         with open(path, "rb") as f:
             digest.update(b"\0" + f.read())
     return digest.hexdigest()[:16]
@@ -154,11 +160,12 @@ def _run(cmd: list[str]) -> None:
                                 f"{res.stderr[-4000:]}")
 
 
-def build(cache_dir: str) -> str:
-    """The library's path, built now if this machine has no copy yet."""
+def build(cache_dir: str, extra_flags: tuple[str, ...] = ()) -> str:
+    """The library's path, built now if this machine has no copy yet (`extra_flags`:
+    library_path's, given to the link too)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    path, compile_cmd = library_path(cache_dir)
+    path, compile_cmd = library_path(cache_dir, extra_flags)
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -168,7 +175,7 @@ def build(cache_dir: str) -> str:
             list(ex.map(_run, [[*compile_cmd, src, "-o", obj]
                                for src, obj in zip(SOURCES, objs)]))
         lib = os.path.join(tmp, "lib.so")
-        _run([compile_cmd[0], "-shared", *objs, "-o", lib])
+        _run([compile_cmd[0], *extra_flags, "-shared", *objs, "-o", lib])
         os.replace(lib, path)  # atomic: a concurrent builder's copy is the same
     return path
 
@@ -189,13 +196,14 @@ def build_in_background(cache_dir: str) -> None:
     t.start()
 
 
-def register(cache_dir: str) -> None:
-    """Build (if needed) and register every custom call for the CPU platform (once a process)."""
+def register(cache_dir: str, extra_flags: tuple[str, ...] = ()) -> None:
+    """Build (if needed) and register every custom call for the CPU platform (once a process;
+    `extra_flags`: build's)."""
     global _registered
     with _lock:
         if _registered is not None:
             return
-        path = build(cache_dir)
+        path = build(cache_dir, extra_flags)
         lib = ctypes.cdll.LoadLibrary(path)
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),

@@ -5,7 +5,8 @@ library registered it is one custom call that madvise(MADV_DONTNEED)s the output
 instead of writing them, so a 1 GB KV cache costs no page faults at start-up (9.6 s of a 1B
 model's first start on a 2-vCPU VM went to jnp.zeros' first touch); each page is faulted in,
 zeroed, by the step that first writes it. Reads of pages never written give zeros, as
-jnp.zeros'.
+jnp.zeros'. That zero fill is Linux's promise for private anonymous memory; on other systems the
+call writes the zeros (memset), as jnp.zeros does.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ attn_v and ffn_down in Q6_K): the stack is then one array per format, and `part_
 
 A GGUF file's stacked weights may instead be read where the file holds them (model/
 stack_files.py `file_offset`): every part is then the one mapped file, uint8 [G, 32], and
-`offsets` says where each layer's rows start (in 32-byte units); nothing is copied at load.
+`offsets` says where each layer's rows start (in 32-byte units, each as two i32 words: a file may
+pass 64 GiB); nothing is copied at load.
 
 Inside the step (`quant_matmul`) the CPU kernel (pallas_kernels/matmul/quant.py) dequantises in
 registers and dots, reading the whole stack with the layer index (slicing the stack in the layer
@@ -92,7 +93,9 @@ class QuantWeight:
     # inside the layer scan: the parts are the whole stacks and this i32 scalar picks the layer
     layer: jax.Array | None = None
     # the weight read in place from a mapped GGUF file (every part is that file, uint8 [G, 32]):
-    # i32 [L], layer l's [n, row_bytes] rows at byte 32 * offsets[l]; None: parts are stacks
+    # i32 [L, 2], layer l's [n, row_bytes] rows at byte 32 * u, u = offsets[l] as words [low,
+    # high] (quant_formats.offset_words: jax runs with 32-bit integers, and one i32 of 32-byte
+    # units ends at 64 GiB); None: parts are stacks
     offsets: jax.Array | None = None
 
     @property
@@ -130,7 +133,9 @@ class QuantWeight:
             return blocks[index]
         rb = quant_formats.row_bytes(self.fmts[part], self.k)
         rows = self.rows_per_layer
-        units = jax.lax.dynamic_slice(blocks, (self.offsets[li], 0), (rows * rb // 32, 32))
+        if blocks.shape[0] > 2**31:  # jnp's i32 start index reaches 2^31 units (64 GiB) only
+            raise ValueError("a file past 64 GiB is read in place by the CPU kernel only")
+        units = jax.lax.dynamic_slice(blocks, (self.offsets[li, 0], 0), (rows * rb // 32, 32))
         return units.reshape(rows, rb)
 
     def dequantized(self) -> jax.Array:
@@ -280,7 +285,7 @@ def from_raw(raw: RawBlocks | Sequence[RawBlocks], stacks: StackFiles | None = N
     return QuantWeight(tuple(parts), None if one else jnp.asarray(part_of, jnp.int32),
                        None if one else jnp.asarray(index_of, jnp.int32), fmts, k, n,
                        stacked=True, experts=experts, offsets=None if offsets is None else jnp.asarray(
-                           np.asarray(offsets, np.int64) // 32, jnp.int32))
+                           quant_formats.offset_words(np.asarray(offsets, np.int64) // 32)))
 
 
 def check_quantization(name: str | None) -> str | None:

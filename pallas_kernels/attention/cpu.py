@@ -43,7 +43,10 @@ def ragged_paged_attention_cpu(
     tests to compare). `invariant`: bf16 rows of every item on the decode rows' path (one
     summation order for a query row whatever its chunk: the engine's batch-invariant mode).
     `sinks` f32 [Hq]: each head's sink logit in the softmax denominator (gpt-oss), applied
-    where each row is normalised; absent, the kernel gets an empty array and runs as before."""
+    where each row is normalised; absent, the kernel gets an empty array and runs as before.
+    Metadata that does not fit the buffers (a page id outside the cache, a kv_len past its page
+    table row, cu_q_lens out of order, num_seqs past the arrays) fails the call with a
+    ValueError naming the field (cpu_attention.cc check_metadata), never a read outside them."""
     if not cpu_library.registered():
         raise KernelUnavailable("cpu_library.register(cache_dir) first")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)

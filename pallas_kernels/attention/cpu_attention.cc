@@ -24,10 +24,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -35,6 +37,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../ffi_safety.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -1255,6 +1258,7 @@ struct Work {
   std::vector<Item> items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  jaxbatch_ffi::TaskErrors errors;  // a failed item (out of memory): the rest are skipped
 };
 
 void drain(Work& w) {
@@ -1264,7 +1268,8 @@ void drain(Work& w) {
   // one can prefetch the next one's first pages
   for (int64_t i = w.next.fetch_add(1); i < n;) {
     const int64_t after = w.next.fetch_add(1);
-    run_any(w.problem, w.items[i], sc, after < n ? &w.items[after] : nullptr);
+    const Item* next = after < n ? &w.items[after] : nullptr;
+    if (!w.errors.failed()) w.errors.run([&] { run_any(w.problem, w.items[i], sc, next); });
     w.done.fetch_add(1, std::memory_order_release);
     i = after;
   }
@@ -1272,23 +1277,92 @@ void drain(Work& w) {
 
 bool is16(ffi::DataType t) { return t == ffi::DataType::U16 || t == ffi::DataType::BF16; }
 
-ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
-                                ffi::Buffer<ffi::S32> page_indices,
-                                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                                ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks,
-                                ffi::Result<ffi::AnyBuffer> out,
-                                float sm_scale, float soft_cap, int64_t kv_split, bool round_p,
-                                int64_t q_block, bool use_amx, bool invariant) {
+bool same_dims(ffi::AnyBuffer::Dimensions a, ffi::AnyBuffer::Dimensions b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+// The step's metadata against the buffers, before any item is built: a bad value (a stale page
+// id, a kv_len past its page table row, cu_q_lens out of order) fails this call instead of
+// reading outside the cache. O(num_seqs + pages read): each sequence's q_len and kv_len, and
+// the page ids its keys [lo, kv_len) sit in (lo > 0 only with a sliding window: key_range's
+// first key of the sequence's first row), which the kernel reads anyway.
+ffi::Error check_metadata(const Problem& p, int64_t num_pages, int64_t kv_lens_count,
+                          int64_t cu_count, int64_t num_seqs) {
+  if (num_seqs < 0 || num_seqs > kv_lens_count || num_seqs > p.S || num_seqs + 1 > cu_count)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: num_seqs out of [0, len(kv_lens)], or past page_indices' "
+        "rows or len(cu_q_lens) - 1");
+  if (num_seqs > 0 && p.cu[0] < 0)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: cu_q_lens[0] is negative");
+  const int64_t capacity = p.W * p.P;  // tokens a page table row holds
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t ql = static_cast<int64_t>(p.cu[s + 1]) - p.cu[s];
+    const int64_t kl = p.kv_lens[s];
+    const char* what = nullptr;
+    if (ql < 0)
+      what = "cu_q_lens is not non-decreasing";
+    else if (kl < 0 || kl > capacity)
+      what = "kv_lens out of [0, pages per sequence * page size]";
+    else if (ql > kl)
+      what = "a sequence has more new tokens (cu_q_lens) than kv_lens";
+    if (what != nullptr)
+      return ffi::Error::InvalidArgument(std::string("ragged_paged_attention: ") + what +
+                                         " at sequence " + std::to_string(s));
+    if (ql == 0 || kl == 0) continue;  // no item: nothing read
+    const int64_t first = kl - ql;     // the first new row's position
+    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) : 0;
+    const int32_t* row = p.pages + s * p.W;
+    for (int64_t pg = lo / p.P; pg < (kl + p.P - 1) / p.P; ++pg)
+      if (row[pg] < 0 || row[pg] >= num_pages)
+        return ffi::Error::InvalidArgument(
+            "ragged_paged_attention: page_indices[" + std::to_string(s) + ", " +
+            std::to_string(pg) + "] = " + std::to_string(row[pg]) + " is not a page of k_pages");
+  }
+  if (num_seqs > 0 && p.cu[num_seqs] > p.T)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: cu_q_lens[num_seqs] is past q's rows");
+  return ffi::Error::Success();
+}
+
+ffi::Error RaggedPagedAttentionChecked(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+    ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+    ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+    float soft_cap, int64_t kv_split, bool round_p, int64_t q_block, bool use_amx,
+    bool invariant) {
   auto qd = q.dimensions(), kd = k.dimensions(), pd = page_indices.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2)
-    return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: q must be [T, Hq, D], k_pages [N, P, Hkv, D], page_indices "
+        "[S, W]");
+  if (!same_dims(v.dimensions(), kd))
+    return ffi::Error::InvalidArgument("ragged_paged_attention: v_pages' shape is not k_pages'");
+  if (!same_dims(out->dimensions(), qd))
+    return ffi::Error::InvalidArgument("ragged_paged_attention: out's shape is not q's");
   if (q.element_type() != out->element_type() || k.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("ragged_paged_attention: dtype mismatch");
   if (!is16(q.element_type()) && q.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("ragged_paged_attention: q must be bf16 or f32");
   if (!is16(k.element_type()) && k.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("ragged_paged_attention: cache must be u16/bf16/f32");
+  if (num_seqs.element_count() != 1 || window.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: num_seqs and window hold one value each");
+  if (kd[1] <= 0 || kd[2] <= 0)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: page size and num_kv_heads must be positive");
+  if (kd[3] != qd[2] || qd[2] <= 0 || qd[2] > 1024)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: head dim must be q's and k_pages' last axis, in [1, 1024]");
+  if (qd[1] % kd[2] != 0)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: num_q_heads must be a multiple of num_kv_heads");
+  if (kv_split <= 0 || q_block <= 0 || q_block > INT32_MAX)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: kv_split must be positive, q_block in [1, 2^31)");
+  if (sinks.element_count() != 0 && static_cast<int64_t>(sinks.element_count()) != qd[1])
+    return ffi::Error::InvalidArgument("ragged_paged_attention: sinks must be [num_q_heads]");
   auto w = std::make_shared<Work>();
   Problem& p = w->problem;
   p.q = q.untyped_data();
@@ -1307,7 +1381,6 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.Hkv = kd[2];
   p.S = pd[0];
   p.W = pd[1];
-  p.num_seqs = std::min<int64_t>(num_seqs.typed_data()[0], p.S);
   p.window = window.typed_data()[0];
   p.sm_scale = sm_scale;
   p.soft_cap = soft_cap;
@@ -1316,10 +1389,12 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   p.use_amx = use_amx;
   p.invariant = invariant;
   p.sinks = sinks.element_count() == 0 ? nullptr : sinks.typed_data();
-  if (kd[3] != p.D || p.Hq % p.Hkv != 0 || p.D > 1024 || kv_split <= 0 || q_block <= 0)
-    return ffi::Error::InvalidArgument("ragged_paged_attention: bad shapes or settings");
-  if (p.sinks != nullptr && static_cast<int64_t>(sinks.element_count()) != p.Hq)
-    return ffi::Error::InvalidArgument("ragged_paged_attention: sinks must be [num_q_heads]");
+  const int64_t seqs = num_seqs.typed_data()[0];
+  if (ffi::Error e = check_metadata(p, kd[0], static_cast<int64_t>(kv_lens.element_count()),
+                                    static_cast<int64_t>(cu_q_lens.element_count()), seqs);
+      e.failure())
+    return e;
+  p.num_seqs = seqs;
   std::memset(p.out, 0, static_cast<size_t>(p.T * p.Hq * p.D) * (p.q16 ? 2 : 4));
   // q_block query rows per item (without AMX, SmolLM2's 16 rows x 3 query heads per KV head
   // are 48 score rows of a wide item: 4 blocks of kWideRows sharing each gathered K block)
@@ -1329,11 +1404,11 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     const int32_t ql = p.cu[s + 1] - p.cu[s];
     const int32_t kl = p.kv_lens[s];
-    if (ql <= 0 || kl <= 0 || p.cu[s] < 0 || p.cu[s + 1] > p.T || kl > p.W * p.P) continue;
-    for (int32_t r0 = 0; r0 < ql; r0 += static_cast<int32_t>(rows_per_item)) {
-      const int32_t rows = std::min<int32_t>(static_cast<int32_t>(rows_per_item), ql - r0);
-      const int64_t keys = std::min(kl, kl - ql + r0 + rows);
-      costed.push_back({keys * (rows + 4), Item{s, r0, rows}});
+    if (ql <= 0 || kl <= 0) continue;  // nothing to compute (check_metadata refused the rest)
+    for (int64_t r0 = 0; r0 < ql; r0 += rows_per_item) {
+      const int32_t rows = static_cast<int32_t>(std::min<int64_t>(rows_per_item, ql - r0));
+      const int64_t keys = std::min<int64_t>(kl, kl - ql + r0 + rows);
+      costed.push_back({keys * (rows + 4), Item{s, static_cast<int32_t>(r0), rows}});
     }
   }
   std::stable_sort(costed.begin(), costed.end(),
@@ -1341,11 +1416,28 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
   w->items.reserve(costed.size());
   for (auto& c : costed) w->items.push_back(c.second);
   const int64_t n = static_cast<int64_t>(w->items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([w] { drain(*w); });
+  jaxbatch_ffi::ScheduleHelpers(pool, std::min<int64_t>(pool.num_threads(), n) - 1,
+                                [w] { drain(*w); });
   drain(*w);
   while (w->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  w->errors.rethrow();
   return ffi::Error::Success();
+}
+
+// The handler: no exception leaves it (ffi_safety.h).
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Buffer<ffi::S32> page_indices,
+                                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                                ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                float sm_scale, float soft_cap, int64_t kv_split, bool round_p,
+                                int64_t q_block, bool use_amx, bool invariant) {
+  return jaxbatch_ffi::Guarded("ragged_paged_attention", [&] {
+    return RaggedPagedAttentionChecked(pool, q, k, v, kv_lens, page_indices, cu_q_lens,
+                                       num_seqs, window, sinks, out, sm_scale, soft_cap,
+                                       kv_split, round_p, q_block, use_amx, invariant);
+  });
 }
 
 }  // namespace

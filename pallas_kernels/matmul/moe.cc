@@ -12,8 +12,9 @@
 // uint8 [E * N, RB], expert e's N rows at row e * N, each row K / QK blocks (quant.cc's formats).
 // Stacked over layers, w is uint8 [L, E * N, RB] and `layer` picks one; or (in_file = 1) w is a
 // whole mapped .gguf file, uint8 [G, 32], and `layer` is where the layer's rows start, in
-// 32-byte units. group_sizes i32 [E]: how many of x's rows (consecutive, in expert order) each
-// expert has; rows past their sum are padding (the step's unused tokens) and come out zero.
+// 32-byte units, as two i32 words [low, high] (quant_formats.offset_words). group_sizes i32
+// [E]: how many of x's rows (consecutive, in expert order) each expert has; rows past their sum
+// are padding (the step's unused tokens) and come out zero.
 //
 // Numerics: each expert's rows go through quant.cc's float mode, quant_int8.cc's int8 mode or
 // quant_amx.cc's AMX mode (`act`) exactly as a dense layer's rows do, so a row's bits are those
@@ -34,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "../ffi_safety.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -69,10 +71,10 @@ constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 144, 176, 210, 64, 64, 17}
 // up to this many rows an expert, threads take whole experts rather than splitting each
 constexpr int64_t kOneThreadRows = 4;
 
-ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> group_sizes,
-                     ffi::Result<ffi::AnyBuffer> out, int64_t fmt, int64_t k, int64_t n,
-                     int64_t experts, int64_t act, int64_t in_file) {
+ffi::Error MoeMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> group_sizes,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t fmt, int64_t k, int64_t n,
+                            int64_t experts, int64_t act, int64_t in_file) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   const bool bf16 =
       x.element_type() == ffi::DataType::U16 || x.element_type() == ffi::DataType::BF16;
@@ -82,10 +84,11 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       out->element_type() == ffi::DataType::U16 || out->element_type() == ffi::DataType::BF16;
   if (xd.size() != 2 || od.size() != 2 || wd.size() != (in_file ? 2u : 3u) ||
       w.element_type() != ffi::DataType::U8 || !(bf16 || f32) || (f32 && !out_f32) ||
-      (bf16 && !(out_f32 || out_16)) || layer.element_count() != 1)
+      (bf16 && !(out_f32 || out_16)) || layer.element_count() != (in_file ? 2u : 1u))
     return ffi::Error::InvalidArgument(
-        "moe_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, E * N, RB] (or a file u8 [G, 32] "
-        "with in_file), one layer index (or offset), out [M, N] in x's dtype or f32");
+        "moe_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, E * N, RB] with one layer index (or a "
+        "file u8 [G, 32] with in_file and an offset as two i32 words), out [M, N] in x's dtype "
+        "or f32");
   if (fmt < 0 || fmt >= kNumFormats) return ffi::Error::InvalidArgument("moe_matmul: bad format");
   if (act < 0 || act > 3)
     return ffi::Error::InvalidArgument("moe_matmul: act is 0, 1, 2 or 3");
@@ -102,25 +105,37 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       od[1] != N || group_sizes.element_count() != static_cast<size_t>(E))
     return ffi::Error::InvalidArgument("moe_matmul: bad shapes");
   const int64_t rb = K / kBlockWeights[fmt] * kBlockBytes[fmt];
-  const int64_t layer_bytes = E * N * rb;
-  if (!in_file && (wd[1] != E * N || wd[2] != rb))
+  // in 64-bit, checked: n and experts are attributes
+  const int64_t rows = jaxbatch_ffi::CheckedMul(E, N);
+  const int64_t layer_bytes = jaxbatch_ffi::CheckedMul(rows, rb);
+  if (rows < 0 || layer_bytes < 0)
+    return ffi::Error::InvalidArgument("moe_matmul: experts * n * row bytes overflows");
+  if (!in_file && (wd[1] != rows || wd[2] != rb))
     return ffi::Error::InvalidArgument("moe_matmul: w is not [L, E * N, RB]");
   if (in_file && wd[1] != 32)
     return ffi::Error::InvalidArgument("moe_matmul: a file w is u8 [G, 32]");
-  const int64_t li = layer.typed_data()[0];
-  if (li < 0 || (in_file ? li * 32 + layer_bytes > wd[0] * 32 : li >= wd[0]))
-    return ffi::Error::InvalidArgument(in_file ? "moe_matmul: offset out of the file"
-                                               : "moe_matmul: layer out of range");
+  const uint8_t* wl = static_cast<const uint8_t*>(w.untyped_data());
+  if (in_file) {
+    const int64_t units = jaxbatch_ffi::FileUnits(layer.typed_data());
+    if (units < 0 || units > wd[0] || layer_bytes > (wd[0] - units) * 32)
+      return ffi::Error::InvalidArgument("moe_matmul: offset out of the file");
+    wl += units * 32;
+  } else {
+    const int64_t li = layer.typed_data()[0];
+    if (li < 0 || li >= wd[0])
+      return ffi::Error::InvalidArgument("moe_matmul: layer out of range");
+    wl += li * layer_bytes;  // < the stack's bytes: layer_bytes is w's [E * N, RB]
+  }
   const int32_t* gs = group_sizes.typed_data();
   int64_t total = 0;
   for (int64_t e = 0; e < E; ++e) {
     if (gs[e] < 0) return ffi::Error::InvalidArgument("moe_matmul: a negative group size");
     total += gs[e];
   }
+  // every expert index is below E (group e is expert e) and every row below M: its rows are
+  // [sum of the groups before e, + gs[e]), within [0, total)
   if (total > M)
     return ffi::Error::InvalidArgument("moe_matmul: the group sizes add up to more than M rows");
-  const uint8_t* wl = static_cast<const uint8_t*>(w.untyped_data()) +
-                      (in_file ? li * 32 : li * layer_bytes);
   const int64_t x_elt = bf16 ? 2 : 4, o_elt = out_f32 ? 4 : 2;
   const char* xb = static_cast<const char*>(x.untyped_data());
   char* ob = static_cast<char*>(out->untyped_data());
@@ -155,19 +170,24 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       std::atomic<size_t> next{0};
       std::atomic<int64_t> done{0};
       std::atomic<bool> failed{false};
+      jaxbatch_ffi::TaskErrors errors;  // an expert's call threw (out of memory): the rest skip
     };
     auto claims = std::make_shared<Claims>();
     auto drain = [&pool, &routed, &expert, claims] {
       tl_one_thread = true;
       for (size_t i; (i = claims->next.fetch_add(1)) < routed.size();)
-        if (!expert(pool, i)) claims->failed = true;
+        if (!claims->errors.failed())
+          claims->errors.run([&] {
+            if (!expert(pool, i)) claims->failed = true;
+          });
       tl_one_thread = false;
       claims->done.fetch_add(1, std::memory_order_release);
     };
-    const int64_t helpers = std::min<int64_t>(threads, routed.size()) - 1;
-    for (int64_t t = 0; t < helpers; ++t) pool.Schedule([drain] { drain(); });
+    const int64_t helpers = jaxbatch_ffi::ScheduleHelpers(
+        pool, std::min<int64_t>(threads, routed.size()) - 1, [drain] { drain(); });
     drain();
     while (claims->done.load(std::memory_order_acquire) < helpers + 1) std::this_thread::yield();
+    claims->errors.rethrow();
     ok = !claims->failed;
   } else {
     for (size_t i = 0; i < routed.size() && ok; ++i) ok = expert(pool, i);
@@ -183,6 +203,17 @@ ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
+// The handler: no exception leaves it (ffi_safety.h).
+ffi::Error MoeMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> group_sizes,
+                     ffi::Result<ffi::AnyBuffer> out, int64_t fmt, int64_t k, int64_t n,
+                     int64_t experts, int64_t act, int64_t in_file) {
+  return jaxbatch_ffi::Guarded("moe_matmul", [&] {
+    return MoeMatmulChecked(pool, x, w, layer, group_sizes, out, fmt, k, n, experts, act,
+                            in_file);
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchMoeMatmul, MoeMatmul,
@@ -190,7 +221,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchMoeMatmul, MoeMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] (bf16 as u16, or f32)
                                   .Arg<ffi::AnyBuffer>()  // w u8 [L, E * N, RB] or a file
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer (or offset / 32) [1]
+                                  // layer [1], or the offset / 32 as words [low, high]
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [E]
                                   .Ret<ffi::AnyBuffer>()  // out [M, N]
                                   .Attr<int64_t>("fmt")

@@ -16,7 +16,7 @@ import numpy as np
 
 from pallas_kernels.matmul import quant_formats
 from pallas_kernels.matmul.quant import ACTS, FLOAT_FORMATS
-from pallas_kernels.matmul.quant_formats import FORMAT_IDS, row_bytes
+from pallas_kernels.matmul.quant_formats import FORMAT_IDS, offset_arg, row_bytes
 
 TARGET = "jaxbatch_moe_matmul"
 
@@ -28,7 +28,8 @@ def moe_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, group_sizes: 
     float32 from bfloat16 x): row m times its expert's weight transposed.
 
     w: uint8 [L, E * N, RB] with `layer` an i32 scalar, or (in_file) a mapped file uint8
-    [G, 32] with `layer` the offset of the layer's rows in 32-byte units. `act`: the dense
+    [G, 32] with `layer` the offset of the layer's rows in 32-byte units (any form
+    quant_formats.offset_arg takes: i32 [2] words past 64 GiB). `act`: the dense
     kernel's activation modes (quant.py). Bad group sizes (negative, more rows than M), a layer
     or offset out of range: a run-time error."""
     rb = row_bytes(fmt, k)
@@ -58,8 +59,9 @@ def moe_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, group_sizes: 
     out_bits = out_dtype == jnp.bfloat16
     call = jax.ffi.ffi_call(
         TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.uint16 if out_bits else jnp.float32))
-    out = call(jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x, w,
-               jnp.asarray(layer, jnp.int32).reshape(1), group_sizes.astype(jnp.int32),
+    where = offset_arg(layer) if in_file else jnp.asarray(layer, jnp.int32).reshape(1)
+    out = call(jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x, w, where,
+               group_sizes.astype(jnp.int32),
                fmt=np.int64(FORMAT_IDS[fmt]), k=np.int64(k), n=np.int64(n),
                experts=np.int64(experts), act=np.int64(ACTS[act]),
                in_file=np.int64(1 if in_file else 0))

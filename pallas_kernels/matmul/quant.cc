@@ -12,8 +12,9 @@
 // block_q8_0 etc.), RB = K / QK * BYTES. `layer` picks one of the L layers (a layer scan passes
 // the whole stack: slicing it in the scan makes XLA copy each layer's weights).
 // Or (attribute n > 0) w is a whole mapped .gguf file, u8 [G, 32], and `layer` is where the
-// layer's [n, RB] rows start in it, in 32-byte units (GGUF aligns tensor data to 32 bytes): the
-// weights are read where the file holds them, with no stack copied at load.
+// layer's [n, RB] rows start in it, in 32-byte units (GGUF aligns tensor data to 32 bytes), as
+// two i32 words [low, high] (a file past 64 GiB; quant_formats.offset_words): the weights are
+// read where the file holds them, with no stack copied at load.
 //
 // Numerics ("dot form", batch invariant): each output out[m, n] has one f32 accumulator, a zmm of
 // 16 lane partial sums over K in order (bf16 x: VDPBF16PS on 32-weight vectors; f32 x: FMA on
@@ -100,6 +101,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../ffi_safety.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -134,6 +136,7 @@ struct Job {
   int64_t items, chunk, ncb, segrows;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  jaxbatch_ffi::TaskErrors errors;  // a failed item (out of memory): the rest are skipped
 };
 
 #if defined(__AVX512F__)
@@ -664,10 +667,13 @@ template <class P, class D, int R>
 void drain_fused(Job& j) {
   constexpr int C = tile_cols<D>(R);
   for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
-    int64_t n = lo;
-    for (; n + C <= hi; n += C) fused_tile<P, D, R, C>(j, n);
-    for (; n < hi; ++n) fused_tile<P, D, R, 1>(j, n);
+    if (!j.errors.failed())
+      j.errors.run([&] {
+        const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
+        int64_t n = lo;
+        for (; n + C <= hi; n += C) fused_tile<P, D, R, C>(j, n);
+        for (; n < hi; ++n) fused_tile<P, D, R, 1>(j, n);
+      });
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -677,11 +683,15 @@ struct Scratch {
   void* p = nullptr;
   size_t n = 0;
   ~Scratch() { std::free(p); }
+  // never null: a failed allocation throws std::bad_alloc (the call's error, ffi_safety.h)
   void* get(size_t bytes) {
     if (bytes > n) {
       std::free(p);
-      n = (bytes + 4095) & ~size_t(4095);
-      p = std::aligned_alloc(64, n);
+      p = nullptr;
+      n = 0;
+      const size_t want = (bytes + 4095) & ~size_t(4095);
+      if (want < bytes || (p = std::aligned_alloc(64, want)) == nullptr) throw std::bad_alloc();
+      n = want;
     }
     return p;
   }
@@ -767,25 +777,31 @@ int64_t block_cols(int64_t K, int64_t elt) {
   return std::max<int64_t>(16, std::min<int64_t>(64, c));
 }
 
+// column block it % ncb (nc columns) over row segment it / ncb
 template <class P, class D>
-void drain_buffered(Job& j) {
+void buffered_item(const Job& j, int64_t it, int64_t nc) {
   using X = typename P::X;
-  const int64_t nc = block_cols(j.K, sizeof(X));
   X* buf = static_cast<X*>(weight_scratch().get(nc * j.K * sizeof(X) + nc * kTileRows * 64));
   __m512* saved = reinterpret_cast<__m512*>(buf + nc * j.K);
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    const int64_t cb = it % j.ncb, seg = it / j.ncb;
-    const int64_t n0 = cb * nc, cols = std::min(nc, j.N - n0);
-    const int64_t m_lo = seg * j.segrows, m_hi = std::min(j.M, m_lo + j.segrows);
-    dequant_cols<P, D>(j, n0, cols, buf);
-    for (int64_t m = m_lo; m < m_hi; m += kTileRows) {
-      switch (std::min<int64_t>(kTileRows, m_hi - m)) {
-        case 1: dot_rows<P, 1>(j, buf, m, n0, cols, saved); break;
-        case 2: dot_rows<P, 2>(j, buf, m, n0, cols, saved); break;
-        case 3: dot_rows<P, 3>(j, buf, m, n0, cols, saved); break;
-        default: dot_rows<P, 4>(j, buf, m, n0, cols, saved); break;
-      }
+  const int64_t cb = it % j.ncb, seg = it / j.ncb;
+  const int64_t n0 = cb * nc, cols = std::min(nc, j.N - n0);
+  const int64_t m_lo = seg * j.segrows, m_hi = std::min(j.M, m_lo + j.segrows);
+  dequant_cols<P, D>(j, n0, cols, buf);
+  for (int64_t m = m_lo; m < m_hi; m += kTileRows) {
+    switch (std::min<int64_t>(kTileRows, m_hi - m)) {
+      case 1: dot_rows<P, 1>(j, buf, m, n0, cols, saved); break;
+      case 2: dot_rows<P, 2>(j, buf, m, n0, cols, saved); break;
+      case 3: dot_rows<P, 3>(j, buf, m, n0, cols, saved); break;
+      default: dot_rows<P, 4>(j, buf, m, n0, cols, saved); break;
     }
+  }
+}
+
+template <class P, class D>
+void drain_buffered(Job& j) {
+  const int64_t nc = block_cols(j.K, sizeof(typename P::X));
+  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
+    if (!j.errors.failed()) j.errors.run([&] { buffered_item<P, D>(j, it, nc); });
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -855,10 +871,11 @@ void run(ffi::ThreadPool& pool, std::shared_ptr<Job> j, Drain drain) {
     j->segrows = ((j->M + nseg - 1) / nseg + kTileRows - 1) / kTileRows * kTileRows;
     j->items = j->ncb * ((j->M + j->segrows - 1) / j->segrows);
   }
-  const int64_t helpers = std::min<int64_t>(threads, j->items) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([j, drain] { drain(*j); });
+  jaxbatch_ffi::ScheduleHelpers(pool, std::min<int64_t>(threads, j->items) - 1,
+                                [j, drain] { drain(*j); });
   drain(*j);
   while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
+  j->errors.rethrow();
 }
 
 #endif  // __AVX512F__
@@ -910,24 +927,26 @@ int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, boo
 
 namespace {
 
-ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, int64_t fmt,
-                       int64_t k, int64_t act, int64_t n) {
+ffi::Error QuantMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out,
+                              int64_t fmt, int64_t k, int64_t act, int64_t n) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   const bool bf16 =
       x.element_type() == ffi::DataType::U16 || x.element_type() == ffi::DataType::BF16;
   const bool f32 = x.element_type() == ffi::DataType::F32;
   const bool out_f32 = out->element_type() == ffi::DataType::F32;
-  const bool in_file = n > 0;  // w: a mapped file u8 [G, 32], `layer`: an offset in 32 B units
+  // w: a mapped file u8 [G, 32], `layer`: an offset in 32 B units as words [low, high]
+  const bool in_file = n > 0;
   if (xd.size() != 2 || wd.size() != (in_file ? 2u : 3u) || od.size() != 2 ||
-      layer.element_count() != 1 || (in_file && wd[1] != 32) ||
+      layer.element_count() != (in_file ? 2u : 1u) || (in_file && wd[1] != 32) ||
       !(bf16 || f32) || w.element_type() != ffi::DataType::U8 ||
       (bf16 && !(out_f32 || out->element_type() == ffi::DataType::U16 ||
                  out->element_type() == ffi::DataType::BF16)) ||
       (f32 && !out_f32))
     return ffi::Error::InvalidArgument(
-        "quant_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, N, RB] (or a file u8 [G, 32] with "
-        "n > 0), one layer index (or offset), out [M, N] in x's dtype or f32");
+        "quant_matmul: x [M, K] bf16 (u16) or f32, w u8 [L, N, RB] with one layer index (or a "
+        "file u8 [G, 32] with n > 0 and an offset as two i32 words), out [M, N] in x's dtype or "
+        "f32");
   if (fmt < 0 || fmt >= kNumFormats)
     return ffi::Error::InvalidArgument("quant_matmul: unknown format");
   if (act < 0 || act > 4)
@@ -939,17 +958,27 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   if (act >= 3 && (fmt != kBF16 || !bf16))
     return ffi::Error::InvalidArgument("quant_matmul: act panel is for BF16 weights and bf16 x");
   const int64_t M = xd[0], K = xd[1], N = in_file ? n : wd[1];
+  if (K <= 0 || K % kBlockWeights[fmt] != 0)
+    return ffi::Error::InvalidArgument(
+        "quant_matmul: K must be a positive multiple of the format's block");
   const int64_t rb = K / kBlockWeights[fmt] * kBlockBytes[fmt];
-  if (K != k || K % kBlockWeights[fmt] != 0 || (!in_file && wd[2] != rb) || od[0] != M ||
-      od[1] != N)
+  if (K != k || (!in_file && wd[2] != rb) || od[0] != M || od[1] != N)
     return ffi::Error::InvalidArgument("quant_matmul: bad shapes");
-  const int64_t li = layer.typed_data()[0];
-  if (li < 0 || (in_file ? li * 32 + N * rb > wd[0] * 32 : li >= wd[0]))
-    return ffi::Error::InvalidArgument(in_file ? "quant_matmul: offset out of the file"
-                                               : "quant_matmul: layer out of range");
+  const uint8_t* wl = static_cast<const uint8_t*>(w.untyped_data());
+  if (in_file) {
+    // the layer's N rows end inside the file: in 64-bit, N * rb checked (n is an attribute)
+    const int64_t units = jaxbatch_ffi::FileUnits(layer.typed_data());
+    const int64_t bytes = jaxbatch_ffi::CheckedMul(N, rb);
+    if (units < 0 || units > wd[0] || bytes < 0 || bytes > (wd[0] - units) * 32)
+      return ffi::Error::InvalidArgument("quant_matmul: offset out of the file");
+    wl += units * 32;
+  } else {
+    const int64_t li = layer.typed_data()[0];
+    if (li < 0 || li >= wd[0])
+      return ffi::Error::InvalidArgument("quant_matmul: layer out of range");
+    wl += li * N * rb;  // < the stack's bytes: N and rb are w's own dimensions
+  }
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const uint8_t* wl =
-      static_cast<const uint8_t*>(w.untyped_data()) + (in_file ? li * 32 : li * N * rb);
   if (act == 2) {
     if (N % 16 != 0)
       return ffi::Error::InvalidArgument("quant_matmul: act amx needs N % 16 == 0");
@@ -985,6 +1014,15 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                          : "quant_matmul: f32 x needs AVX512F");
 }
 
+// The handler: no exception leaves it (ffi_safety.h).
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, int64_t fmt,
+                       int64_t k, int64_t act, int64_t n) {
+  return jaxbatch_ffi::Guarded("quant_matmul", [&] {
+    return QuantMatmulChecked(pool, x, w, layer, out, fmt, k, act, n);
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
@@ -992,7 +1030,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x [M, K] (bf16 as u16, or f32)
                                   .Arg<ffi::AnyBuffer>()  // w u8 [L, N, RB] or a file [G, 32]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer (or offset / 32) [1]
+                                  // layer [1], or the offset / 32 as words [low, high]
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()  // out [M, N]
                                   .Attr<int64_t>("fmt")
                                   .Attr<int64_t>("k")

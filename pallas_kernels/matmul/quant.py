@@ -37,6 +37,7 @@ from pallas_kernels.matmul.quant_formats import (  # noqa: F401 - one place
     FLOAT_FORMATS,
     FORMATS,
     INT8_FORMATS,
+    offset_arg,
     row_bytes,
 )
 from pallas_kernels.matmul.quant_formats import FORMAT_IDS as _CODES
@@ -82,8 +83,8 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
 
     With `n` > 0, w is instead a whole mapped .gguf file as uint8 [G, 32] and `layer` the
     offset of the layer's [n, RB] rows in it, in 32-byte units (GGUF aligns tensor data to 32
-    bytes): the weights are read where the file holds them. Rows past the file: a run-time
-    error."""
+    bytes), in any form quant_formats.offset_arg takes (i32 [2] words past 64 GiB): the weights
+    are read where the file holds them. Rows past the file: a run-time error."""
     rb = row_bytes(fmt, k)
     if act not in ACTS:
         raise ValueError(f"quant_matmul: act must be one of {list(ACTS)}, got {act!r}")
@@ -111,8 +112,9 @@ def quant_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, *, fmt: str
     out_bits = out_dtype == jnp.bfloat16
     call = jax.ffi.ffi_call(
         TARGET, jax.ShapeDtypeStruct((m, n_out), jnp.uint16 if out_bits else jnp.float32))
-    out = call(jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x, w,
-               jnp.asarray(layer, jnp.int32).reshape(1), fmt=np.int64(_CODES[fmt]),
+    where = offset_arg(layer) if n > 0 else jnp.asarray(layer, jnp.int32).reshape(1)
+    out = call(jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x, w, where,
+               fmt=np.int64(_CODES[fmt]),
                k=np.int64(k), act=np.int64(ACTS[act]), n=np.int64(n))
     return jax.lax.bitcast_convert_type(out, jnp.bfloat16) if out_bits else out
 

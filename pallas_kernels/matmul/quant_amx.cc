@@ -54,6 +54,7 @@
 #include <unistd.h>
 #endif
 
+#include "../ffi_safety.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -259,8 +260,10 @@ bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void
   j->chunk = M <= 16 ? kDecodeChunk : kPrefillChunk;
   j->items = (N + j->chunk - 1) / j->chunk;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // drain allocates nothing and throws nothing (the scratch above is this thread's, and a
+  // failed allocation there throws before any task starts)
   const int64_t helpers = std::min<int64_t>(threads, std::max(j->items, j->groups)) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([j] { drain(*j); });
+  jaxbatch_ffi::ScheduleHelpers(pool, helpers, [j] { drain(*j); });
   drain(*j);
   while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
   return true;

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # name -> (weights per block, bytes per block)
 FORMATS: dict[str, tuple[int, int]] = {
@@ -51,6 +52,35 @@ def row_bytes(fmt: str, k: int) -> int:
     if k % per:
         raise ValueError(f"{fmt} needs K % {per} == 0 (whole blocks), got K = {k}")
     return k // per * nbytes
+
+
+def offset_words(units) -> np.ndarray:
+    """File offsets in 32-byte units (ints in [0, 2^63), any shape) -> i32 [..., 2]: each
+    offset's low and high 32-bit words, the form the kernels take an offset into a mapped file
+    in (their `layer` argument with a file w). jax runs with 32-bit integers, and one i32 of
+    32-byte units ends at 64 GiB: a larger file's offsets wrapped."""
+    u = np.asarray(units)
+    if u.dtype.kind not in "iu" or (u < 0).any():
+        raise ValueError(f"offsets must be non-negative integers, got {u!r}")
+    u = u.astype(np.uint64)
+    low = (u & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+    high = (u >> np.uint64(32)).astype(np.uint32).view(np.int32)
+    if (high < 0).any():
+        raise ValueError(f"offsets must be below 2^63, got {units!r}")
+    return np.stack([low, high], axis=-1)
+
+
+def offset_arg(offset) -> jax.Array:
+    """An offset into a mapped file as the kernels take it: i32 [2] words (offset_words).
+    `offset`: a Python or numpy integer (any size), an i32 [2] array of words (a row of
+    QuantWeight.offsets, traced in a layer scan), or an i32 scalar array (below 2^31 units; a
+    negative one stays negative, which the kernels refuse)."""
+    if isinstance(offset, jax.Array):  # tracers included
+        if offset.shape == (2,):
+            return offset.astype(jnp.int32)
+        low = jnp.asarray(offset, jnp.int32).reshape(())
+        return jnp.stack([low, low >> 31])  # high: 0, or -1 for a negative offset
+    return jnp.asarray(offset_words(offset).reshape(2))
 
 
 def _f16(b: jax.Array) -> jax.Array:

@@ -67,6 +67,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../ffi_safety.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -365,6 +366,7 @@ struct Job {
   alignas(64) std::atomic<int64_t> qdone{0};
   alignas(64) std::atomic<int64_t> next{0};
   alignas(64) std::atomic<int64_t> done{0};
+  jaxbatch_ffi::TaskErrors errors;  // a failed row or item (out of memory): the rest skipped
 };
 
 // f32 -> bf16 bits, nearest even (NaN stays NaN)
@@ -771,11 +773,15 @@ struct Scratch {
   void* p = nullptr;
   size_t n = 0;
   ~Scratch() { std::free(p); }
+  // never null: a failed allocation throws std::bad_alloc (the call's error, ffi_safety.h)
   void* get(size_t bytes) {
     if (bytes > n) {
       std::free(p);
-      n = (bytes + 4095) & ~size_t(4095);
-      p = std::aligned_alloc(64, n);
+      p = nullptr;
+      n = 0;
+      const size_t want = (bytes + 4095) & ~size_t(4095);
+      if (want < bytes || (p = std::aligned_alloc(64, want)) == nullptr) throw std::bad_alloc();
+      n = want;
     }
     return p;
   }
@@ -903,56 +909,65 @@ void quantize_row(Job& j, int64_t m) {
   }
 }
 
+// phase 2's item `it`: a column chunk (it % nchunks) over a row segment (it / nchunks)
+template <class D>
+void int8_item(const Job& j, int64_t it) {
+  const int64_t M = j.M;
+  const int64_t cb = it % j.nchunks, seg = it / j.nchunks;
+  const int64_t lo = cb * j.chunk, hi = std::min(j.N, lo + j.chunk);
+  if (M <= tree_rows<D>()) {
+    switch (M) {
+      case 1: tree_cols_range<D, 1>(j, lo, hi); break;
+      case 2: tree_cols_range<D, 2>(j, lo, hi); break;
+      case 3: tree_cols_range<D, 3>(j, lo, hi); break;
+      default: tree_cols_range<D, 4>(j, lo, hi); break;
+    }
+  } else if (M <= kDecodeRows) {
+    switch (M) {
+      case 2: wide_decode_cols<D, 2>(j, lo, hi); break;
+      case 3: wide_decode_cols<D, 3>(j, lo, hi); break;
+      case 4: wide_decode_cols<D, 4>(j, lo, hi); break;
+      case 5: wide_decode_cols<D, 5>(j, lo, hi); break;
+      case 6: wide_decode_cols<D, 6>(j, lo, hi); break;
+      case 7: wide_decode_cols<D, 7>(j, lo, hi); break;
+      default: wide_decode_cols<D, 8>(j, lo, hi); break;
+    }
+  } else {
+    // the block's columns unpacked for all of K, then tiles of 4 rows over it
+    const int64_t ncg = (hi - lo + 15) / 16, wstride = 64 * D::WI;
+    uint8_t* wb = static_cast<uint8_t*>(w_scratch().get(ncg * j.ng * wstride));
+    for (int64_t c = 0; c < ncg; ++c)
+      for (int64_t g = 0; g < j.ng; ++g)
+        unpack_cols<D>(j, lo + 16 * c, g, wb + (c * j.ng + g) * wstride);
+    const int64_t m_lo = seg * j.segrows, m_hi = std::min(M, m_lo + j.segrows);
+    int64_t m = m_lo;
+    for (; m + 4 <= m_hi; m += 4) wide_prefill_rows<D, 4>(j, wb, ncg, m, lo);
+    switch (m_hi - m) {
+      case 1: wide_prefill_rows<D, 1>(j, wb, ncg, m, lo); break;
+      case 2: wide_prefill_rows<D, 2>(j, wb, ncg, m, lo); break;
+      case 3: wide_prefill_rows<D, 3>(j, wb, ncg, m, lo); break;
+      default: break;
+    }
+  }
+}
+
 template <class D>
 void drain(Job& j) {
   // phase 1: the rows' quantisation
   for (int64_t m = j.qnext.fetch_add(1); m < j.M; m = j.qnext.fetch_add(1)) {
-    if (j.x_bf16)
-      quantize_row<D, uint16_t>(j, m);
-    else
-      quantize_row<D, float>(j, m);
+    if (!j.errors.failed())
+      j.errors.run([&] {
+        if (j.x_bf16)
+          quantize_row<D, uint16_t>(j, m);
+        else
+          quantize_row<D, float>(j, m);
+      });
     j.qdone.fetch_add(1, std::memory_order_release);
   }
   while (j.qdone.load(std::memory_order_acquire) < j.M) std::this_thread::yield();
   // phase 2: (column chunk, row segment) items
-  const int64_t M = j.M;
   for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    const int64_t cb = it % j.nchunks, seg = it / j.nchunks;
-    const int64_t lo = cb * j.chunk, hi = std::min(j.N, lo + j.chunk);
-    if (M <= tree_rows<D>()) {
-      switch (M) {
-        case 1: tree_cols_range<D, 1>(j, lo, hi); break;
-        case 2: tree_cols_range<D, 2>(j, lo, hi); break;
-        case 3: tree_cols_range<D, 3>(j, lo, hi); break;
-        default: tree_cols_range<D, 4>(j, lo, hi); break;
-      }
-    } else if (M <= kDecodeRows) {
-      switch (M) {
-        case 2: wide_decode_cols<D, 2>(j, lo, hi); break;
-        case 3: wide_decode_cols<D, 3>(j, lo, hi); break;
-        case 4: wide_decode_cols<D, 4>(j, lo, hi); break;
-        case 5: wide_decode_cols<D, 5>(j, lo, hi); break;
-        case 6: wide_decode_cols<D, 6>(j, lo, hi); break;
-        case 7: wide_decode_cols<D, 7>(j, lo, hi); break;
-        default: wide_decode_cols<D, 8>(j, lo, hi); break;
-      }
-    } else {
-      // the block's columns unpacked for all of K, then tiles of 4 rows over it
-      const int64_t ncg = (hi - lo + 15) / 16, wstride = 64 * D::WI;
-      uint8_t* wb = static_cast<uint8_t*>(w_scratch().get(ncg * j.ng * wstride));
-      for (int64_t c = 0; c < ncg; ++c)
-        for (int64_t g = 0; g < j.ng; ++g)
-          unpack_cols<D>(j, lo + 16 * c, g, wb + (c * j.ng + g) * wstride);
-      const int64_t m_lo = seg * j.segrows, m_hi = std::min(M, m_lo + j.segrows);
-      int64_t m = m_lo;
-      for (; m + 4 <= m_hi; m += 4) wide_prefill_rows<D, 4>(j, wb, ncg, m, lo);
-      switch (m_hi - m) {
-        case 1: wide_prefill_rows<D, 1>(j, wb, ncg, m, lo); break;
-        case 2: wide_prefill_rows<D, 2>(j, wb, ncg, m, lo); break;
-        case 3: wide_prefill_rows<D, 3>(j, wb, ncg, m, lo); break;
-        default: break;
-      }
-    }
+    if (!j.errors.failed()) j.errors.run([&] { int8_item<D>(j, it); });
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -1063,10 +1078,11 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
     j->segrows = ((M + nseg - 1) / nseg + 7) / 8 * 8;
     j->items = j->nchunks * ((M + j->segrows - 1) / j->segrows);
   }
-  const int64_t helpers = std::min<int64_t>(threads, std::max(j->items, M)) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([j, drain] { drain(*j); });
+  jaxbatch_ffi::ScheduleHelpers(pool, std::min<int64_t>(threads, std::max(j->items, M)) - 1,
+                                [j, drain] { drain(*j); });
   drain(*j);
   while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
+  j->errors.rethrow();
   return true;
 #else
   (void)pool, (void)x, (void)x_bf16, (void)w, (void)out, (void)out_f32, (void)fmt, (void)M,

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../ffi_safety.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -129,8 +130,8 @@ void matmul_drain(MatmulJob& j) {
 // w is a stack of packed weights [L, N/16, K/2, 32] and `layer` picks one: a layer scan passes
 // the whole stack and its index, where slicing it made XLA copy every layer's weight into a
 // temporary before the call (a dynamic-slice fusion: 2x the bytes of a decode step).
-ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error SmallMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                              ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out) {
 #if defined(__AVX512BF16__)
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   const bool out_f32 = out->element_type() == ffi::DataType::F32;
@@ -140,10 +141,13 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error::InvalidArgument(
         "small_matmul: x [M, K], w [L, N/16, K/2, 32] 16-bit, out 16-bit or f32, one layer "
         "index");
+  if (xd[1] < 2 || xd[1] % 2 != 0)
+    return ffi::Error::InvalidArgument("small_matmul: K must be positive and even");
   const int64_t li = layer.typed_data()[0];
   if (li < 0 || li >= wd[0]) return ffi::Error::InvalidArgument("small_matmul: layer out of range");
   auto j = std::make_shared<MatmulJob>();
   j->x = static_cast<const uint16_t*>(x.untyped_data());
+  // < the stack's elements: wd is w's own shape
   j->w = static_cast<const uint16_t*>(w.untyped_data()) + li * wd[1] * wd[2] * wd[3];
   j->out = out->untyped_data();
   j->out_f32 = out_f32;
@@ -151,21 +155,29 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   j->K2 = xd[1] / 2;
   j->NB = wd[1];
   j->N = wd[1] * 16;
-  if (j->M < 1 || xd[1] % 2 != 0 || wd[2] != j->K2 || wd[3] != 32 ||
+  if (j->M < 1 || wd[2] != j->K2 || wd[3] != 32 ||
       od[0] != j->M || od[1] != j->N)
     return ffi::Error::InvalidArgument("small_matmul: bad shapes");
   // claims of 12 blocks (192 columns), fewer where that would leave a thread idle
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   j->chunk = std::max<int64_t>(1, std::min<int64_t>(12, j->NB / (2 * threads)));
   const int64_t chunks = (j->NB + j->chunk - 1) / j->chunk;
-  const int64_t helpers = std::min<int64_t>(threads, chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([j] { matmul_drain(*j); });
+  // matmul_drain allocates nothing and throws nothing
+  jaxbatch_ffi::ScheduleHelpers(pool, std::min<int64_t>(threads, chunks) - 1,
+                                [j] { matmul_drain(*j); });
   matmul_drain(*j);
   while (j->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
   return ffi::Error::Success();
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "small_matmul needs AVX512-BF16");
 #endif
+}
+
+// The handler: no exception leaves it (ffi_safety.h).
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out) {
+  return jaxbatch_ffi::Guarded("small_matmul",
+                               [&] { return SmallMatmulChecked(pool, x, w, layer, out); });
 }
 
 }  // namespace

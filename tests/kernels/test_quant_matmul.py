@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu_library
-from pallas_kernels.matmul import quant
+from pallas_kernels.matmul import quant, quant_formats
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
@@ -232,6 +232,43 @@ def test_bad_arguments():
         quant.quant_matmul(x, w, 0, fmt="Q3_K", k=256)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         quant.quant_matmul(x.astype(jnp.float16), w, 0, fmt="Q4_K", k=256)
+
+
+def test_file_offsets_are_64_bit():
+    """An offset into a mapped file (32-byte units) reaches the kernel as two i32 words [low,
+    high] (jax runs with 32-bit integers), so a file past 64 GiB (2^31 units) does not wrap:
+    the words hold offsets past 2^31 and 2^32 units exactly, and the kernel reads [5, 0] as unit
+    5 but refuses [5, 1] (unit 2^32 + 5, past this small file) where one i32 would have wrapped
+    it to unit 5."""
+    # byte offsets as model/quantize.py has them (// 32): a 100 GiB file's layers included
+    nbytes = np.array([0, 160, 64 * 2**30 - 32, 64 * 2**30, 128 * 2**30, 100 * 2**30 + 4096,
+                       2**62], np.int64)
+    words = quant_formats.offset_words(nbytes // 32)
+    assert words.dtype == np.int32 and words.shape == (7, 2)
+    units = words[:, 0].view(np.uint32).astype(np.int64) | (words[:, 1].astype(np.int64) << 32)
+    np.testing.assert_array_equal(units * 32, nbytes)
+    np.testing.assert_array_equal(words[2:5], [[2**31 - 1, 0], [-(2**31), 0], [0, 1]])
+    for bad in (-1, 2**63, 2**64):
+        with pytest.raises(ValueError):
+            quant_formats.offset_words(bad)
+    _need(jnp.float32)
+    rng = np.random.default_rng(3)
+    fmt, k, n = "Q8_0", 32, 16  # one layer's rows: 16 * 34 bytes = 17 units
+    w = make_weight(fmt, n, k, rng)
+    file = jnp.asarray(np.concatenate([np.zeros(160, np.uint8), w.reshape(-1),
+                                       np.zeros(64, np.uint8)]).reshape(-1, 32))
+    x = jnp.asarray(_x(rng, 3, k, jnp.float32))
+    want = np.asarray(_call(x, w, fmt))
+    f = jax.jit(lambda x, where: quant.quant_matmul(x, file, where, fmt=fmt, k=k, n=n))
+    for where in (jnp.asarray([5, 0], jnp.int32), jnp.asarray(5, jnp.int32)):
+        np.testing.assert_array_equal(np.asarray(f(x, where)), want)
+    np.testing.assert_array_equal(np.asarray(quant.quant_matmul(x, file, 5, fmt=fmt, k=k, n=n)),
+                                  want)
+    for where in ([5, 1], [5, -1], [2**31 - 1, 0]):
+        with pytest.raises(ValueError, match="offset out of the file"):
+            np.asarray(f(x, jnp.asarray(where, jnp.int32)))
+    with pytest.raises(ValueError, match="offset out of the file"):  # a negative i32 scalar
+        np.asarray(f(x, jnp.asarray(-3, jnp.int32)))
 
 
 def _bench(fmts=("Q4_K", "Q8_0", "Q6_K"), shapes=((8192, 2048), (2048, 8192)),
