@@ -40,6 +40,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../ffi_safety.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -373,7 +374,8 @@ int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, boo
   }
   const Drain drain = pick(M);
   const int64_t helpers = std::min<int64_t>(threads, j->items) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([j, drain] { drain(*j); });
+  // a helper that could not be scheduled leaves its share to the others (ffi_safety.h)
+  jaxbatch_ffi::ScheduleHelpers(pool, helpers, [j, drain] { drain(*j); });
   drain(*j);
   while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
   return j->failed ? -1 : 1;
