@@ -26,7 +26,7 @@
 // The kernel needs the process's permission to use the tile data (Linux: arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once; without it the mode is unavailable.
 //
-// Measured (python -m tests.kernels.test_quant_matmul_amx; 2-vCPU Sapphire Rapids-class VM,
+// Measured (python -m tests.kernels.test_quant_matmul_bf16_rows; 2-vCPU Sapphire Rapids-class VM,
 // 2026-12-03; ms per call, medians of 15, layers cycled through a > 200 MB stack), AMX / the float
 // mode / XLA's bf16 dot on the same rows:
 //   [8192, 2048]  M = 1: 1.37 / 1.37 / 17.5;  16: 1.40 / 3.99 / 10.1;  64: 2.26 / 11.0 / 10.0;

@@ -160,9 +160,10 @@ void few_rows_tile(const Job& j, int64_t n0) {
 
 // Decode on packed panels: R rows x P panels, each panel's K / 2 words of 16 columns read as
 // one stream (64 bytes a VDPBF16PS per row), the next tile's line at the same place prefetched
-// into L2. P panels side by side give P independent chains per row: one panel's K / 2 dependent
-// VDPBF16PS wait on the instruction's latency (one row, SmolLM2's shapes in a 30-layer scan:
-// 1 panel ran 12-18% slower than the float mode's one-column tiles)
+// into L2. P panels side by side give P independent chains per row (one panel's K / 2 dependent
+// VDPBF16PS wait on the instruction's latency; one panel at one row ran SmolLM2's shapes 12-18%
+// slower than the float mode in a 30-layer scan); 2 for one or two rows: 2 and 4 measured alike
+// in SmolLM2's decode step, within the VM's noise, and fewer streams read better from memory.
 template <int R, int P>
 void few_rows_packed(const Job& j, int64_t n0) {
   __m512 acc[R][P];
@@ -194,7 +195,7 @@ void drain_few(Job& j) {
     const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
     int64_t n = lo;
     if (j.packed) {
-      constexpr int P = R == 1 ? 4 : R == 2 ? 2 : 1;
+      constexpr int P = R <= 2 ? 2 : 1;
       for (; n + 16 * P <= hi; n += 16 * P) few_rows_packed<R, P>(j, n);
       for (; n < hi; n += 16) few_rows_packed<R, 1>(j, n);
     }
