@@ -15,17 +15,19 @@
 // Numerics (batch invariant): out[m, n] is one f32 accumulator updated once per k pair in K
 // order, acc = VDPBF16PS(acc, x pair, w pair) from 0, rounded once to bf16 (nearest even) unless
 // the output is f32. Every path below performs exactly that sequence for every output: the
-// decode path (M <= kFewRows) transposes each 16-row x 32-k chunk of the weights in registers
-// and uses it at once; the prefill path packs a column block's chunk into a per-thread buffer
-// ([panel][k pair][16 columns] words) and runs register tiles of rows x panels over it, K in
-// chunks whose accumulators wait in f32 between chunks (exact). Neither M, the tile a row falls
-// in, the chunking nor the thread count changes an output's operations. This is a different
-// sequence from the float mode's, so a weight runs one mode for every M (engine/precision.py
-// chooses per shape by measurement).
+// decode path (M <= kFewRows) reads packed panels as they lie, or from rows transposes each
+// 16-row x 32-k chunk in registers and uses it at once; the prefill path reads packed panels, or
+// packs a column block's chunk from rows into a per-thread buffer ([panel][k pair][16 columns]
+// words), and runs register tiles of rows x panels over it, K in chunks whose accumulators wait
+// in f32 between chunks (exact). Neither M, the tile a row falls in, the layout, the chunking
+// nor the thread count changes an output's operations. This is a different sequence from the
+// float mode's, so a weight runs one mode for every M (engine/precision.py chooses per shape by
+// measurement).
 //
-// Layout: w [N, K] bf16 rows (the BF16 format: K * 2 bytes a row); the 16 rows of a panel are
-// one contiguous stretch, so the decode path prefetches the next panel's stretch into L2 in
-// order (one stream) while it transposes the current one from cache.
+// Layouts: w [N, K] bf16 rows (the BF16 format: K * 2 bytes a row; act 3), or packed panels
+// [N / 16][K / 2][16] words (quant.pack_panels, done once at load for stacked weights; act 4).
+// From rows a panel is 16 rows read side by side (16 streams), which read slower at decode than
+// one stream, hence the packed layout wherever the weights are held in memory.
 
 #include <algorithm>
 #include <atomic>
