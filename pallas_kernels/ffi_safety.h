@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <exception>
 #include <new>
@@ -113,5 +114,28 @@ inline int64_t CheckedMul(int64_t a, int64_t b) {
   if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r)) return -1;
   return r;
 }
+
+// A thread's reusable 64-byte-aligned buffer (the matmuls' per-thread scratch, thread_local),
+// grown in whole pages; never null: a failed allocation throws std::bad_alloc (the call's
+// error through Guarded / TaskErrors).
+struct Scratch {
+  void* p = nullptr;
+  size_t n = 0;
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(p); }
+  void* get(size_t bytes) {
+    if (bytes > n) {
+      std::free(p);
+      p = nullptr;
+      n = 0;
+      const size_t want = (bytes + 4095) & ~size_t(4095);
+      if (want < bytes || (p = std::aligned_alloc(64, want)) == nullptr) throw std::bad_alloc();
+      n = want;
+    }
+    return p;
+  }
+};
 
 }  // namespace jaxbatch_ffi

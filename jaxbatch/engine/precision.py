@@ -342,11 +342,11 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
                       ) -> dict[tuple[str, int, int], str]:
     """Per (format, n, k) of the model's quantised (or BF16-row) weights, the quantised matmul's
     activation mode: the other mode ("int8", llama.cpp's scheme, for block formats; "amx", Intel
-    AMX tiles, or "panel", outer-product AVX512-BF16 tiles, for BF16 rows) where it is faster than "float" by the geometric mean of the two
-    step sizes' times (QUANT_ACT_ROWS), else "float"; measured once per machine and shape
-    (cached). `rows_only`: shapes whose weights cannot be packed into panels (the "panel" mode
-    is not offered). Only for bfloat16 compute (already rounded activations); float32 keeps "float"
-    (its exactness against float32 references)."""
+    AMX tiles, or "panel", outer-product AVX512-BF16 tiles, for BF16 rows) where it is faster
+    than "float" by the geometric mean of the two step sizes' times (QUANT_ACT_ROWS), else
+    "float"; measured once per machine and shape (cached). `rows_only`: shapes whose weights
+    cannot be packed into panels (not offered "panel"). Only for bfloat16 compute (already
+    rounded activations); float32 keeps "float" (its exactness against float32 references)."""
     if dtype != "bfloat16" or not shapes:
         return {}
     out: dict[tuple[str, int, int], str] = {}

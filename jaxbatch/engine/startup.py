@@ -125,7 +125,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
     quant_shapes = {(f, w.n, w.k) for w in quant_leaves for f in w.fmts}
     # BF16 weights the panel mode would read as rows (in place from a file, experts, unstacked):
     # offered the float mode only, since panels from rows read 16 streams at decode
-    # (quant_panel.cc); stacked ones are packed into panels at load
+    # (quant_panel.cc); stacked ones are packed into panels at load (llama._quant_on_kernel;
+    # not those whose big steps go to XLA's dot, which reads the rows)
     rows_only = {("BF16", w.n, w.k) for w in quant_leaves
                  if w.offsets is not None or w.experts or not w.stacked}
     quant_acts = choose_quant_acts(quant_shapes, config.model.dtype, root, rows_only) \

@@ -55,8 +55,8 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
                      int64_t rb);
 bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
                     bool out_f32, int64_t M, int64_t N, int64_t K);
-int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
-                     void* out, bool out_f32, int64_t M, int64_t N, int64_t K);
+bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
+                      void* out, bool out_f32, int64_t M, int64_t N, int64_t K);
 }  // namespace jaxbatch_quant
 
 namespace {
@@ -156,7 +156,7 @@ ffi::Error MoeMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     const uint8_t* we = wl + e * N * rb;
     if (act == 2) return jaxbatch_quant::QuantMatmulAmx(p, xe, we, oe, out_f32, rows, N, K);
     if (act == 3)
-      return jaxbatch_quant::QuantMatmulPanel(p, xe, we, false, oe, out_f32, rows, N, K) > 0;
+      return jaxbatch_quant::QuantMatmulPanel(p, xe, we, false, oe, out_f32, rows, N, K);
     if (act == 1)
       return jaxbatch_quant::QuantMatmulInt8(p, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
     return jaxbatch_quant::QuantMatmulFloat(p, xe, bf16, we, oe, out_f32, fmt, rows, N, K, rb);
@@ -194,7 +194,7 @@ ffi::Error MoeMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   }
   if (!ok)
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      act == 3   ? "moe_matmul: act panel needs AVX512-BF16 (or its buffer)"
+                      act == 3   ? "moe_matmul: act panel needs AVX512-BF16"
                       : act == 2 ? "moe_matmul: act amx needs AMX-BF16 and the OS's permission"
                       : act == 1 ? "moe_matmul: act int8 needs AVX512-VNNI (and BW, VL)"
                       : bf16     ? "moe_matmul: bf16 x needs AVX512-BF16"

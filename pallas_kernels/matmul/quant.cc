@@ -679,23 +679,7 @@ void drain_fused(Job& j) {
 }
 
 // Prefill (M > 8): a block of columns dequantised into a per-thread buffer, then 4x4 tiles
-struct Scratch {
-  void* p = nullptr;
-  size_t n = 0;
-  ~Scratch() { std::free(p); }
-  // never null: a failed allocation throws std::bad_alloc (the call's error, ffi_safety.h)
-  void* get(size_t bytes) {
-    if (bytes > n) {
-      std::free(p);
-      p = nullptr;
-      n = 0;
-      const size_t want = (bytes + 4095) & ~size_t(4095);
-      if (want < bytes || (p = std::aligned_alloc(64, want)) == nullptr) throw std::bad_alloc();
-      n = want;
-    }
-    return p;
-  }
-};
+using jaxbatch_ffi::Scratch;
 // this thread's: the dequantised column block (buffered path), x interleaved (fused path: the
 // calling thread's, which the helpers read until the call returns)
 Scratch& weight_scratch() {
@@ -919,10 +903,10 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
 // quant_amx.cc: the AMX mode for BF16 rows and bf16 x (false: this build or process has none)
 bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
                     bool out_f32, int64_t M, int64_t N, int64_t K);
-// quant_panel.cc: the panel mode for BF16 rows and bf16 x (1 done, 0 this build has none, -1 a
-// thread's buffer could not be allocated)
-int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
-                     void* out, bool out_f32, int64_t M, int64_t N, int64_t K);
+// quant_panel.cc: the panel mode for BF16 rows or packed panels and bf16 x (false: this build
+// has none)
+bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
+                      void* out, bool out_f32, int64_t M, int64_t N, int64_t K);
 }  // namespace jaxbatch_quant
 
 namespace {
@@ -991,12 +975,9 @@ ffi::Error QuantMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
   if (act >= 3) {  // 3: panels from rows, 4: packed panels
     if (N % 16 != 0)
       return ffi::Error::InvalidArgument("quant_matmul: act panel needs N % 16 == 0");
-    const int done = jaxbatch_quant::QuantMatmulPanel(pool, x.untyped_data(), wl, act == 4,
-                                                      out->untyped_data(), out_f32, M, N, K);
-    if (done > 0) return ffi::Error::Success();
-    if (done < 0)
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "quant_matmul: act panel could not allocate its buffer");
+    if (jaxbatch_quant::QuantMatmulPanel(pool, x.untyped_data(), wl, act == 4,
+                                         out->untyped_data(), out_f32, M, N, K))
+      return ffi::Error::Success();
     return ffi::Error(ffi::ErrorCode::kUnimplemented, "quant_matmul: act panel needs AVX512-BF16");
   }
   if (act == 1) {

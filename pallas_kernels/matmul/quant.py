@@ -20,7 +20,7 @@ call has, nor on tiles or threads):
   product register tiles, the weights' rows read as they are; each output one f32 accumulator
   updated once per k pair in K order (VDPBF16PS on 16 outputs at a time): no reduction at the
   end, so faster than "float" at prefill sizes. act="panel_packed": the same sums from weights
-  already in panels (pack_panels: one stream per 16 outputs, as fast as "float" at one row).
+  already in panels (pack_panels: one stream per 16 outputs, for decode).
 Choose the mode per weight (format, N, K), never per M: each has its own rounding.
 
 The result is in x's dtype, or float32 (out_dtype) from bfloat16 x: the f32 sums unrounded.

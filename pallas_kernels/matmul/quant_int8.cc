@@ -769,23 +769,7 @@ void wide_store(const Job& j, int64_t m0, int64_t n0, const __m512* ai, const __
     }
 }
 
-struct Scratch {
-  void* p = nullptr;
-  size_t n = 0;
-  ~Scratch() { std::free(p); }
-  // never null: a failed allocation throws std::bad_alloc (the call's error, ffi_safety.h)
-  void* get(size_t bytes) {
-    if (bytes > n) {
-      std::free(p);
-      p = nullptr;
-      n = 0;
-      const size_t want = (bytes + 4095) & ~size_t(4095);
-      if (want < bytes || (p = std::aligned_alloc(64, want)) == nullptr) throw std::bad_alloc();
-      n = want;
-    }
-    return p;
-  }
-};
+using jaxbatch_ffi::Scratch;
 // the calling thread's quantised x, which the helpers read until the call returns
 Scratch& x_scratch() {
   thread_local Scratch s;

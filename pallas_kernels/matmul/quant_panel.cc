@@ -71,7 +71,7 @@ constexpr int kTileRows = 6;          // prefill register tile: 6 rows x 4 panel
 
 struct Job {
   const uint16_t* x;  // [M, K]
-  const uint8_t* w;   // [N, K] bf16 rows
+  const uint8_t* w;   // [N, K] bf16 rows, or packed panels
   void* out;          // [M, N] bf16 (u16) or f32
   int64_t M, N, K;
   bool out_f32;
@@ -80,7 +80,7 @@ struct Job {
   int64_t items, chunk, ncb, segrows;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
-  std::atomic<bool> failed{false};  // a thread could not get its buffer
+  jaxbatch_ffi::TaskErrors errors;  // a failed item (out of memory): the rest are skipped
 };
 
 // r[c] (16 words) -> r[j] whose lane c is the old r[c]'s word j. Unpacks of 32- and 64-bit
@@ -132,34 +132,29 @@ JB_INLINE void store16(const Job& j, int64_t m, int64_t n, __m512 acc) {
   }
 }
 
-// Decode on rows: R rows x P panels (16 P columns from n0), K walked in 32-k chunks, each
-// chunk's 16 x 32 weights of a panel transposed in registers and dotted at once.
-template <int R, int P>
+// Decode on rows: R rows x one panel (16 columns from n0), K walked in 32-k chunks, each
+// chunk's 16 x 32 weights transposed in registers and dotted at once. One panel is already 16
+// streams; two or four side by side ran SmolLM2's decode slower still.
+template <int R>
 void few_rows_tile(const Job& j, int64_t n0) {
-  __m512 acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t rs = j.K * 2;  // a row's bytes
   const uint8_t* w = j.w + n0 * rs;
-  // the next tile's 16 P rows, contiguous: a chunk's share of its lines a chunk
-  const uint8_t* next = w + 16 * P * rs;
-  const int64_t lines = 16 * P * rs / 64, chunks = j.K / 32;
+  // the next panel's 16 rows, contiguous: a chunk's share of its lines a chunk
+  const uint8_t* next = w + 16 * rs;
+  const int64_t lines = 16 * rs / 64, chunks = j.K / 32;
   for (int64_t kc = 0; kc < chunks; ++kc) {
     for (int64_t l = kc * lines / chunks; l < (kc + 1) * lines / chunks; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
-    for (int p = 0; p < P; ++p) {
-      __m512i t[16];
-      load_transposed(w + p * 16 * rs, rs, kc * 16, t);
-      for (int i = 0; i < 16; ++i)
-        for (int r = 0; r < R; ++r)
-          acc[r][p] = _mm512_dpbf16_ps(acc[r][p], bcast(j.x + r * j.K, kc * 16 + i),
-                                       (__m512bh)t[i]);
-    }
+    __m512i t[16];
+    load_transposed(w, rs, kc * 16, t);
+    for (int i = 0; i < 16; ++i)
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], bcast(j.x + r * j.K, kc * 16 + i), (__m512bh)t[i]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) store16(j, r, n0 + 16 * p, acc[r][p]);
+  for (int r = 0; r < R; ++r) store16(j, r, n0, acc[r]);
 }
-
 // Decode on packed panels: R rows x P panels, each panel's K / 2 words of 16 columns read as
 // one stream (64 bytes a VDPBF16PS per row), the next tile's line at the same place prefetched
 // into L2. P panels side by side give P independent chains per row (one panel's K / 2 dependent
@@ -191,8 +186,6 @@ void few_rows_packed(const Job& j, int64_t n0) {
 
 template <int R>
 void drain_few(Job& j) {
-  // rows: 16 rows of a panel are 16 streams, and more panels side by side only more of them
-  // (two or four panels at one row ran SmolLM2's decode slower than one)
   for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
     const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
     int64_t n = lo;
@@ -201,7 +194,7 @@ void drain_few(Job& j) {
       for (; n + 16 * P <= hi; n += 16 * P) few_rows_packed<R, P>(j, n);
       for (; n < hi; n += 16) few_rows_packed<R, 1>(j, n);
     }
-    for (; n < hi; n += 16) few_rows_tile<R, 1>(j, n);
+    for (; n < hi; n += 16) few_rows_tile<R>(j, n);
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -261,60 +254,46 @@ void chunk_rows(const Job& j, const __m512i* buf, int64_t ps, int64_t pairs, int
 }
 
 // this thread's packed chunk and saved accumulators
-struct Scratch {
-  void* p = nullptr;
-  size_t n = 0;
-  ~Scratch() { std::free(p); }
-  void* get(size_t bytes) {
-    if (bytes > n) {
-      std::free(p);
-      n = (bytes + 4095) & ~size_t(4095);
-      p = std::aligned_alloc(64, n);
-      if (p == nullptr) n = 0;
-    }
-    return p;
-  }
-};
-Scratch& panel_scratch() {
-  thread_local Scratch s;
+jaxbatch_ffi::Scratch& panel_scratch() {
+  thread_local jaxbatch_ffi::Scratch s;
   return s;
 }
 
-void drain_prefill(Job& j) {
+// one (column block, row segment) item
+void prefill_item(Job& j, int64_t it) {
   const int64_t kc_max = std::min(j.K, kChunkK);
   const int64_t buf_bytes = j.packed ? 0 : kBlockCols * kc_max * 2;
   const int64_t saved_bytes = (j.segrows + kTileRows) * (kBlockCols / 16) * 64;
   char* mem = static_cast<char*>(panel_scratch().get(buf_bytes + saved_bytes));
-  if (mem == nullptr) {
-    j.failed = true;
-  }
   auto* buf = reinterpret_cast<__m512i*>(mem);
   auto* saved = reinterpret_cast<__m512*>(mem + buf_bytes);
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    if (mem != nullptr) {
-      const int64_t cb = it % j.ncb, seg = it / j.ncb;
-      const int64_t n0 = cb * kBlockCols, panels = std::min(kBlockCols, j.N - n0) / 16;
-      const int64_t m_lo = seg * j.segrows, m_hi = std::min(j.M, m_lo + j.segrows);
-      for (int64_t k0 = 0; k0 < j.K; k0 += kc_max) {
-        const int64_t kc = std::min(kc_max, j.K - k0), pairs = kc / 2;
-        const bool last = k0 + kc == j.K;
-        // rows: the chunk packed into this thread's buffer; panels: read where they are
-        const __m512i* src = buf;
-        int64_t ps = pairs;
-        if (j.packed) {
-          src = reinterpret_cast<const __m512i*>(j.w) + n0 / 16 * (j.K / 2) + k0 / 2;
-          ps = j.K / 2;
-        } else {
-          pack_chunk(j, n0, panels, k0, kc, buf);
-        }
-        switch (panels) {
-          case 1: chunk_rows<1>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
-          case 2: chunk_rows<2>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
-          case 3: chunk_rows<3>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
-          default: chunk_rows<4>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
-        }
-      }
+  const int64_t cb = it % j.ncb, seg = it / j.ncb;
+  const int64_t n0 = cb * kBlockCols, panels = std::min(kBlockCols, j.N - n0) / 16;
+  const int64_t m_lo = seg * j.segrows, m_hi = std::min(j.M, m_lo + j.segrows);
+  for (int64_t k0 = 0; k0 < j.K; k0 += kc_max) {
+    const int64_t kc = std::min(kc_max, j.K - k0), pairs = kc / 2;
+    const bool last = k0 + kc == j.K;
+    // rows: the chunk packed into this thread's buffer; panels: read where they are
+    const __m512i* src = buf;
+    int64_t ps = pairs;
+    if (j.packed) {
+      src = reinterpret_cast<const __m512i*>(j.w) + n0 / 16 * (j.K / 2) + k0 / 2;
+      ps = j.K / 2;
+    } else {
+      pack_chunk(j, n0, panels, k0, kc, buf);
     }
+    switch (panels) {
+      case 1: chunk_rows<1>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
+      case 2: chunk_rows<2>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
+      case 3: chunk_rows<3>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
+      default: chunk_rows<4>(j, src, ps, pairs, m_lo, m_hi, n0, k0, last, saved); break;
+    }
+  }
+}
+
+void drain_prefill(Job& j) {
+  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
+    if (!j.errors.failed()) j.errors.run([&] { prefill_item(j, it); });
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -341,11 +320,11 @@ Drain pick(int64_t M) {
 
 namespace jaxbatch_quant {
 // The panel mode over one layer's BF16 weights w (N % 16 == 0, K % 32 == 0): rows [N, K], or
-// with `packed` panels [N / 16][K / 2][16] words (pack_panels in quant.py); 1 done, 0 this build
-// has no AVX512-BF16, -1 a thread's buffer could not be allocated. moe.cc calls it once per
-// routed expert (rows).
-int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
-                     void* out, bool out_f32, int64_t M, int64_t N, int64_t K) {
+// with `packed` panels [N / 16][K / 2][16] words (pack_panels in quant.py); false: this build has
+// no AVX512-BF16 (a buffer that cannot be allocated throws std::bad_alloc, ffi_safety.h). moe.cc
+// calls it once per routed expert (rows).
+bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
+                      void* out, bool out_f32, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__)
   auto j = std::make_shared<Job>();
   j->x = static_cast<const uint16_t*>(x);
@@ -381,11 +360,12 @@ int QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, boo
   jaxbatch_ffi::ScheduleHelpers(pool, helpers, [j, drain] { drain(*j); });
   drain(*j);
   while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
-  return j->failed ? -1 : 1;
+  j->errors.rethrow();  // a buffer that could not be allocated: the call's error
+  return true;
 #else
   (void)pool, (void)x, (void)w, (void)packed, (void)out, (void)out_f32, (void)M, (void)N;
   (void)K;
-  return 0;
+  return false;
 #endif
 }
 }  // namespace jaxbatch_quant
