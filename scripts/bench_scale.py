@@ -39,13 +39,14 @@ Per MODEL, every measurement in its own child process (so its peak RSS, from wai
      ...); each figure is the median over rounds and each round's ratio is recorded (a VM's
      memory speed drifts by 10-20% over minutes: back-to-back figures compare fairer than
      figures minutes apart).
-  5. --bench64: jaxbatch bench64 steady throughput (one warm-up pass, one timed pass of all 64
-     requests through LLM.generate, greedy, ignore_eos; (prompt + output tokens) / s, as
-     bench_throughput.py; prefix caching at its default, on). With --llamacpp and a .gguf:
-     `llama-server -np 16 -c 32768` on the same file (the build and repack that gave the best tg
-     in 4), the same 64 requests, 16 in flight, to /v1/completions as token-id prompts (its
-     prompt cache at its default, on), --server-warmup requests (default: a whole pass) and one
-     timed pass; the ratio.
+  5. --bench64: bench64 steady throughput, jaxbatch through LLM.generate (greedy, ignore_eos;
+     (prompt + output tokens) / s, as bench_throughput.py; prefix caching at its default, on)
+     and, with --llamacpp and a .gguf, `llama-server -np 16 -c 32768` on the same file (the
+     build and repack that gave the best tg in 4; the 64 requests, 16 in flight, to
+     /v1/completions as token-id prompts; its prompt cache at its default, on). Each engine
+     first serves --bench64-warmup requests whose prompts the timed pass never sends (bench64's
+     first lines reversed: a warm-up on the timed prompts themselves would let the timed pass
+     hit the prefix cache), then one timed pass of all 64; the ratio.
      vLLM-CPU bf16 is not run here: the command for bench_throughput.py --peer vllm is printed.
 
 Engine options for every jaxbatch child: max_model_len 2048, max_num_seqs 16,
@@ -70,7 +71,12 @@ import sys
 import tempfile
 import time
 
-from llamacpp_peer import llama_bench, llama_server_bench64, wait_rusage  # scripts/ is on sys.path
+from llamacpp_peer import (  # scripts/ is on sys.path
+    llama_bench,
+    llama_server_bench64,
+    wait_rusage,
+    warmup_rows,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -121,7 +127,9 @@ def worker(args: argparse.Namespace) -> None:
     elif args.worker == "bench64":
         prompts = [r["prompt_token_ids"] for r in rows]
         outs = [r["max_tokens"] for r in rows]
-        run(prompts, outs)  # warm-up pass
+        if args.bench64_warmup:  # unseen prompts: the timed pass finds none in the prefix cache
+            warm = warmup_rows(rows, args.bench64_warmup)
+            run([r["prompt_token_ids"] for r in warm], [r["max_tokens"] for r in warm])
         wall = run(prompts, outs)
         n_in, n_out = sum(map(len, prompts)), sum(outs)
         emit("RESULT", {"measure": "bench64", "wall_s": wall, "tok_s": (n_in + n_out) / wall,
@@ -165,7 +173,8 @@ def jaxbatch_child(mode: str, model: str, kwargs: dict, args: argparse.Namespace
                    log: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--model", model,
            "--engine-kwargs", json.dumps(kwargs), "--prompt", str(args.prompt),
-           "--decode", str(args.decode), "--repeat", str(args.repeat)]
+           "--decode", str(args.decode), "--repeat", str(args.repeat),
+           "--bench64-warmup", str(args.bench64_warmup)]
     return run_child(cmd, log)
 
 
@@ -354,10 +363,10 @@ def main() -> None:
     p.add_argument("--engine-kwargs", default="{}", help="JSON of LLM(...) options (override)")
     p.add_argument("--keep-cache", action="store_true", help="keep each model's cache_dir")
     p.add_argument("--server-timeout", type=float, default=900, help="llama-server start, s")
-    p.add_argument("--server-warmup", type=int, default=64,
-                   help="bench64 requests sent to llama-server before its timed pass (default: "
-                        "the whole workload, as jaxbatch's warm-up pass; at 8B a pass takes "
-                        "~15 min on 2 vCPUs, and 16, one per slot, warms it as well)")
+    p.add_argument("--bench64-warmup", type=int, default=16,
+                   help="bench64 warm-up requests each engine serves before its timed pass: the "
+                        "first N lines with their prompts reversed (unseen by the timed pass, "
+                        "so no prefix-cache hits); 16, one per slot / sequence")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

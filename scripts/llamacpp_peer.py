@@ -70,6 +70,13 @@ def llama_bench(llamacpp: str, model: str, args: argparse.Namespace, logs: str,
     return out
 
 
+def warmup_rows(rows: list[dict], n: int) -> list[dict]:
+    """The first `n` workload lines with each prompt's tokens reversed: the same lengths, but no
+    prompt the timed pass will send, so neither engine's prefix cache holds a timed prompt after
+    the warm-up (bench64's prompts share at most 20 leading tokens with one another)."""
+    return [dict(r, prompt_token_ids=r["prompt_token_ids"][::-1]) for r in rows[:n]]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,9 +126,9 @@ def llama_server_bench64(llamacpp: str, model: str, build: str, repack: str,
         out["startup_s"] = round(time.time() - t0, 2)
         rows = [json.loads(line) for line in open(WORKLOAD)]
         url = f"http://127.0.0.1:{port}/v1/completions"
-        out["warmup_requests"] = min(args.server_warmup, len(rows))
-        if args.server_warmup:  # llama.cpp compiles nothing: a few requests warm it
-            asyncio.run(send_all(url, rows[: args.server_warmup]))
+        out["warmup_requests"] = min(args.bench64_warmup, len(rows))
+        if args.bench64_warmup:  # llama.cpp compiles nothing: a few requests warm it
+            asyncio.run(send_all(url, warmup_rows(rows, args.bench64_warmup)))
         t = time.perf_counter()
         usage = asyncio.run(send_all(url, rows))
         wall = time.perf_counter() - t
