@@ -1,6 +1,7 @@
 # Two set-up commands for a fresh machine with Python >= 3.11 and make:
 #   make serve   -> .venv, install, fetch the default model, start the server on 127.0.0.1:8000
-#   make test    -> .venv with the test extra, run the whole suite
+#   make test    -> .venv with the test extra, run the whole suite, then the kernel tests again
+#                   at each lesser CPU level this machine runs (JAXBATCH_CPU_LEVEL=avx2, ...)
 #   make lint    -> ruff and mypy (pyproject's [tool.ruff] and [tool.mypy]); CI runs it first
 PY ?= python3
 VENV := .venv
@@ -24,6 +25,7 @@ serve: install
 
 test: install-test
 	$(BIN)/python -m pytest tests
+	$(BIN)/python -m tests.run_levels
 
 lint: install-test
 	$(BIN)/ruff check jaxbatch pallas_kernels tests scripts

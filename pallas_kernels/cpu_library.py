@@ -6,9 +6,10 @@ small bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` and `matmul/qu
 (matmuls over GGUF blocks, float and int8 activations; AMX tiles for bf16 rows) and `zeros.cc`
 (a zeroed KV cache without touching its pages); one `.so`, one FFI target each (TARGETS). The
 build is cached by everything that changes the binary: the sources (and `ffi_safety.h`, the
-handlers' shared guard: no C++ exception leaves a handler), the compiler's version, the CPU's
-instruction set flags (it is built with -march=native, so a library built on one CPU model is
-never loaded on another) and jaxlib's version (the FFI headers). `register()` raises
+handlers' shared guard: no C++ exception leaves a handler), the compiler's version, the
+instruction-set level's flags (LEVELS; JAXBATCH_CPU_LEVEL=avx2|avx512|native, default native:
+-march=native), the CPU's instruction set flags (so a library built on one CPU model is never
+loaded on another) and jaxlib's version (the FFI headers). `register()` raises
 `KernelUnavailable` when there is no compiler or the build fails; callers fall back to jnp and
 say so.
 
@@ -46,17 +47,66 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
 HEADERS = (os.path.join(_HERE, "ffi_safety.h"),)
 
 
-def flags_for(machine: str) -> list[str]:
-    """The compile flags on a CPU architecture (`platform.machine()`): -mprefer-vector-width is
-    x86's alone (GCC rejects it elsewhere, and with it the whole library failed to build on
-    aarch64, attention included; every source compiles for aarch64 without it, the AVX-512
-    paths left out by their #if)."""
-    x86 = machine.lower() in ("x86_64", "amd64", "i386", "i686")
-    return ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno",
+def flags_for(machine: str, level: str = "native") -> list[str]:
+    """The compile flags on a CPU architecture (`platform.machine()`) at an instruction-set
+    `level` (LEVELS). -mprefer-vector-width is x86's alone (GCC rejects it elsewhere, and with it
+    the whole library failed to build on aarch64, attention included; every source compiles for
+    aarch64 without it, the AVX-512 paths left out by their #if)."""
+    x86 = _is_x86(machine)
+    march = (X86_LEVELS if x86 else ARM_LEVELS)[level][0]
+    return ["-O3", *march, "-fopenmp-simd", "-fno-math-errno",
             *(["-mprefer-vector-width=512"] if x86 else []), "-std=c++17", "-fPIC"]
 
 
-FLAGS = flags_for(platform.machine())
+def _is_x86(machine: str) -> bool:
+    return machine.lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+# One library per instruction-set level, each built from the same sources with its flags (the
+# sources choose their paths by #if on what the flags enable): level -> (its -m flags, the
+# /proc/cpuinfo flags a CPU must report to run it). JAXBATCH_CPU_LEVEL picks one (default
+# native: everything this CPU has); the others let a machine test and time the paths a lesser
+# CPU runs (avx2: what an AVX2-only laptop or desktop gets, Intel since Alder Lake, AMD Zen 2/3;
+# avx512: AVX-512 as this CPU has it, without AMX).
+X86_LEVELS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "avx2": (["-march=x86-64-v3", "-mtune=native"], ("avx2", "fma", "f16c", "bmi2")),
+    "avx512": (["-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+               ("avx512f", "avx512bw", "avx512vl")),
+    "native": (["-march=native"], ()),
+}
+ARM_LEVELS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "native": (["-march=native"], ()),
+}
+LEVEL_ENV = "JAXBATCH_CPU_LEVEL"
+
+
+def levels(machine: str | None = None) -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    """The levels known on an architecture (default: this machine's)."""
+    return X86_LEVELS if _is_x86(machine or platform.machine()) else ARM_LEVELS
+
+
+def runnable_levels() -> list[str]:
+    """The levels this CPU can run, lesser first (native last): what the kernel tests run
+    once each."""
+    cpu = set(_cpu_flags().split())
+    return [name for name, (_, need) in levels().items() if set(need) <= cpu]
+
+
+def cpu_level() -> str:
+    """The level this process builds and loads: JAXBATCH_CPU_LEVEL, or native. A level this
+    CPU cannot run, or an unknown name, raises KernelUnavailable saying which levels there are."""
+    level = os.environ.get(LEVEL_ENV, "").strip().lower() or "native"
+    known = levels()
+    if level not in known:
+        raise KernelUnavailable(f"{LEVEL_ENV}={level!r}: not a CPU level on "
+                                f"{platform.machine()} (levels: {', '.join(known)})")
+    missing = [f for f in known[level][1] if f not in _cpu_flags().split()]
+    if missing:
+        raise KernelUnavailable(f"{LEVEL_ENV}={level}: this CPU lacks {', '.join(missing)} "
+                                f"(it runs: {', '.join(runnable_levels())})")
+    return level
+
+
 _PREFIX = "jaxbatch-cpu-"  # the library's file name: _PREFIX, its build key, ".so"
 # FFI target name -> the handler symbol the library exports
 TARGETS = {
@@ -110,8 +160,9 @@ def cpu_has(flag: str) -> bool:
 
 def library_path(cache_dir: str, extra_flags: tuple[str, ...] = ()) -> tuple[str, list[str]]:
     """Where the library for this machine lives, and the compile command of one source (the
-    source and its object file are appended). `extra_flags` (after FLAGS, so they win: the
-    tests' AddressSanitizer build) make another library, with its own build key."""
+    source and its object file are appended), at this process's level (cpu_level).
+    `extra_flags` (after the level's flags, so they win: the tests' AddressSanitizer build) make
+    another library, with its own build key."""
     import jaxlib
 
     cxx = _compiler()
@@ -125,7 +176,7 @@ def library_path(cache_dir: str, extra_flags: tuple[str, ...] = ()) -> tuple[str
     for path in (*SOURCES, *HEADERS):
         with open(path, "rb") as f:
             sources.append(f.read())
-    flags = [*FLAGS, *extra_flags]
+    flags = [*flags_for(platform.machine(), cpu_level()), *extra_flags]
     key = hashlib.sha256(b"\0".join([
         *sources, version.encode(), _cpu_flags().encode(), jaxlib.__version__.encode(),
         " ".join(flags).encode()])).hexdigest()[:16]
@@ -136,17 +187,20 @@ def library_path(cache_dir: str, extra_flags: tuple[str, ...] = ()) -> tuple[str
 def content_hash() -> str:
     """The kernels this process runs, as a hash, for the caches of their measured speed
     (engine/precision.py, engine/calibration.py: a changed kernel is measured again by itself):
-    the registered library's build key (its sources, FLAGS, the compiler's version, the CPU's
+    the registered library's build key (its sources, flags, the compiler's version, the CPU's
     flags, jaxlib's version); with none registered (not a CPU, no compiler, not built yet) the
-    hash of the sources and FLAGS alone."""
+    hash of the sources and the level's flags alone."""
     if _registered is not None:
         return os.path.basename(_registered).removeprefix(_PREFIX).removesuffix(".so")
     return _sources_hash()
 
 
-@functools.cache
 def _sources_hash() -> str:
-    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    try:
+        flags = flags_for(platform.machine(), cpu_level())
+    except KernelUnavailable as e:
+        flags = [str(e)]
+    digest = hashlib.sha256(" ".join(flags).encode())
     for path in (*SOURCES, *HEADERS):
         with open(path, "rb") as f:
             digest.update(b"\0" + f.read())

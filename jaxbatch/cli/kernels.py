@@ -2,8 +2,9 @@
 
   jaxbatch build-kernels [--cache-dir DIR]
 
-The kernels (ragged paged attention, the quantised and small bf16 matmuls) are compiled with
--march=native for the CPU they run on, once per machine and jaxbatch version, into
+The kernels (ragged paged attention, the quantised and small bf16 matmuls) are compiled for the
+CPU they run on (-march=native; JAXBATCH_CPU_LEVEL=avx2|avx512 builds a lesser instruction-set
+level's library instead), once per machine, level and jaxbatch version, into
 <cache>/kernels/ (pallas_kernels/cpu_library.py). An engine builds them on first use when they
 are missing; `make install` runs this so that no model's first start pays the build (23-31 s on a
 2-vCPU EPYC VM).
@@ -37,5 +38,5 @@ def main(argv: list[str]) -> int:
         print(f"jaxbatch build-kernels: not built ({e}); engines will run the jnp fallbacks")
         return 0
     what = "already built" if built else f"built in {time.perf_counter() - t0:.1f} s"
-    print(f"jaxbatch build-kernels: {path} ({what})")
+    print(f"jaxbatch build-kernels: {path} (level {cpu_library.cpu_level()}, {what})")
     return 0

@@ -54,3 +54,30 @@ def test_the_sources_compile_for_aarch64(tmp_path):
     res = subprocess.run([cxx, "-shared", *objs, "-o", str(tmp_path / "lib.so")],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_cpu_level_chooses_and_refuses(monkeypatch):
+    """JAXBATCH_CPU_LEVEL picks the instruction-set level; an unknown name or a level this CPU
+    cannot run is refused with the levels it can, and each level builds its own library."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the x86 levels")
+    monkeypatch.setattr(cpu_library, "_cpu_flags", lambda: "fpu sse2 avx avx2 fma f16c bmi2")
+    assert cpu_library.runnable_levels() == ["avx2", "native"]
+    monkeypatch.delenv(cpu_library.LEVEL_ENV, raising=False)
+    assert cpu_library.cpu_level() == "native"
+    monkeypatch.setenv(cpu_library.LEVEL_ENV, "AVX2")
+    assert cpu_library.cpu_level() == "avx2"
+    monkeypatch.setenv(cpu_library.LEVEL_ENV, "avx512")
+    with pytest.raises(cpu_library.KernelUnavailable, match="lacks avx512f.*runs: avx2, native"):
+        cpu_library.cpu_level()
+    monkeypatch.setenv(cpu_library.LEVEL_ENV, "sse4")
+    with pytest.raises(cpu_library.KernelUnavailable, match="levels: avx2, avx512, native"):
+        cpu_library.cpu_level()
+    assert "-march=x86-64-v3" in cpu_library.flags_for("x86_64", "avx2")
+    assert "-mno-amx-tile" in cpu_library.flags_for("x86_64", "avx512")
+    if any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        paths = set()
+        for level in ("avx2", "native"):
+            monkeypatch.setenv(cpu_library.LEVEL_ENV, level)
+            paths.add(cpu_library.library_path("/nonexistent")[0])
+        assert len(paths) == 2

@@ -1,0 +1,43 @@
+"""The kernel tests once more at each lesser instruction-set level this CPU can run
+(`python -m tests.run_levels [PYTEST ARGS]`, which `make test` runs after the suite).
+
+The suite itself runs the native library (JAXBATCH_CPU_LEVEL unset). An AVX2-only laptop loads
+the library built with `-march=x86-64-v3`, and an AVX-512 CPU without AMX the one without AMX
+instructions; both are built from the same sources with other #if paths, so this machine runs
+tests/kernels/ again with each (cpu_library.runnable_levels: avx2 and, on an AVX-512 CPU with
+AMX, avx512) and fails if any run fails. Each level is a pytest process of its own, since a
+process registers one library."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from pallas_kernels import cpu_library
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lesser_levels() -> list[str]:
+    """The levels to test besides native: those this CPU runs whose library differs from it."""
+    return [lv for lv in cpu_library.runnable_levels() if lv != "native"]
+
+
+def main(argv: list[str]) -> int:
+    failed = []
+    for level in lesser_levels():
+        print(f"== kernel tests at {cpu_library.LEVEL_ENV}={level}", flush=True)
+        env = {**os.environ, cpu_library.LEVEL_ENV: level}
+        rc = subprocess.call([sys.executable, "-m", "pytest", "tests/kernels", "-q", *argv],
+                             cwd=_REPO, env=env)
+        if rc != 0:
+            failed.append(f"{level} (pytest exit {rc})")
+    if failed:
+        print("kernel tests failed at " + ", ".join(failed), flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
