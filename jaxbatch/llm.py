@@ -92,11 +92,12 @@ def _merge(request_id: str, choices: list[RequestOutput]) -> RequestOutput:
     first = choices[0]
     times = [c.metrics.first_token_time for c in choices if c.metrics.first_token_time]
     ends = [c.metrics.finish_time for c in choices if c.metrics.finish_time]
+    starts = [c.metrics.first_scheduled_time for c in choices if c.metrics.first_scheduled_time]
     return RequestOutput(
         request_id, first.prompt, first.prompt_token_ids,
         [c.outputs[0] for c in choices], True,
         RequestMetrics(first.metrics.arrival_time, min(times, default=None),
-                       max(ends, default=None)),
+                       max(ends, default=None), min(starts, default=None)),
         error=next((c.error for c in choices if c.error is not None), None),
         # the prompt is the same for every choice: its logprobs are any choice's that has them
         prompt_logprobs=next((c.prompt_logprobs for c in choices

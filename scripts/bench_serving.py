@@ -125,8 +125,9 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 # counters of /metrics, `NAMESPACE:NAME` or `NAMESPACE_NAME`, `_total` or not, any labels:
-# prefix caching (vLLM's and jaxbatch's), speculative decoding (vLLM's `spec_decode_num_*` and
-# jaxbatch's; `..._accepted_tokens_per_pos` does not match: it is a breakdown of the same tokens)
+# prefix caching and speculative decoding under vLLM's names (`vllm:` from vLLM and jaxbatch,
+# `llamacpp:` from llama-server; `..._accepted_tokens_per_pos` does not match: it is a breakdown
+# of the same tokens)
 _COUNTERS = re.compile(
     rb"^[A-Za-z_]\w*?[:_](prefix_cache_queries|prefix_cache_hits|spec_decode_num_drafts|"
     rb"spec_decode_num_draft_tokens|spec_decode_num_accepted_tokens)(?:_total)?"

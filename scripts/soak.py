@@ -214,7 +214,7 @@ async def wait_idle(base: str, timeout: float = 120.0) -> dict[str, float]:
         deadline = time.time() + timeout
         while True:
             m = await metrics(s, base)
-            idle = m["jaxbatch_num_requests_running"] == 0 == m["jaxbatch_num_requests_waiting"]
+            idle = m["vllm:num_requests_running"] == 0 == m["vllm:num_requests_waiting"]
             if idle or time.time() > deadline:
                 await asyncio.sleep(0.5)  # the last aborts are freed at the next step
                 return await metrics(s, base)
@@ -253,7 +253,8 @@ async def main_async(args: argparse.Namespace, base: str) -> int:
         "requests": args.requests, "concurrency": args.concurrency, "seconds": round(seconds, 1),
         "counts": dict(tally.counts), "server_statuses": dict(sorted(statuses.items())),
         "client_5xx": n5xx, "server_5xx": server_5xx,
-        "engine_errors": after.get('jaxbatch_request_finished_total{finish_reason="error"}', 0),
+        "engine_errors": sum(v for k, v in after.items() if k.startswith(
+            "vllm:request_success_total{") and 'finished_reason="error"' in k),
         "kv_pages_used_end": pages, "rss_before_mb": round(rss0 / 2**20, 1),
         "rss_after_mb": round(rss1 / 2**20, 1), "rss_growth": round(growth, 4),
         "open_fds_end": after.get("process_open_fds"),

@@ -7,9 +7,12 @@ import dataclasses
 
 @dataclasses.dataclass
 class RequestMetrics:
+    """time.time() stamps: arrival (the engine's add, or the caller's NewRequest.arrival_time),
+    first scheduled (its first step: arrival to it is its queue time), first token, finish."""
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    first_scheduled_time: float | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -54,6 +54,7 @@ class Request:
     auto_seed: int = 0  # drawn by the engine at arrival; used when sampling_params.seed is None
     stop_reason: int | str | None = None
     error: str | None = None  # set with FINISHED_ERROR
+    first_scheduled_time: float | None = None  # the first step that ran it (the engine sets it)
     first_token_time: float | None = None
     finish_time: float | None = None
     # per generated token, if asked: {token_id: Logprob} with the top-n and the sampled token
@@ -102,8 +103,12 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class NewRequest:
     """What a caller hands `Engine.add_requests`: an id (None: the engine picks one), the
-    prompt (text, token ids or a prompt dict; see core/prompts.py) and its sampling params."""
+    prompt (text, token ids or a prompt dict; see core/prompts.py), its sampling params, and
+    when it arrived (time.time(); None: when the engine adds it). A front end that queues
+    requests before the engine sees them (the server's engine thread) stamps the arrival itself,
+    so time to first token and queue time include that wait."""
 
     request_id: str | None
     prompt: Prompt
     sampling_params: SamplingParams | None = None
+    arrival_time: float | None = None

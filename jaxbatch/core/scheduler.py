@@ -100,6 +100,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._prefill_streak = 0  # consecutive steps that left someone starving (see policies)
         self._page_copies: list[tuple[int, int]] = []  # (src, dst) pages of this step's forks
+        self.num_preemptions = 0  # preemptions since start (vLLM's vllm:num_preemptions)
 
     # ---- queue management ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -257,6 +258,7 @@ class Scheduler:
         self.pages.free(req.page_table)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 

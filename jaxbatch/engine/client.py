@@ -22,6 +22,7 @@ class EngineStats:
     steps: int  # executed (sub-)steps since start
     real_tokens: int  # tokens computed for requests
     computed_tokens: int  # tokens computed including padding
+    num_preemptions: int = 0  # requests preempted (by recompute) since start
     # prefix caching (core/kv_pages.py): unreferenced pages kept for the cache (counted in
     # kv_pages_free too); tokens looked up / served from the cache, counted at every admission
     # (a recompute after preemption looks up again, its generated tokens included)

@@ -149,10 +149,10 @@ class Engine:
                              f"[0, {self.arch.vocab_size}): {bad[:5]}")
         if sp.structured_outputs is not None:
             self.grammars.check(sp.structured_outputs)  # ValueError: llguidance's message
-        return self._add_choices(request_id, ids, text, sp)
+        return self._add_choices(request_id, ids, text, sp, new.arrival_time)
 
     def _add_choices(self, request_id: str, ids: list[int], text: str | None,
-                     sp: SamplingParams) -> list[Request]:
+                     sp: SamplingParams, arrival: float | None = None) -> list[Request]:
         """One Request per choice (sp.n of them), queued and registered."""
         max_seqs = self.config.scheduler.max_num_seqs
         if sp.n > max_seqs:
@@ -162,7 +162,7 @@ class Engine:
         taken = [rid for rid in rids if rid in self.requests]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
-        now = time.time()
+        now = time.time() if arrival is None else arrival
         choices = [Request(rid, ids, parallel_sampling.choice_params(sp, j), now,
                            prompt=text, auto_seed=self._rng.getrandbits(63), choice_index=j)
                    for j, rid in enumerate(rids)]
@@ -202,6 +202,10 @@ class Engine:
             self._check_guard()
             self._note_idle()
             return outputs
+        t_sched = time.time()
+        for s in batch.seqs:  # its queue time ends here (arrival -> first scheduled)
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = t_sched
         if self.speculator is not None:  # proposals join the decode rows, as far as they pay
             self.speculator.extend(batch, self.scheduler, self.planner.step_cost)
         if self.replan is not None:
@@ -349,7 +353,8 @@ class Engine:
                                 req.stop_reason, logprobs)
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, [comp], finished,
-            RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time),
+            RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time,
+                           req.first_scheduled_time),
             delta_text=delta, delta_token_ids=new_ids or [],
             prompt_logprobs=None if req.sampling_params.prompt_logprobs is None else
             list(req.prompt_logprobs or [None]),
@@ -388,6 +393,7 @@ class Engine:
             steps=t.num_steps,
             real_tokens=t.real_tokens,
             computed_tokens=t.padded_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
             replans=len(self.replan.events) if self.replan else 0,
             replan_predicted_gain=self.replan.last_gain if self.replan else 0.0,
             **(self.speculator.stats.engine_fields() if self.speculator else {}),

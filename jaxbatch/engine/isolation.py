@@ -30,7 +30,8 @@ def bare_output(req: Request) -> RequestOutput:
     comp = CompletionOutput(req.choice_index, "", list(req.output_token_ids), req.finish_reason,
                             req.stop_reason)
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], True,
-                         RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time))
+                         RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time,
+                                        req.first_scheduled_time))
 
 
 def final_output(req: Request, make: Callable[[], RequestOutput]) -> RequestOutput:

@@ -96,10 +96,11 @@ class Server:
                     limits: ServerLimits | None = None) -> Server:
         limits = limits or ServerLimits()
         names = served_names or [engine.config.model.model]
-        m = ServerMetrics(names[0])
-        aeng = AsyncEngine(engine, limits.max_waiting_requests, on_step=m.observe_step,
-                           on_output=m.observe_output)
-        m.observe_step(engine.stats(), [], 0.0)  # gauges from the idle engine, before any step
+        spec = getattr(getattr(engine.config, "speculation", None), "speculative_config", None)
+        m = ServerMetrics(names[0], engine.max_model_len,
+                          spec.num_speculative_tokens if spec is not None else 0)
+        aeng = AsyncEngine(engine, limits.max_waiting_requests, on_step=m.observe_step)
+        m.start(engine.stats())  # gauges from the idle engine, before any step
         aeng.start()
         pool = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, "jaxbatch-parse")
         # one engine's account (a data-parallel set of replicas has no single runner)

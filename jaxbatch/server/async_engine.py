@@ -48,11 +48,13 @@ class RequestTooLargeError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class AddRequests:
     """One engine request per prompt, all or none; `accepted` resolves on the event loop (None,
-    or the engine's ValueError)."""
+    or the engine's ValueError). `arrival`: time.time() when the caller submitted them (the
+    requests' arrival time: the wait for the engine thread counts as queue time)."""
     ids: tuple[str, ...]
     prompts: tuple[Prompt, ...]
     params: SamplingParams
     accepted: asyncio.Future[None]
+    arrival: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +82,6 @@ class RequestStream:
         self.index = {rid: i for i, rid in enumerate(ids)}
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.final: list[RequestOutput | None] = [None] * len(ids)
-        self.arrival = time.perf_counter()
-        self.last_token: list[float | None] = [None] * len(ids)
         self.closed = False
 
     @property
@@ -117,15 +117,13 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: EngineClient, max_waiting_requests: int | None = None,
-                 on_step: Callable[[EngineStats, list[RequestOutput], float], None] | None = None,
-                 on_output: Callable[[RequestStream, int, RequestOutput], None] | None = None
+                 on_step: Callable[[EngineStats, list[RequestOutput], float], None] | None = None
                  ) -> None:
-        """on_step(stats, outputs, seconds) runs on the engine thread after each step (metrics);
-        on_output(stream, index, output) on the event loop for each delivered output."""
+        """on_step(stats, outputs, seconds) runs on the engine thread after each step, with
+        every output of the step, those of requests whose caller has gone included (metrics)."""
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
-        self.on_output = on_output
         self._cmds: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # engine request id -> stream (loop side)
         self._submitted = 0  # adds handed to the thread, not yet applied (loop side)
@@ -203,7 +201,7 @@ class AsyncEngine:
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
         self._submitted += n
-        self._cmds.put(AddRequests(ids, tuple(prompts), params, accepted))
+        self._cmds.put(AddRequests(ids, tuple(prompts), params, accepted, time.time()))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -236,8 +234,6 @@ class AsyncEngine:
             if out.finished:
                 self._streams.pop(out.request_id, None)
             stream.queue.put_nowait(out)
-            if self.on_output is not None:
-                self.on_output(stream, stream.index[out.request_id], out)
 
     def _resolve(self, fut: asyncio.Future[None], n: int, error: BaseException | None) -> None:
         self._submitted -= n
@@ -278,10 +274,11 @@ class AsyncEngine:
         """Apply one command; False when the thread should stop."""
         eng = self.engine
         match cmd:
-            case AddRequests(ids, prompts, params, accepted):
+            case AddRequests(ids, prompts, params, accepted, arrival):
                 error: Exception | None = None
                 try:  # all or nothing: a refused prompt leaves none of them in the engine
-                    eng.add_requests([NewRequest(rid, p, params) for rid, p in zip(ids, prompts)])
+                    eng.add_requests([NewRequest(rid, p, params, arrival)
+                                      for rid, p in zip(ids, prompts)])
                 except Exception as e:  # noqa: BLE001 -- a bad prompt fails the call, not us
                     error = e
                 else:

@@ -99,6 +99,7 @@ def test_preemption_returns_to_front_and_frees_pages():
     sched.add_request(b)
     finished, _ = run_fake(sched, [])
     assert a.num_preemptions + b.num_preemptions >= 1
+    assert sched.num_preemptions == a.num_preemptions + b.num_preemptions  # EngineStats' count
     assert {r.request_id for r in finished} == {"a", "b"}
 
 

@@ -17,16 +17,17 @@ from tests.server.support import FakeEngine, ServerThread
 
 
 class PagedFake(FakeEngine):
-    """A fake with a settable number of free KV pages."""
+    """A fake with a settable number of free KV pages (and of preemptions so far)."""
 
-    def __init__(self, free: int = 8, **kw) -> None:
+    def __init__(self, free: int = 8, preemptions: int = 0, **kw) -> None:
         super().__init__(**kw)
         self.free = free
+        self.preemptions = preemptions
 
     def stats(self) -> EngineStats:
         s = super().stats()
         return EngineStats(s.num_waiting, s.num_running, s.kv_pages_used, self.free, 0, s.steps,
-                           0, 0)
+                           0, 0, num_preemptions=self.preemptions)
 
 
 def new(rid, n=4, prompt=(1, 2)):
@@ -93,13 +94,14 @@ def test_abort_reaches_the_owning_replica_and_ids_are_unique():
 
 
 def test_stats_summed_with_each_replica():
-    a, b = PagedFake(free=3), PagedFake(free=4)
+    a, b = PagedFake(free=3, preemptions=2), PagedFake(free=4, preemptions=5)
     router = ReplicaRouter([a, b])
     router.add_requests([new("p"), new("q"), new("r")])
     router.step()
     s = router.stats()
     assert [r.kv_pages_free for r in s.replicas] == [3, 4]
     assert s.kv_pages_free == 7 and s.num_running == 3 and s.steps == 2
+    assert s.num_preemptions == 7  # vllm:num_preemptions counts every replica's
     run_all(router)
 
 

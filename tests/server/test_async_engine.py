@@ -120,7 +120,11 @@ def test_add_requests_gets_typed_new_requests():
         await aeng.stop()
 
     asyncio.run(main())
-    assert seen == [[NewRequest("r-0", [4, 5], SamplingParams(max_tokens=1))]]
+    # stamped (time.time()) when the caller submitted it: the wait for the engine thread is
+    # queue time
+    arrival = seen[0][0].arrival_time
+    assert isinstance(arrival, float)
+    assert seen == [[NewRequest("r-0", [4, 5], SamplingParams(max_tokens=1), arrival)]]
 
 
 def test_a_hung_step_shows_as_stalled_and_recovers():

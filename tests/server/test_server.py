@@ -405,26 +405,29 @@ def test_metrics_parse(srv, client):
     assert value("jaxbatch_requests_total", route="/v1/completions", status="200") >= 3
     assert value("jaxbatch_requests_total", status="400") >= 1
     assert value("jaxbatch_requests_total", status="401") >= 1
-    assert value("jaxbatch_time_to_first_token_seconds_count") >= 3
-    assert value("jaxbatch_inter_token_latency_seconds_count") >= 1
-    assert value("jaxbatch_e2e_request_latency_seconds_count") >= 3
-    assert value("jaxbatch_tokens_per_step_count") >= 1
+    m = {"model_name": NAME}  # vLLM's metrics are labelled with the served model name
+    assert value("vllm:time_to_first_token_seconds_count", **m) >= 3
+    assert value("vllm:inter_token_latency_seconds_count", **m) >= 1
+    assert value("vllm:e2e_request_latency_seconds_count", **m) >= 3
+    assert value("vllm:iteration_tokens_total_count", **m) >= 1
+    assert value("vllm:request_success_total", finished_reason="abort", **m) >= 3  # abandoned
     used, free = value("jaxbatch_kv_pages_used"), value("jaxbatch_kv_pages_free")
     assert used + free == srv.engine.pages.num_pages - 1
+    assert value("vllm:kv_cache_usage_perc", **m) == used / (used + free)
     assert value("jaxbatch_compiles_since_warmup") == 0
     assert 0 <= value("jaxbatch_padding_fraction") < 1
     assert value("jaxbatch_requests_total", status="499") >= 3  # the abandoned streams
-    assert value("jaxbatch_num_requests_waiting") == value("jaxbatch_num_requests_running") == 0
+    assert value("vllm:num_requests_waiting", **m) == value("vllm:num_requests_running", **m) == 0
     stats = srv.engine.stats()
-    assert value("jaxbatch:prefix_cache_queries_total") == stats.prefix_cache_queries >= 80
-    assert value("jaxbatch:prefix_cache_hits_total") == stats.prefix_cache_hits >= 32
-    # speculative decoding, vLLM's counter names
-    assert value("jaxbatch:spec_decode_num_drafts_total") == stats.spec_num_drafts > 0
-    assert value("jaxbatch:spec_decode_num_draft_tokens_total") == stats.spec_num_draft_tokens
-    accepted = value("jaxbatch:spec_decode_num_accepted_tokens_total")
+    assert value("vllm:prefix_cache_queries_total", **m) == stats.prefix_cache_queries >= 80
+    assert value("vllm:prefix_cache_hits_total", **m) == stats.prefix_cache_hits >= 32
+    # speculative decoding
+    assert value("vllm:spec_decode_num_drafts_total", **m) == stats.spec_num_drafts > 0
+    assert value("vllm:spec_decode_num_draft_tokens_total", **m) == stats.spec_num_draft_tokens
+    accepted = value("vllm:spec_decode_num_accepted_tokens_total", **m)
     assert accepted == stats.spec_num_accepted_tokens > 0
-    assert value("jaxbatch:spec_decode_num_accepted_tokens_per_pos_total") == accepted
-    assert value("jaxbatch:spec_decode_num_accepted_tokens_per_pos_total", position="0") \
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", **m) == accepted
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0", **m) \
         == stats.spec_accepted_per_pos[0]
 
 
