@@ -123,7 +123,8 @@ FEATURES = {"small_matmul": "JaxbatchSmallMatmulSupported",
             "quant_matmul_f32": "JaxbatchQuantMatmulF32",
             "quant_matmul_int8": "JaxbatchQuantMatmulInt8",
             "quant_matmul_amx": "JaxbatchQuantMatmulAmx",
-            "quant_matmul_panel": "JaxbatchQuantMatmulPanel"}
+            "quant_matmul_panel": "JaxbatchQuantMatmulPanel",
+            "attention_invariant": "JaxbatchAttentionInvariant"}
 
 _lock = threading.Lock()
 _registered: str | None = None

@@ -43,6 +43,7 @@ def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
     `attention` the resolved attention backend."""
     import jax
 
+    from pallas_kernels import cpu_library
     from pallas_kernels.matmul import quant, small_bf16
 
     if jax.default_backend() != "cpu":
@@ -51,6 +52,9 @@ def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
         return "it does not run with tensor parallelism yet"
     if attention != "native":
         return f"it needs the native CPU attention kernel (attention runs as {attention!r})"
+    if not cpu_library.has("attention_invariant"):
+        return ("the attention kernel's invariant mode needs AVX512-BF16 (this kernel build: "
+                f"{cpu_library.cpu_level()} level)")
     if float_linears and dtype != "bfloat16":
         return (f"{dtype} weights run through XLA's dot, whose sums depend on the step's shape "
                 "(the invariant matmul is bfloat16; use dtype bfloat16)")

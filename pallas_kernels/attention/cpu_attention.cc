@@ -1442,6 +1442,17 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
 
 }  // namespace
 
+// 1 when this build has the batch-invariant mode (`invariant`: bf16 rows of every item on the
+// decode rows' AVX512-BF16 path, or all on AMX tiles). Without AVX512-BF16 (the avx2 level) bf16
+// rows run the portable f32 path, whose summation order depends on the item a row falls in.
+extern "C" int JaxbatchAttentionInvariant() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
