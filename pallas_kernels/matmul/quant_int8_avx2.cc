@@ -21,16 +21,20 @@
 // compiler cannot contract a product and the sum after it into an FMA (GCC's intrinsics are
 // plain vector arithmetic, contracted under its default -ffp-contract=fast).
 //
-// One tile shape for all paths: R rows x C columns (R * C <= 8 outputs, one ymm lane each) walk K
-// one block at a time; each column's block is decoded once for all R rows, each output's dot
-// left as 8 int32 lanes, and one transposing tree of adds (reduce8) gives the tile's 8 I_b in
-// the lanes of one ymm, where the f32 steps run for all its outputs side by side.
-// - Few rows (M <= 4, decode: memory bound): R = M, C = 8 / R columns side by side (2 for 3
-//   rows); the next tile's short rows are prefetched into L2 a block's share at a time, as
-//   quant_int8.cc does (C rows side by side are C streams).
-// - More rows (prefill): items of 64 columns (x a row segment); over them, row blocks of 4 in
-//   tiles of 4 rows x 2 columns: the item's weights are read from memory once and then from L2,
-//   the 4 rows' codes from L1.
+// Two paths, same integers, same f32 steps:
+// - Up to 8 rows (decode; tile): R rows x C columns (R * C <= 8 outputs, one ymm lane each) walk
+//   K one block at a time; each column's block is decoded from the file's layout once for all R
+//   rows, each output's dot left as 8 int32 lanes, and one transposing tree of adds (reduce8)
+//   gives the tile's 8 I_b in the lanes of one ymm, where the f32 steps run for all its outputs
+//   side by side. M <= 4 (memory bound): R = M, C = 8 / R columns (2 for 3 rows); the next
+//   tile's short rows are prefetched into L2 a block's share at a time, as quant_int8.cc does
+//   (C rows side by side are C streams). 5-8 rows: items of 64 columns, row blocks of 4 over
+//   them in tiles of 4 rows x 2 columns (the item's weights from memory once, then from L2).
+// - More rows (prefill; wide_tile): a ymm holds one row x 8 columns, so there is no reduction:
+//   an item's columns (64; 32 where that would pass ~640 KB) are unpacked once for all of K
+//   (codes transposed into units of 4 codes a column, the scales likewise), then tiles of 4
+//   rows x 16 columns walk K over them, each unit's codes loaded once for all rows and each
+//   row's 4 q's a broadcast dword.
 // Threads (XLA's intra-op pool) first quantise rows, then claim column chunks (and, with few
 // chunks, row segments); neither changes any output's operations.
 //
@@ -123,20 +127,40 @@ JB_INLINE __m128i k4_bytes(const uint8_t* p) {
   return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
 }
 
-// word i of every 16-bit lane (a VPSHUFB control: bytes 2i, 2i + 1 repeated)
-JB_INLINE __m256i word_ctrl(int i) {
-  return _mm256_set1_epi16(static_cast<short>(0x0100 * (2 * i + 1) + 2 * i));
+// ---- the weight formats ----
+// Each: QK weights in BYTES per block, NV = QK / 32 code vectors.
+// Few rows (tile): dots<R, C>(w, x, aux, acc): acc[r C + c] = 8 int32 lanes summing to column
+// c's block (w[c]) . row r's q (x[r]), less the code offset (kOffset) that the tile adds back
+// per row; aux[r]: the row's per-block extra sums (Q6_K: the 16 group sums). d(p): the block's
+// f16 d; dmin(p) and mins(p) (kMins: dmin's f16, m_0..7 as words).
+// Many rows (wide_tile): codes(p, v): the block's NV vectors of 32 codes in K order (Q8_0: the
+// signed weights); wide_scales(p, it): 8 columns' (p[c], null past N) scale items it[WX][8],
+// one dword a column: item 0 d as f32 (MXFP4: e), then K4: dmin, (sc_j, sc_j) words, (m_2t,
+// m_2t+1) words; Q6_K: (sc_g, sc_g), (sc_2t, sc_2t+1). NS scale groups of NU / NS units (4
+// weights) each: a group's units take one VPMADDWD scale (item kScale0 + group; ones where NS = 1).
+
+JB_INLINE float f16_to_f32(uint32_t h) { return _cvtsh_ss(static_cast<unsigned short>(h)); }
+JB_INLINE int32_t f32_bits(float f) {
+  int32_t v;
+  std::memcpy(&v, &f, 4);
+  return v;
+}
+JB_INLINE int32_t word_pair(int a, int b) {
+  return static_cast<int32_t>(static_cast<uint16_t>(a) | uint32_t(static_cast<uint16_t>(b)) << 16);
 }
 
-// ---- the weight formats ----
-// Each: QK weights in BYTES per block. dots<R, C>(w, x, aux, acc): acc[r C + c] = 8 int32 lanes
-// summing to column c's block (w[c]) . row r's q (x[r]), less the code offset (kOffset) that
-// the tile adds back per row; aux[r]: the row's per-block extra sums (Q6_K: the 16 group sums).
-// d(p): the block's f16 d; dmin(p) and mins(p) (kMins: dmin's f16, m_0..7 as words).
+// item 0 of the 32-weight formats with an f16 d at byte D0
+template <int D0>
+JB_INLINE void f16_d_item(const uint8_t* const* p, int32_t (*it)[8]) {
+  for (int c = 0; c < 8; ++c)
+    if (p[c]) it[0][c] = f32_bits(f16_to_f32(u16(p[c] + D0)));
+}
 
 struct Q8_0 {
-  static constexpr int QK = 32, BYTES = 34, kOffset = 0;
-  static constexpr bool kMins = false, kQ6 = false, kE8M0 = false;
+  static constexpr int QK = 32, BYTES = 34, NV = 1, kOffset = 0;
+  static constexpr bool kMins = false, kQ6 = false, kE8M0 = false, kSigned = true;
+  static constexpr int WX = 1, NS = 1, kScale0 = 0;
+  static JB_INLINE void codes(const uint8_t* p, __m256i* v) { v[0] = load256(p + 2); }
   template <int R, int C>
   static JB_INLINE void dots(const uint8_t* const* w, const int8_t* const* x, const int16_t* const*,
                              __m256i* acc) {
@@ -146,36 +170,50 @@ struct Q8_0 {
     }
   }
   static JB_INLINE uint32_t d(const uint8_t* p) { return u16(p); }
+  static void wide_scales(const uint8_t* const* p, int32_t (*it)[8]) { f16_d_item<0>(p, it); }
 };
 
 struct Q4_0 {
-  static constexpr int QK = 32, BYTES = 18, kOffset = 8;  // codes are w + 8
-  static constexpr bool kMins = false, kQ6 = false, kE8M0 = false;
+  static constexpr int QK = 32, BYTES = 18, NV = 1, kOffset = 8;  // codes are w + 8
+  static constexpr bool kMins = false, kQ6 = false, kE8M0 = false, kSigned = false;
+  static constexpr int WX = 1, NS = 1, kScale0 = 0;
+  static JB_INLINE void codes(const uint8_t* p, __m256i* v) { v[0] = nibbles32(p + 2); }
   template <int R, int C>
   static JB_INLINE void dots(const uint8_t* const* w, const int8_t* const* x, const int16_t* const*,
                              __m256i* acc) {
     for (int c = 0; c < C; ++c) {
-      const __m256i v = nibbles32(w[c] + 2);
+      __m256i v;
+      codes(w[c], &v);
       for (int r = 0; r < R; ++r) acc[r * C + c] = dot(v, load256(x[r]));
     }
   }
   static JB_INLINE uint32_t d(const uint8_t* p) { return u16(p); }
+  static void wide_scales(const uint8_t* const* p, int32_t (*it)[8]) { f16_d_item<0>(p, it); }
 };
 
 // MXFP4: a byte e, then Q4_0's nibble layout; w = kv[code] 2^(e - 128)
 struct MXFP4 {
-  static constexpr int QK = 32, BYTES = 17, kOffset = 12;  // codes are kv + 12 (0..24)
-  static constexpr bool kMins = false, kQ6 = false, kE8M0 = true;
-  template <int R, int C>
-  static JB_INLINE void dots(const uint8_t* const* w, const int8_t* const* x, const int16_t* const*,
-                             __m256i* acc) {
+  static constexpr int QK = 32, BYTES = 17, NV = 1, kOffset = 12;  // codes are kv + 12 (0..24)
+  static constexpr bool kMins = false, kQ6 = false, kE8M0 = true, kSigned = false;
+  static constexpr int WX = 1, NS = 1, kScale0 = 0;
+  static JB_INLINE void codes(const uint8_t* p, __m256i* v) {
     const __m256i kv12 = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4,
                                           0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6,
                                           4, 0);
+    v[0] = _mm256_shuffle_epi8(kv12, nibbles32(p + 1));
+  }
+  template <int R, int C>
+  static JB_INLINE void dots(const uint8_t* const* w, const int8_t* const* x, const int16_t* const*,
+                             __m256i* acc) {
     for (int c = 0; c < C; ++c) {
-      const __m256i v = _mm256_shuffle_epi8(kv12, nibbles32(w[c] + 1));
+      __m256i v;
+      codes(w[c], &v);
       for (int r = 0; r < R; ++r) acc[r * C + c] = dot(v, load256(x[r]));
     }
+  }
+  static void wide_scales(const uint8_t* const* p, int32_t (*it)[8]) {
+    for (int c = 0; c < 8; ++c)
+      if (p[c]) it[0][c] = p[c][0];
   }
 };
 
@@ -183,36 +221,49 @@ struct MXFP4 {
 // Q5_K's fifth bit of sub-block j's weight l is bit j of qh[l] (qh: 32 bytes at 16)
 template <int QS, bool kHigh>
 struct K4 {
-  static constexpr int QK = 256, BYTES = kHigh ? 176 : 144, kOffset = 0;
-  static constexpr bool kMins = true, kQ6 = false, kE8M0 = false;
+  static constexpr int QK = 256, BYTES = kHigh ? 176 : 144, NV = 8, kOffset = 0;
+  static constexpr bool kMins = true, kQ6 = false, kE8M0 = false, kSigned = false;
+  static constexpr int WX = 14, NS = 8, kScale0 = 2;  // d, dmin, sc_0..7, (m_2t, m_2t+1)
   // bit j of each byte of h moved to bit 4 (16-bit shifts: what crosses a byte misses bit 4)
   static JB_INLINE __m256i bit4(__m256i h, int j) {
     const __m256i s = j <= 4 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - j))
                              : _mm256_srl_epi16(h, _mm_cvtsi32_si128(j - 4));
     return _mm256_and_si256(s, _mm256_set1_epi8(0x10));
   }
+  // sub-blocks 2g and 2g+1's codes
+  static JB_INLINE void code_pair(const uint8_t* p, int g, __m256i& lo, __m256i& hi) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    const __m256i v = load256(p + QS + 32 * g);
+    lo = _mm256_and_si256(v, nib);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    if constexpr (kHigh) {
+      const __m256i h = load256(p + 16);
+      lo = _mm256_or_si256(lo, bit4(h, 2 * g));
+      hi = _mm256_or_si256(hi, bit4(h, 2 * g + 1));
+    }
+  }
+  static JB_INLINE void codes(const uint8_t* p, __m256i* v) {
+    for (int g = 0; g < 4; ++g) code_pair(p, g, v[2 * g], v[2 * g + 1]);
+  }
   template <int R, int C>
   static JB_INLINE void dots(const uint8_t* const* w, const int8_t* const* x, const int16_t* const*,
                              __m256i* acc) {
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    __m256i sc[C];  // column c's sc_0..7 as words, in both halves
+    // column c's sc_j as a dword of two words (sc_j, sc_j): broadcast from memory (a load, no
+    // shuffle) it is sub-block j's VPMADDWD operand
+    alignas(32) int32_t sc[C][8];
     for (int c = 0; c < C; ++c) {
-      const __m256i sm = _mm256_cvtepu8_epi16(k4_bytes(w[c]));
-      sc[c] = _mm256_permute2x128_si256(sm, sm, 0x00);
+      const __m128i s = _mm_unpacklo_epi8(k4_bytes(w[c]), _mm_setzero_si128());
+      _mm_store_si128(reinterpret_cast<__m128i*>(sc[c]), _mm_unpacklo_epi16(s, s));
+      _mm_store_si128(reinterpret_cast<__m128i*>(sc[c] + 4), _mm_unpackhi_epi16(s, s));
     }
     for (int o = 0; o < R * C; ++o) acc[o] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int g = 0; g < 4; ++g)
       for (int c = 0; c < C; ++c) {
-        const __m256i v = load256(w[c] + QS + 32 * g);
-        __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-        if constexpr (kHigh) {
-          const __m256i h = load256(w[c] + 16);
-          lo = _mm256_or_si256(lo, bit4(h, 2 * g));
-          hi = _mm256_or_si256(hi, bit4(h, 2 * g + 1));
-        }
-        const __m256i slo = _mm256_shuffle_epi8(sc[c], word_ctrl(2 * g));
-        const __m256i shi = _mm256_shuffle_epi8(sc[c], word_ctrl(2 * g + 1));
+        __m256i lo, hi;
+        code_pair(w[c], g, lo, hi);
+        const __m256i slo = _mm256_set1_epi32(sc[c][2 * g]);
+        const __m256i shi = _mm256_set1_epi32(sc[c][2 * g + 1]);
         for (int r = 0; r < R; ++r)
           acc[r * C + c] = _mm256_add_epi32(
               acc[r * C + c],
@@ -225,6 +276,17 @@ struct K4 {
   static JB_INLINE __m128i mins(const uint8_t* p) {
     return _mm_cvtepu8_epi16(_mm_srli_si128(k4_bytes(p), 8));
   }
+  static void wide_scales(const uint8_t* const* p, int32_t (*it)[8]) {
+    for (int c = 0; c < 8; ++c) {
+      if (!p[c]) continue;
+      alignas(16) uint8_t s[16];  // sc_0..7, m_0..7
+      _mm_store_si128(reinterpret_cast<__m128i*>(s), k4_bytes(p[c]));
+      it[0][c] = f32_bits(f16_to_f32(d(p[c])));
+      it[1][c] = f32_bits(f16_to_f32(dmin(p[c])));
+      for (int i = 0; i < 8; ++i) it[2 + i][c] = word_pair(s[i], s[i]);
+      for (int t = 0; t < 4; ++t) it[10 + t][c] = word_pair(s[8 + 2 * t], s[9 + 2 * t]);
+    }
+  }
 };
 using Q4_K = K4<16, false>;
 using Q5_K = K4<48, true>;
@@ -233,12 +295,30 @@ using Q5_K = K4<48, true>;
 // 2 bits 2v, 2v+1 of qh[32h + l] (ql: 128 bytes at 0, qh: 64 at 128); int8 scales sc_g (16 at
 // 192, one per 16 weights), d at 208. Codes 0..63 (w + 32).
 struct Q6_K {
-  static constexpr int QK = 256, BYTES = 210, kOffset = 0;
-  static constexpr bool kMins = false, kQ6 = true, kE8M0 = false;
+  static constexpr int QK = 256, BYTES = 210, NV = 8, kOffset = 0;
+  static constexpr bool kMins = false, kQ6 = true, kE8M0 = false, kSigned = false;
+  static constexpr int WX = 25, NS = 16, kScale0 = 1;  // d, sc_0..15, (sc_2t, sc_2t+1)
+  // weights 128h + 0..127's codes
+  static JB_INLINE void code_half(const uint8_t* p, int h, __m256i* v) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), b45 = _mm256_set1_epi8(0x30);
+    const __m256i l0 = load256(p + 64 * h), l1 = load256(p + 64 * h + 32);
+    const __m256i qh = load256(p + 128 + 32 * h);
+    v[0] = _mm256_or_si256(_mm256_and_si256(l0, nib),
+                           _mm256_and_si256(_mm256_slli_epi16(qh, 4), b45));
+    v[1] = _mm256_or_si256(_mm256_and_si256(l1, nib),
+                           _mm256_and_si256(_mm256_slli_epi16(qh, 2), b45));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib),
+                           _mm256_and_si256(qh, b45));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), b45));
+  }
+  static JB_INLINE void codes(const uint8_t* p, __m256i* v) {
+    code_half(p, 0, v);
+    code_half(p, 1, v + 4);
+  }
   template <int R, int C>
   static JB_INLINE void dots(const uint8_t* const* w, const int8_t* const* x,
                              const int16_t* const* aux, __m256i* acc) {
-    const __m256i nib = _mm256_set1_epi8(0x0F), b45 = _mm256_set1_epi8(0x30);
     __m256i s[C][2];  // column c's scales as words: [sc_0..7 | sc_0..7], [sc_8..15 | sc_8..15]
     for (int c = 0; c < C; ++c) {
       const __m256i sw = _mm256_cvtepi8_epi16(load128(w[c] + 192));
@@ -252,17 +332,8 @@ struct Q6_K {
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h)
       for (int c = 0; c < C; ++c) {
-        const __m256i l0 = load256(w[c] + 64 * h), l1 = load256(w[c] + 64 * h + 32);
-        const __m256i qh = load256(w[c] + 128 + 32 * h);
         __m256i v[4];
-        v[0] = _mm256_or_si256(_mm256_and_si256(l0, nib),
-                               _mm256_and_si256(_mm256_slli_epi16(qh, 4), b45));
-        v[1] = _mm256_or_si256(_mm256_and_si256(l1, nib),
-                               _mm256_and_si256(_mm256_slli_epi16(qh, 2), b45));
-        v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib),
-                               _mm256_and_si256(qh, b45));
-        v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib),
-                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), b45));
+        code_half(w[c], h, v);
         for (int k = 0; k < 4; ++k) {
           // weights 128h + 32k..: groups 8h + 2k (words 0-7) and 8h + 2k + 1 (words 8-15)
           const __m256i sk = _mm256_shuffle_epi8(
@@ -279,6 +350,15 @@ struct Q6_K {
       }
   }
   static JB_INLINE uint32_t d(const uint8_t* p) { return u16(p + 208); }
+  static void wide_scales(const uint8_t* const* p, int32_t (*it)[8]) {
+    for (int c = 0; c < 8; ++c) {
+      if (!p[c]) continue;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(p[c] + 192);
+      it[0][c] = f32_bits(f16_to_f32(d(p[c])));
+      for (int g = 0; g < 16; ++g) it[1 + g][c] = word_pair(sc[g], sc[g]);
+      for (int t = 0; t < 8; ++t) it[17 + t][c] = word_pair(sc[2 * t], sc[2 * t + 1]);
+    }
+  }
 };
 
 // ---- reductions ----
@@ -366,6 +446,7 @@ struct Job {
   const uint8_t* w;  // the layer's [N, RB]
   void* out;
   int64_t M, N, K, rb, nb, Mp;
+  int64_t wide_cols;  // the wide path's item columns
   bool out_f32;
   XQ xq;
   const void* x;
@@ -437,11 +518,13 @@ void tile(const Job& j, int64_t m0, int64_t n0) {
     D::template dots<R, C>(wc, xr, aux, acc);
     for (int o = R * C; o < 8; ++o) acc[o] = _mm256_setzero_si256();
     __m256i s = reduce8(acc);
-    // lane o's row: o / C (lanes past R * C repeat row 0 and are not stored)
-    const __m256 dx = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xq.dx + b * Mp + m0), ridx);
+    // lane o's row: o / C (lanes past R * C: rows past the tile's, not stored)
+    const __m256 dx = R == 1 ? _mm256_broadcast_ss(xq.dx + b * Mp + m0)
+                             : _mm256_permutevar8x32_ps(_mm256_loadu_ps(xq.dx + b * Mp + m0), ridx);
     if constexpr (D::kOffset != 0)
-      s = _mm256_add_epi32(s, _mm256_permutevar8x32_epi32(
-                                  load256(xq.off + b * Mp + m0), ridx));
+      s = _mm256_add_epi32(s, R == 1 ? _mm256_set1_epi32(xq.off[b * Mp + m0])
+                                     : _mm256_permutevar8x32_epi32(
+                                           load256(xq.off + b * Mp + m0), ridx));
     __m256 ddx;
     if constexpr (D::kE8M0)
       ddx = e8m0_times_dx(_mm256_setr_epi32(wc[0][0], wc[1 % C][0], wc[2 % C][0], wc[3 % C][0],
@@ -479,9 +562,179 @@ void cols_range(const Job& j, int64_t m0, int64_t lo, int64_t hi) {
   for (; n < hi; ++n) tile<D, R, 1, kPrefetch>(j, m0, n);
 }
 
-constexpr int64_t kDecodeRows = 4;   // up to this many rows, the few-row path
+// ================= the wide path (more than 8 rows) =================
+// A ymm holds one row x 8 columns (lane c: column c of an 8-column group), so there is no
+// reduction: a column block is unpacked once into items of 32 bytes, its codes' units (unit u:
+// the 4 codes at 4u..4u+3 of the 8 columns, dword c) then D::WX scale items (wide_scales); a
+// unit's codes are loaded once for all rows, each row's 4 q's at that position a broadcast
+// dword (a load), and VPMADDWD takes the unit's scale group (its sub-block's sc, or ones).
+
+// 8 vectors of 8 dwords -> out[i] (32 bytes each): lane c = v[c][i]
+JB_INLINE void transpose8_store(const __m256i* v, uint8_t* out) {
+  __m256i t[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; ++k) {  // per 128-bit lane: dwords i (and 4 + i) of v[4k..4k+3]
+    u[4 * k] = _mm256_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm256_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm256_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm256_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * i),
+                        _mm256_permute2x128_si256(u[i], u[4 + i], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (4 + i)),
+                        _mm256_permute2x128_si256(u[i], u[4 + i], 0x31));
+  }
+}
+
+// 32-byte items of one 8-column group's block
+template <class D>
+constexpr int wide_items() {
+  return 8 * D::NV + D::WX;
+}
+
+// columns n0..n0+7's block b (columns past N: zeros) -> its wide_items<D>() items at out
+template <class D>
+void unpack8(const Job& j, int64_t n0, int64_t b, uint8_t* out) {
+  const uint8_t* p[8];
+  __m256i v[D::NV][8];
+  for (int c = 0; c < 8; ++c) {
+    p[c] = n0 + c < j.N ? j.w + (n0 + c) * j.rb + b * D::BYTES : nullptr;
+    __m256i cv[D::NV];
+    if (p[c])
+      D::codes(p[c], cv);
+    else
+      for (int i = 0; i < D::NV; ++i) cv[i] = _mm256_setzero_si256();
+    for (int i = 0; i < D::NV; ++i) v[i][c] = cv[i];
+  }
+  for (int i = 0; i < D::NV; ++i) transpose8_store(v[i], out + 256 * i);
+  int32_t(*it)[8] = reinterpret_cast<int32_t(*)[8]>(out + 256 * D::NV);
+  std::memset(it, 0, 32 * D::WX);
+  D::wide_scales(p, it);
+}
+
+JB_INLINE int32_t load_u32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// rows m0..m0+R-1 x CG 8-column groups (w[k]: group k's block 0, `stride` bytes a block), all
+// of K; the results to columns n0 + 8k + lane
+template <class D, int R, int CG>
+void wide_tile(const Job& j, const uint8_t* const* w, int64_t stride, int64_t m0, int64_t n0) {
+  constexpr int NU = 8 * D::NV, US = NU / D::NS;  // units, units a scale group
+  const XQ& xq = j.xq;
+  const int64_t nb = j.nb, Mp = j.Mp;
+  __m256 ai[R][CG], aj[R][CG];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < CG; ++k) ai[r][k] = aj[r][k] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb[CG];
+    for (int k = 0; k < CG; ++k) wb[k] = w[k] + b * stride;
+    const int8_t* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = xq.q + (m0 + r) * j.K + b * D::QK;
+    __m256i acc[R][CG];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < CG; ++k)
+        acc[r][k] = D::kOffset != 0 ? _mm256_set1_epi32(xq.off[b * Mp + m0 + r])
+                                    : _mm256_setzero_si256();
+    for (int s = 0; s < D::NS; ++s) {
+      __m256i sc[CG];
+      for (int k = 0; k < CG; ++k)
+        sc[k] = D::NS == 1 ? _mm256_set1_epi16(1) : load256(wb[k] + 32 * (NU + D::kScale0 + s));
+      for (int u = s * US; u < (s + 1) * US; ++u) {
+        __m256i wv[CG], av[CG];
+        for (int k = 0; k < CG; ++k) {
+          wv[k] = load256(wb[k] + 32 * u);
+          if constexpr (D::kSigned) av[k] = _mm256_abs_epi8(wv[k]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i q = _mm256_set1_epi32(load_u32(xr[r] + 4 * u));
+          for (int k = 0; k < CG; ++k)
+            acc[r][k] = _mm256_add_epi32(
+                acc[r][k], D::kSigned ? dot_scaled(av[k], _mm256_sign_epi8(q, wv[k]), sc[k])
+                                      : dot_scaled(wv[k], q, sc[k]));
+        }
+      }
+    }
+    if constexpr (D::kQ6) {
+      // -32 sum_g sc_g (q sum of group g), over the word pairs (sc_2t, sc_2t+1)
+      for (int r = 0; r < R; ++r) {
+        const int16_t* gs = xq.gsum + ((m0 + r) * nb + b) * 16;
+        for (int k = 0; k < CG; ++k) {
+          __m256i c = _mm256_setzero_si256();
+          for (int t = 0; t < 8; ++t)
+            c = _mm256_add_epi32(c, _mm256_madd_epi16(load256(wb[k] + 32 * (NU + 17 + t)),
+                                                      _mm256_set1_epi32(load_u32(gs + 2 * t))));
+          acc[r][k] = _mm256_sub_epi32(acc[r][k], _mm256_slli_epi32(c, 5));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_broadcast_ss(xq.dx + b * Mp + m0 + r);
+      for (int k = 0; k < CG; ++k) {
+        const __m256i d = load256(wb[k] + 32 * NU);
+        const __m256 t = D::kE8M0 ? e8m0_times_dx(d, dx) : mul_once(_mm256_castsi256_ps(d), dx);
+        ai[r][k] = _mm256_add_ps(ai[r][k], mul_once(t, _mm256_cvtepi32_ps(acc[r][k])));
+      }
+      if constexpr (D::kMins) {
+        // J over the word pairs (m_2t, m_2t+1) . (bsum_2t, bsum_2t+1)
+        const int16_t* bs = xq.bsum + ((m0 + r) * nb + b) * 8;
+        for (int k = 0; k < CG; ++k) {
+          __m256i jv = _mm256_setzero_si256();
+          for (int t = 0; t < 4; ++t)
+            jv = _mm256_add_epi32(jv, _mm256_madd_epi16(load256(wb[k] + 32 * (NU + 10 + t)),
+                                                        _mm256_set1_epi32(load_u32(bs + 2 * t))));
+          const __m256 t = mul_once(_mm256_castsi256_ps(load256(wb[k] + 32 * (NU + 1))), dx);
+          aj[r][k] = _mm256_add_ps(aj[r][k], mul_once(t, _mm256_cvtepi32_ps(jv)));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < CG; ++k) {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, D::kMins ? _mm256_sub_ps(ai[r][k], aj[r][k]) : ai[r][k]);
+      for (int c = 0; c < 8 && n0 + 8 * k + c < j.N; ++c) put(j, m0 + r, n0 + 8 * k + c, v[c]);
+    }
+}
+
+// rows m0..m0+R-1 over an item's ncg unpacked groups (wb: group g's block b at (g nb + b)
+// items), 2 groups a tile
+template <class D, int R>
+void wide_rows(const Job& j, const uint8_t* wb, int64_t ncg, int64_t m0, int64_t n0) {
+  const int64_t stride = 32 * wide_items<D>();
+  int64_t g = 0;
+  for (; g + 2 <= ncg; g += 2) {
+    const uint8_t* w[2] = {wb + g * j.nb * stride, wb + (g + 1) * j.nb * stride};
+    wide_tile<D, R, 2>(j, w, stride, m0, n0 + 8 * g);
+  }
+  if (g < ncg) {
+    const uint8_t* w[1] = {wb + g * j.nb * stride};
+    wide_tile<D, R, 1>(j, w, stride, m0, n0 + 8 * g);
+  }
+}
+
+// this thread's unpacked weights
+jaxbatch_ffi::Scratch& w_scratch() {
+  thread_local jaxbatch_ffi::Scratch s;
+  return s;
+}
+
+// an item's columns: 64, or 32 where 64 columns' unpacked blocks would pass ~640 KB (L2)
+template <class D>
+int64_t wide_cols(int64_t nb) {
+  return 8 * nb * 32 * wide_items<D>() <= 640 * 1024 ? 64 : 32;
+}
+
+constexpr int64_t kDecodeRows = 4;   // up to this many rows, one tile of all rows
+constexpr int64_t kTileRows = 8;     // up to this many, tiles of 4 rows; more: the wide path
 constexpr int64_t kClaimCols = 256;  // decode: columns a thread claims at most
-constexpr int64_t kBlockCols = 64;   // prefill: an item's columns
+constexpr int64_t kBlockCols = 64;   // 5-8 rows: an item's columns
 
 // ================= phases and threads =================
 
@@ -529,14 +782,29 @@ void int8_item(const Job& j, int64_t it) {
     }
     return;
   }
-  // row blocks of 4 over the item's columns (read from memory by the first, then from L2)
   const int64_t m_lo = seg * j.segrows, m_hi = std::min(M, m_lo + j.segrows);
   int64_t m = m_lo;
-  for (; m + 4 <= m_hi; m += 4) cols_range<D, 4, false>(j, m, lo, hi);
+  if (M <= kTileRows) {
+    // row blocks of 4 over the item's columns (read from memory by the first, then from L2)
+    for (; m + 4 <= m_hi; m += 4) cols_range<D, 4, false>(j, m, lo, hi);
+    switch (m_hi - m) {
+      case 1: cols_range<D, 1, false>(j, m, lo, hi); break;
+      case 2: cols_range<D, 2, false>(j, m, lo, hi); break;
+      case 3: cols_range<D, 3, false>(j, m, lo, hi); break;
+      default: break;
+    }
+    return;
+  }
+  // the item's columns unpacked for all of K, then tiles of 4 rows x 16 columns over them
+  const int64_t ncg = (hi - lo + 7) / 8, stride = 32 * wide_items<D>();
+  uint8_t* wb = static_cast<uint8_t*>(w_scratch().get(ncg * j.nb * stride));
+  for (int64_t g = 0; g < ncg; ++g)
+    for (int64_t b = 0; b < j.nb; ++b) unpack8<D>(j, lo + 8 * g, b, wb + (g * j.nb + b) * stride);
+  for (; m + 4 <= m_hi; m += 4) wide_rows<D, 4>(j, wb, ncg, m, lo);
   switch (m_hi - m) {
-    case 1: cols_range<D, 1, false>(j, m, lo, hi); break;
-    case 2: cols_range<D, 2, false>(j, m, lo, hi); break;
-    case 3: cols_range<D, 3, false>(j, m, lo, hi); break;
+    case 1: wide_rows<D, 1>(j, wb, ncg, m, lo); break;
+    case 2: wide_rows<D, 2>(j, wb, ncg, m, lo); break;
+    case 3: wide_rows<D, 3>(j, wb, ncg, m, lo); break;
     default: break;
   }
 }
@@ -576,6 +844,7 @@ Drain prepare(Job& j) {
   const int64_t M = j.M, nb = j.K / D::QK, Mp = M + 8;
   j.nb = nb;
   j.Mp = Mp;
+  j.wide_cols = wide_cols<D>(nb);
   auto up = [](int64_t b) { return (b + 63) & ~int64_t(63); };
   const int64_t q_b = up(M * j.K), dx_b = up(nb * Mp * 4);
   const int64_t off_b = D::kOffset != 0 ? up(nb * Mp * 4) : 0;
@@ -641,7 +910,7 @@ bool QuantMatmulInt8Avx2(ffi::ThreadPool& pool, const void* x, bool x_bf16, cons
     j->items = j->nchunks;
   } else {
     // column blocks; few of them: also segments of rows (multiples of 8)
-    j->chunk = kBlockCols;
+    j->chunk = M <= kTileRows ? kBlockCols : j->wide_cols;
     j->nchunks = (N + j->chunk - 1) / j->chunk;
     const int64_t want = 2 * threads;
     const int64_t nseg =
