@@ -38,8 +38,9 @@
 // Threads (XLA's intra-op pool) first quantise rows, then claim column chunks (and, with few
 // chunks, row segments); neither changes any output's operations.
 //
-// Measured: see the commit that adds this file (python -m tests.kernels.test_quant_matmul_int8
-// with JAXBATCH_CPU_LEVEL=avx2).
+// Not yet timed against the AVX-512 kernel (the goal: M = 1 at >= ~80% of its GB/s of weight
+// bytes on the same machine; each level a process of its own, JAXBATCH_CPU_LEVEL=avx2 and
+// native).
 
 #include <algorithm>
 #include <atomic>
