@@ -1,17 +1,17 @@
 """The C++ CPU kernels as one shared library: built with this machine's C++ compiler on first
 use, loaded once a process, each kernel registered as an XLA FFI custom call for the CPU platform.
 
-Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the
-small bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` and `matmul/quant_amx.cc`
-(matmuls over GGUF blocks, float and int8 activations; AMX tiles for bf16 rows) and `zeros.cc`
-(a zeroed KV cache without touching its pages); one `.so`, one FFI target each (TARGETS). The
-build is cached by everything that changes the binary: the sources (and `ffi_safety.h`, the
-handlers' shared guard: no C++ exception leaves a handler), the compiler's version, the
-instruction-set level's flags (LEVELS; JAXBATCH_CPU_LEVEL=avx2|avx512|native, default native:
--march=native), the CPU's instruction set flags (so a library built on one CPU model is never
-loaded on another) and jaxlib's version (the FFI headers). `register()` raises
-`KernelUnavailable` when there is no compiler or the build fails; callers fall back to jnp and
-say so.
+Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the small
+bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` (its AVX2 build:
+`matmul/quant_int8_avx2.cc`) and `matmul/quant_amx.cc` (matmuls over GGUF blocks, float and int8
+activations; AMX tiles for bf16 rows) and `zeros.cc` (a zeroed KV cache without touching its
+pages); one `.so`, one FFI target each (TARGETS). The build is cached by everything that changes
+the binary: the sources (and `ffi_safety.h`, the handlers' shared guard: no C++ exception leaves a
+handler), the compiler's version, the instruction-set level's flags (LEVELS;
+JAXBATCH_CPU_LEVEL=avx2|avx512|native, default native: -march=native), the CPU's instruction set
+flags (so a library built on one CPU model is never loaded on another) and jaxlib's version (the
+FFI headers). `register()` raises `KernelUnavailable` when there is no compiler or the build fails;
+callers fall back to jnp and say so.
 
 The sources compile one process each, side by side (os.cpu_count() at a time), then link: on 2
 vCPUs 26.6 -> ~13 s of a 1B model's first start (quant.cc alone is ~11 s). `build_in_background`
@@ -39,6 +39,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "small_bf16.cc"),
            os.path.join(_HERE, "matmul", "quant.cc"),
            os.path.join(_HERE, "matmul", "quant_int8.cc"),
+           os.path.join(_HERE, "matmul", "quant_int8_avx2.cc"),
            os.path.join(_HERE, "matmul", "quant_amx.cc"),
            os.path.join(_HERE, "matmul", "quant_panel.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),

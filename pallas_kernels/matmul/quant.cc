@@ -985,7 +985,7 @@ ffi::Error QuantMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
                                         out_f32, fmt, M, N, K, rb))
       return ffi::Error::Success();
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "quant_matmul: act int8 needs AVX512-VNNI (and BW, VL)");
+                      "quant_matmul: act int8 needs AVX2 (FMA, F16C) or AVX512-VNNI (BW, VL)");
   }
   if (jaxbatch_quant::QuantMatmulFloat(pool, x.untyped_data(), bf16, wl, out->untyped_data(),
                                        out_f32, fmt, M, N, K, rb))

@@ -10,8 +10,8 @@ call has, nor on tiles or threads):
 - act="int8" (llama.cpp's CPU scheme): each row of x is quantised to int8 blocks (32 values for
   Q8_0/Q4_0/MXFP4 weights, 256 for the K-quants; scale amax / 127, values
   round-half-even(x * (127 / amax))), dotted with the weights' integer codes exactly
-  (AVX512-VNNI), block scales applied in f32 per block in K order. Fewer instructions per weight: faster where the float mode is
-  compute-bound (see quant_int8.cc's header for the measured table), at the price of x's int8
+  (AVX512-VNNI, or AVX2), block scales applied in f32 per block in K order. Fewer instructions
+  per weight: faster where the float mode is compute-bound (see quant_int8.cc's header for the measured table), at the price of x's int8
   rounding (~0.5% relative error).
 - act="amx" (quant_amx.cc; BF16 weights, bf16 x, N a multiple of 16, a CPU with AMX-BF16): Intel
   AMX tiles, the weights' rows read as they are; each output one f32 accumulator over K in 32-k
@@ -53,9 +53,9 @@ _FEATURE = {"amx": "quant_matmul_amx", "panel": "quant_matmul_panel",
 
 def available(x_dtype, act: str = "float") -> bool:
     """The CPU library is registered and this build has the path for x's dtype and `act`: float
-    mode bf16 needs AVX512-BF16, f32 AVX512F; int8 mode (either dtype) AVX512-VNNI; amx mode
-    (bf16 only) AMX-BF16 and the OS's permission to use the tiles; panel mode (bf16 only)
-    AVX512-BF16."""
+    mode bf16 needs AVX512-BF16, f32 AVX512F; int8 mode (either dtype) AVX512-VNNI or AVX2 (with
+    FMA and F16C: quant_int8_avx2.cc, the same bits); amx mode (bf16 only) AMX-BF16 and the OS's
+    permission to use the tiles; panel mode (bf16 only) AVX512-BF16."""
     dt = jnp.dtype(x_dtype)
     if act not in ACTS:
         raise ValueError(f"act must be one of {list(ACTS)}, got {act!r}")

@@ -1024,6 +1024,11 @@ Drain prepare_fmt(Job& j, int64_t fmt) {
 
 namespace jaxbatch_quant {
 
+// quant_int8_avx2.cc: the same function on AVX2 (with FMA, F16C) builds without AVX512-VNNI
+bool QuantMatmulInt8Avx2(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
+                         void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
+                         int64_t rb);
+
 // Called by quant.cc's handler (shapes checked there). False: this build has no int8 path.
 bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
                      void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
@@ -1068,6 +1073,8 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
   while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
   j->errors.rethrow();
   return true;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return QuantMatmulInt8Avx2(pool, x, x_bf16, w, out, out_f32, fmt, M, N, K, rb);
 #else
   (void)pool, (void)x, (void)x_bf16, (void)w, (void)out, (void)out_f32, (void)fmt, (void)M,
       (void)N, (void)K, (void)rb;
@@ -1077,11 +1084,15 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
 
 }  // namespace jaxbatch_quant
 
-// 1 when this build has the int8 activation mode (AVX512-VNNI, BW, VL) and the CPU reports it
+// 1 when this build has the int8 activation mode (AVX512-VNNI, BW, VL; or AVX2, FMA, F16C:
+// quant_int8_avx2.cc) and the CPU reports it
 extern "C" int JaxbatchQuantMatmulInt8() {
 #if defined(JB_QUANT_INT8)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") ? 1 : 0;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 #else
   return 0;
 #endif

@@ -153,6 +153,11 @@ def quant_cases(rng: np.random.Generator, variants: int) -> list[Case]:
     good = cpu_library.has("quant_matmul_f32")  # else the good calls' error: no f32 path
     cases = [case("good", None), case("good in file", None, w=file, layer=[units, 0],
                                        n=NOUT)] if good else []
+    if cpu_library.has("quant_matmul_int8"):  # the int8 mode's few-row and wide paths
+        x20 = jnp.asarray(rng.standard_normal((20, K)), jnp.float32)
+        cases += [case("good int8", None, act=1),
+                  case("good int8 in file", None, act=1, w=file, layer=[units, 0], n=NOUT),
+                  case("good int8, 20 rows", None, act=1, x=x20, out_shape=(20, NOUT))]
     for _ in range(variants):
         cases.append(case("layer out of range", "layer out of range",
                           layer=[rng.choice([L, int(rng.integers(L, 2**31)), -1, -(2**31)])]))

@@ -9,9 +9,9 @@ exact and the f32 sequence is fixed, so the bound is zero: every output is compa
 (f32 out; bf16 out: the reference rounded to nearest even). Also: one-hot weights read the
 kernel's quantised activations back (out = dx * q exactly, every position of K, each path: one
 row, 2-8 rows, more); each row's bits do not depend on how many rows the call has; the f32 output
-option of both modes; and the int8 mode's error against the float mode on random data is
-llama.cpp's (< 2% relative, Frobenius). Skipped where the library did not build or the CPU has no
-AVX512-VNNI.
+option of both modes; and the int8 mode's error against the exact product on random data is
+llama.cpp's (< 2% relative, Frobenius). Skipped where the library did not build or its build has
+no int8 mode (AVX512-VNNI, or AVX2 with FMA and F16C: quant_int8_avx2.cc, the same bits).
 
 Timing (not a test; the table quoted in quant.cc's header):
   .venv/bin/python -m tests.kernels.test_quant_matmul_int8
@@ -32,7 +32,7 @@ import pytest
 
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quant
-from tests.kernels.test_quant_matmul import make_weight
+from tests.kernels.test_quant_matmul import dequant, make_weight
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 QA = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
@@ -49,7 +49,7 @@ def _built(tmp_path_factory):
 
 def _need(dtype=jnp.float32):
     if not quant.available(dtype, act="int8"):
-        pytest.skip("this CPU (or its build) has no AVX512-VNNI: no int8 quant matmul")
+        pytest.skip("this CPU (or its build) has no int8 quant matmul (AVX512-VNNI or AVX2)")
 
 
 # ---- the numpy reference ----
@@ -164,8 +164,13 @@ def _x(rng, m, k, dtype):
 
 # ---- tests ----
 
-def test_available_needs_vnni():
-    if not cpu_library.cpu_has("avx512_vnni"):
+def test_available_on_avx2_and_up():
+    """Every x86 build from the avx2 level up has the int8 mode (AVX512-VNNI, or AVX2 with FMA
+    and F16C: quant_int8_avx2.cc)."""
+    if all(map(cpu_library.cpu_has, ("avx2", "fma", "f16c"))):
+        assert quant.available(jnp.float32, act="int8")
+        assert quant.available(jnp.bfloat16, act="int8")
+    elif not cpu_library.cpu_has("avx512_vnni"):
         assert not quant.available(jnp.float32, act="int8")
     with pytest.raises(ValueError, match="act must be"):
         quant.available(jnp.float32, act="int4")
@@ -293,19 +298,24 @@ def test_float32_out_from_bf16_x(act):
             np.testing.assert_array_equal(np.asarray(f32[-1]), reference(x, w, fmt))
 
 
-def test_close_to_the_float_mode():
+def test_close_to_the_exact_product():
     """x's int8 rounding: on random normal x the int8 mode is within 2% (Frobenius, relative) of
-    the float mode with f32 x (llama.cpp's Q8 activations are as close)."""
+    the exact product with the dequantised weights (llama.cpp's Q8 activations are as close);
+    the float mode, where this build has it, too."""
     _need()
     rng = np.random.default_rng(9)
     for fmt in quant.INT8_FORMATS:
         k, n = 2048, 64
         w = make_weight(fmt, n, k, rng)
         x = _x(rng, 16, k, jnp.float32)
+        exact = x.astype(np.float64) @ dequant(fmt, w, jnp.float32).astype(np.float64).T
         (got,) = _calls(x, w, fmt, (16,))
-        (flt,) = _calls(x, w, fmt, (16,), act="float")
-        rel = np.linalg.norm(np.asarray(got) - np.asarray(flt)) / np.linalg.norm(np.asarray(flt))
+        rel = np.linalg.norm(np.asarray(got) - exact) / np.linalg.norm(exact)
         assert rel < 0.02, (fmt, rel)
+        if quant.available(jnp.float32):
+            (flt,) = _calls(x, w, fmt, (16,), act="float")
+            rel = np.linalg.norm(np.asarray(got) - np.asarray(flt)) / np.linalg.norm(exact)
+            assert rel < 0.02, (fmt, rel)
 
 
 def test_stack_and_layer_index_inside_a_scan():
