@@ -418,7 +418,10 @@ def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None
     run XLA's dot instead (0, the default: never)."""
     from pallas_kernels.matmul import quant
 
-    if not quant.available(value_dtype(params["final_norm"])):
+    dtype = value_dtype(params["final_norm"])
+    if not quant.available(dtype):
+        if dtype == jnp.bfloat16 and quant.available(dtype, act="int8"):
+            return _int8_only_on_kernel(params)
         return params
 
     def on_kernel(w: QuantWeight) -> QuantWeight:
@@ -435,6 +438,24 @@ def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None
                     modes = (*modes[:i], "panel_packed", *modes[i + 1:])
         return dataclasses.replace(w, parts=tuple(parts), kernel=True, acts=modes,
                                    xla_from_rows=xla_rows)
+
+    return jax.tree.map(lambda w: on_kernel(w) if isinstance(w, QuantWeight) else w, params,
+                        is_leaf=lambda w: isinstance(w, QuantWeight))
+
+
+def _int8_only_on_kernel(params: Params) -> Params:
+    """A kernel build with the int8 activation mode and no float mode (the avx2 level:
+    quant_int8_avx2.cc), bfloat16 compute: the weights whose every part is a block format (Q8_0,
+    Q4_0, K-quants, MXFP4) run through the kernel in int8 mode, as llama.cpp's AVX2 build
+    computes them; the others (BF16 / F16 rows) stay on the jnp path. float32 compute keeps its
+    exact dequantised dots (and dtype auto, timing XLA's dots alone there, picks float32: ask for
+    bfloat16 to run the int8 mode)."""
+    from pallas_kernels.matmul import quant
+
+    def on_kernel(w: QuantWeight) -> QuantWeight:
+        if not all(f in quant.INT8_FORMATS for f in w.fmts):
+            return w
+        return dataclasses.replace(w, kernel=True, acts=("int8",) * len(w.fmts))
 
     return jax.tree.map(lambda w: on_kernel(w) if isinstance(w, QuantWeight) else w, params,
                         is_leaf=lambda w: isinstance(w, QuantWeight))
