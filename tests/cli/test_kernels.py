@@ -21,7 +21,8 @@ def test_build_kernels_into_the_cache(capsys, monkeypatch):
     path, _ = cpu_library.library_path(cache_dir(None))
     assert path in first and os.path.isfile(path)
     assert main(["build-kernels"]) == 0
-    assert capsys.readouterr().out.strip() == f"jaxbatch build-kernels: {path} (already built)"
+    assert capsys.readouterr().out.strip() == \
+        f"jaxbatch build-kernels: {path} (level {cpu_library.cpu_level()}, already built)"
 
 
 def test_build_kernels_without_a_compiler_is_not_an_error(tmp_path, capsys, monkeypatch):
