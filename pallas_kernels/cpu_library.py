@@ -194,15 +194,16 @@ def content_hash() -> str:
     hash of the sources and the level's flags alone."""
     if _registered is not None:
         return os.path.basename(_registered).removeprefix(_PREFIX).removesuffix(".so")
-    return _sources_hash()
-
-
-def _sources_hash() -> str:
     try:
-        flags = flags_for(platform.machine(), cpu_level())
+        flags = " ".join(flags_for(platform.machine(), cpu_level()))
     except KernelUnavailable as e:
-        flags = [str(e)]
-    digest = hashlib.sha256(" ".join(flags).encode())
+        flags = str(e)
+    return _sources_hash(flags)
+
+
+@functools.cache
+def _sources_hash(flags: str) -> str:
+    digest = hashlib.sha256(flags.encode())
     for path in (*SOURCES, *HEADERS):
         with open(path, "rb") as f:
             digest.update(b"\0" + f.read())
