@@ -419,12 +419,19 @@ def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None
     from pallas_kernels.matmul import quant
 
     dtype = value_dtype(params["final_norm"])
-    if not quant.available(dtype):
-        if dtype == jnp.bfloat16 and quant.available(dtype, act="int8"):
-            return _int8_only_on_kernel(params)
+    # a build with the int8 mode and no float mode (the avx2 level: quant_int8_avx2.cc), bfloat16
+    # compute: block-format weights (Q8_0, Q4_0, K-quants, MXFP4) run the int8 mode, as
+    # llama.cpp's AVX2 build computes them; BF16 / F16 rows stay on the jnp path, and float32
+    # keeps its exact dequantised dots (dtype auto, timing XLA's dots alone there, picks float32)
+    int8_only = not quant.available(dtype)
+    if int8_only and not (dtype == jnp.bfloat16 and quant.available(dtype, act="int8")):
         return params
 
     def on_kernel(w: QuantWeight) -> QuantWeight:
+        if int8_only:
+            if not all(f in quant.INT8_FORMATS for f in w.fmts):
+                return w
+            return dataclasses.replace(w, kernel=True, acts=("int8",) * len(w.fmts))
         modes = tuple(acts(f, w.n, w.k) for f in w.fmts) if acts is not None else ()
         xla_rows = bf16_xla_rows(w.n, w.k) if bf16_xla_rows is not None and w.stacked \
             and "BF16" in w.fmts else 0
@@ -438,24 +445,6 @@ def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None
                     modes = (*modes[:i], "panel_packed", *modes[i + 1:])
         return dataclasses.replace(w, parts=tuple(parts), kernel=True, acts=modes,
                                    xla_from_rows=xla_rows)
-
-    return jax.tree.map(lambda w: on_kernel(w) if isinstance(w, QuantWeight) else w, params,
-                        is_leaf=lambda w: isinstance(w, QuantWeight))
-
-
-def _int8_only_on_kernel(params: Params) -> Params:
-    """A kernel build with the int8 activation mode and no float mode (the avx2 level:
-    quant_int8_avx2.cc), bfloat16 compute: the weights whose every part is a block format (Q8_0,
-    Q4_0, K-quants, MXFP4) run through the kernel in int8 mode, as llama.cpp's AVX2 build
-    computes them; the others (BF16 / F16 rows) stay on the jnp path. float32 compute keeps its
-    exact dequantised dots (and dtype auto, timing XLA's dots alone there, picks float32: ask for
-    bfloat16 to run the int8 mode)."""
-    from pallas_kernels.matmul import quant
-
-    def on_kernel(w: QuantWeight) -> QuantWeight:
-        if not all(f in quant.INT8_FORMATS for f in w.fmts):
-            return w
-        return dataclasses.replace(w, kernel=True, acts=("int8",) * len(w.fmts))
 
     return jax.tree.map(lambda w: on_kernel(w) if isinstance(w, QuantWeight) else w, params,
                         is_leaf=lambda w: isinstance(w, QuantWeight))
