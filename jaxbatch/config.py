@@ -69,6 +69,68 @@ class ModelConfig:
         return dataclasses.replace(self, max_model_len=n)
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config` JSON (engine/kv_events.py): the prefix cache's changes
+    published for routers. `endpoint`: a ZeroMQ address the PUB socket binds (one with `*`, `::`,
+    ipc:// or inproc://) or connects to (any other: a router's SUB that binds); `replay_endpoint`
+    (None: no replay): a ROUTER socket that resends buffered batches from a sequence number;
+    `buffer_steps`: how many batches replay keeps; `hwm`: the PUB socket's send high-water mark;
+    `max_queue_size`: batches waiting for the publisher thread before the engine blocks;
+    `topic`: the first frame of every message."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv_events_config.publisher must be one of {KV_EVENT_PUBLISHERS}, "
+                             f"got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kv_events_config.{name} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+
+    @property
+    def active(self) -> bool:
+        """Events are recorded and sent: enabled, with a real publisher."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def parse(cls, value: Any) -> KVEventsConfig | None:
+        """A JSON string, a dict (vLLM's keys) or None; ValueError naming an unknown key."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_events_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        value = dict(value)
+        # vLLM: enabling events without naming a publisher means zmq
+        if value.get("enable_kv_cache_events") and "publisher" not in value:
+            value["publisher"] = "zmq"
+        return cls(**value)
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
@@ -77,8 +139,15 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto: the compute dtype | float32 | bfloat16
     # automatic prefix caching: full KV pages shared by every request with the same prefix
     enable_prefix_caching: bool = True
+    # the prefix cache's changes published for routers (KVEventsConfig; None: none)
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_events_config",
+                           KVEventsConfig.parse(self.kv_events_config))
+        if self.kv_events_config is not None and self.kv_events_config.active \
+                and not self.enable_prefix_caching:
+            raise ValueError("kv_events_config: KV-cache events need enable_prefix_caching")
         if self.kv_cache_dtype != "auto":
             object.__setattr__(self, "kv_cache_dtype", canonical_dtype(self.kv_cache_dtype))
         if self.page_size < 1:

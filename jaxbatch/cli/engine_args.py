@@ -41,7 +41,7 @@ _ENGINE_ARGS = [
     ("--long-prefill-token-threshold", int), ("--planner-workload", str),
     ("--planner-loads", str),
     ("--tensor-parallel-size", int), ("--data-parallel-size", int), ("--collective-gbps", float),
-    ("--quantization", str), ("--speculative-config", str),
+    ("--quantization", str), ("--speculative-config", str), ("--kv-events-config", str),
     ("--replan-interval-steps", int), ("--replan-window-steps", int), ("--replan-min-gain", float),
 ]
 

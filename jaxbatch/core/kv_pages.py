@@ -31,6 +31,8 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from jaxbatch.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
 DUMMY_PAGE = 0
 PageHash = bytes
 
@@ -72,6 +74,10 @@ class PageAllocator:
         # prefix-cache counters, in tokens (vLLM's): looked up at admission, served from the cache
         self.queries = 0
         self.hits = 0
+        # the cache's changes as KV-cache events (core/kv_events.py), kept only when a publisher
+        # takes them (engine/kv_events.py: `take_events` after every step)
+        self.record_events = False
+        self.events: list[KVCacheEvent] = []
 
     # ---- counts -------------------------------------------------------------------------------
     @property
@@ -136,6 +142,8 @@ class PageAllocator:
             assert h is not None and self.cached[h] == page, page
             del self.cached[h]
             self.page_hash[page] = None
+            if self.record_events:
+                self.events.append(BlockRemoved((h,)))
         assert self.ref_counts[page] == 0, (page, self.ref_counts[page])
         return page
 
@@ -177,16 +185,22 @@ class PageAllocator:
             pages.append(page)
         return pages
 
-    def cache_page(self, page: int, page_hash: PageHash) -> None:
+    def cache_page(self, page: int, page_hash: PageHash, parent_hash: PageHash | None = None,
+                   token_ids: Sequence[int] = ()) -> None:
         """Enter a full page whose KV is computed into the cache. A no-op when caching is off,
         the page is cached already, or another page holds the same prefix (two requests computed
-        it in the same step: the duplicate stays private and is freed as an empty page)."""
+        it in the same step: the duplicate stays private and is freed as an empty page).
+        `parent_hash` (the previous page's; None for a sequence's first) and the page's
+        `token_ids` go into its BlockStored event."""
         if not self.enable_caching or self.page_hash[page] is not None \
                 or page_hash in self.cached:
             return
         assert page != DUMMY_PAGE and self.ref_counts[page] > 0, (page, self.ref_counts[page])
         self.page_hash[page] = page_hash
         self.cached[page_hash] = page
+        if self.record_events:
+            self.events.append(BlockStored((page_hash,), parent_hash, tuple(token_ids),
+                                           self.page_size))
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.queries += num_tokens
@@ -196,14 +210,31 @@ class PageAllocator:
         """Forget every cached page no request uses (e.g. between benchmark runs); pages in use
         stay cached. Returns how many pages were emptied."""
         n = len(self.evictable)
+        gone = []
         for page in self.evictable:
             h = self.page_hash[page]
             assert h is not None
             del self.cached[h]
+            gone.append(h)
             self.page_hash[page] = None
             self.empty_pages.append(page)
         self.evictable.clear()
+        if self.record_events and gone:
+            self.events.append(BlockRemoved(tuple(gone)))
         return n
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (oldest first)."""
+        out, self.events = self.events, []
+        return out
+
+    def start_events(self) -> None:
+        """Record events from now on (before the first request: nothing is cached yet),
+        starting with AllBlocksCleared: a subscriber forgets what an earlier engine on this
+        endpoint said."""
+        assert not self.cached, "events start before anything is cached"
+        self.record_events = True
+        self.events = [AllBlocksCleared()]
 
     # ---- invariants ---------------------------------------------------------------------------
     def check(self) -> None:

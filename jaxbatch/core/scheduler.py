@@ -319,8 +319,11 @@ class Scheduler:
         first, last = start // size, req.num_computed_tokens // size
         if last > first:
             hashes = self._hashes(req, last)
+            events = self.pages.record_events
             for k in range(first, last):
-                self.pages.cache_page(req.page_table[k], hashes[k])
+                self.pages.cache_page(
+                    req.page_table[k], hashes[k], hashes[k - 1] if k else None,
+                    req.token_slice(k * size, (k + 1) * size) if events else ())
 
 
 def _merge(first: ScheduledBatch, then: ScheduledBatch) -> ScheduledBatch:

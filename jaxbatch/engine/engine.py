@@ -31,6 +31,8 @@ from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from jaxbatch.engine import compile_guard, isolation, prompt_logprobs, startup
 from jaxbatch.engine.client import EngineStats
+from jaxbatch.engine.kv_events import ZmqEventPublisher, open_publisher
+from jaxbatch.engine.kv_events import release as release_publisher
 from jaxbatch.engine.precision import PrecisionChoice
 from jaxbatch.engine.replan import BackgroundReplan
 from jaxbatch.engine.runner import Runner
@@ -83,18 +85,34 @@ class Engine:
             raise ValueError("speculative_config: the draft model is built by Engine.from_config")
         self.speculator: Speculator | None = None if spec is None else \
             Speculator(spec, self.max_model_len, draft)
+        # KV-cache events for routers (engine/kv_events.py); None: off
+        self.kv_events: ZmqEventPublisher | None = None
+        self.data_parallel_rank: int | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LoadedModel | None = None,
                     devices: Sequence[Any] | None = None,
-                    keep_loaded_params: bool = False) -> Engine:
+                    keep_loaded_params: bool = False,
+                    data_parallel_rank: int | None = None) -> Engine:
         """Load (unless `model` is given), build every part and compile every bucket. `devices`:
         the devices this engine runs on (a data-parallel replica's; tensor_parallel_size of
-        them); None: the first tensor_parallel_size devices."""
+        them); None: the first tensor_parallel_size devices. `data_parallel_rank`: which
+        replica this is (its KV-cache events carry it)."""
         t_start = time.perf_counter()
-        p = startup.build_parts(config, model, devices, keep_loaded_params, cls.from_config)
+        kv_events = open_publisher(config.cache.kv_events_config)  # a bad endpoint: fail first
+        try:
+            p = startup.build_parts(config, model, devices, keep_loaded_params, cls.from_config)
+        except BaseException:
+            if kv_events is not None:
+                release_publisher(kv_events)
+            raise
         engine = cls(p.config, p.model, p.runner, p.scheduler, p.planner, p.draft)
         engine.precision, engine.replan, engine.warmup_seconds = p.precision, p.replan, p.warmup
+        engine.data_parallel_rank = data_parallel_rank
+        engine.kv_events = kv_events
+        if engine.kv_events is not None:
+            engine.pages.start_events()
+            engine._publish_kv_events()
         engine.startup_seconds = time.perf_counter() - t_start
         return engine
 
@@ -199,6 +217,7 @@ class Engine:
         if self.replan is not None:
             self.replan.tick(self)  # between steps: swap in a learned set, or look for one
         if not batch.seqs:
+            self._publish_kv_events()
             self._check_guard()
             self._note_idle()
             return outputs
@@ -243,9 +262,15 @@ class Engine:
                 outputs.append(self._advance(req, toks, sampled[req.request_id], now))
             except Exception as e:  # noqa: BLE001 - this request's post-processing alone
                 self._fail(req, e, outputs)
+        self._publish_kv_events()
         self._check_guard()
         self._note_idle()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Hand the step's prefix-cache changes to the publisher (it sends them on its thread)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.pages.take_events(), self.data_parallel_rank)
 
     def _note_idle(self) -> None:
         """After a step: when nothing is left to run, the engine is idle from now on."""

@@ -55,9 +55,11 @@ class ReplicaRouter:
         if len(devices) < dp * tp:
             raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs "
                              f"{dp * tp} devices; {len(devices)} are visible")
-        first = Engine.from_config(config, devices=devices[:tp], keep_loaded_params=dp > 1)
+        first = Engine.from_config(config, devices=devices[:tp], keep_loaded_params=dp > 1,
+                                   data_parallel_rank=0)
         rest = [Engine.from_config(first.config, model=first.model,
-                                   devices=devices[i * tp:(i + 1) * tp]) for i in range(1, dp)]
+                                   devices=devices[i * tp:(i + 1) * tp], data_parallel_rank=i)
+                for i in range(1, dp)]
         # warm-up ends when the last replica is built: what the later ones compiled while
         # building (placing weights, their caches) is not a stray compile of the earlier ones
         done = compile_guard.unplanned_count()
