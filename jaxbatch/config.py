@@ -222,6 +222,9 @@ class PlannerConfig:
             raise ValueError(f"replan_min_gain must be in (0, 1), got {self.replan_min_gain}")
 
 
+DP_ROUTINGS = ("prefix", "shortest_queue")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     attention_backend: str = "auto"
@@ -238,10 +241,16 @@ class RunnerConfig:
     # replicas: that many engines, each on its own tensor_parallel_size devices (engine/replicas)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # how the replicas' router picks one: "prefix" (longest cached prefix, then the shortest
+    # queue) or "shortest_queue"
+    data_parallel_routing: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+        if self.data_parallel_routing not in DP_ROUTINGS:
+            raise ValueError(f"data_parallel_routing must be one of {DP_ROUTINGS}, got "
+                             f"{self.data_parallel_routing!r}")
         if self.batch_invariant not in (True, False, "auto"):
             raise ValueError(f"batch_invariant must be true, false or auto, got "
                              f"{self.batch_invariant!r}")

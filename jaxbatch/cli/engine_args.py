@@ -40,7 +40,8 @@ _ENGINE_ARGS = [
     ("--trace-path", str), ("--tokenizer", str), ("--cache-dir", str),
     ("--long-prefill-token-threshold", int), ("--planner-workload", str),
     ("--planner-loads", str),
-    ("--tensor-parallel-size", int), ("--data-parallel-size", int), ("--collective-gbps", float),
+    ("--tensor-parallel-size", int), ("--data-parallel-size", int),
+    ("--data-parallel-routing", str), ("--collective-gbps", float),
     ("--quantization", str), ("--speculative-config", str), ("--kv-events-config", str),
     ("--replan-interval-steps", int), ("--replan-window-steps", int), ("--replan-min-gain", float),
 ]

@@ -135,6 +135,11 @@ class Engine:
             raise
         return added
 
+    def cached_prefix_pages(self, hashes: Sequence[bytes]) -> int:
+        """How many leading pages of a prompt's hash chain this engine's prefix cache holds
+        (the data-parallel router's prefix-aware routing, engine/replicas.py)."""
+        return len(self.pages.match(hashes))
+
     def add_request(self, request_id: str | None, prompt: Prompt,
                     sampling_params: SamplingParams | None = None) -> Request:
         return self.add_requests([NewRequest(request_id, prompt, sampling_params)])[0]

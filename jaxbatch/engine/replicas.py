@@ -2,8 +2,17 @@
 `tensor_parallel_size` devices, behind one `EngineClient` (the server, batch jobs and `LLM` drive
 a `ReplicaRouter` exactly as they drive one Engine).
 
-Routing: each new request goes to the replica with the shortest queue (waiting + running, plus
-what this same call already sent there), ties broken by the most free KV pages. Several requests
+Routing: by longest cached prefix, then load. A new request's prompt is hashed page by page as
+the replicas' prefix caches name their pages (core/kv_pages.py), and each replica's score is the
+number of its leading pages that replica holds: cached there (asked of the replica), or sent
+there recently by this router (a request whose prefix is still being computed: the next turn of
+a conversation, or a request sharing a system prompt added in the same call). The request goes
+to the best-scoring replica among those with room (no queue, fewer than max_num_seqs running or
+sent), or among all when none has room; ties (no prefix anywhere, most often) go to the shortest
+queue (waiting + running, plus what this same call already sent there), then to the most free KV
+pages. So a replica computes a shared prefix once and takes its followers as long as it keeps up;
+when it would queue while another has room, the other takes them and computes the prefix too.
+Several requests
 added in one call are spread that way and stay all-or-nothing: if one replica refuses its share,
 the shares already added elsewhere are aborted and their abort outputs swallowed. The router
 remembers which replica owns each live request id, so an abort reaches the right one.
@@ -17,14 +26,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxbatch.config import EngineConfig
+from jaxbatch.core.kv_pages import PageHash, extend_page_hashes
 from jaxbatch.core.outputs import RequestOutput
+from jaxbatch.core.prompts import encode_prompt
 from jaxbatch.core.request import NewRequest, Request
 from jaxbatch.engine.client import EngineClient, EngineStats
+
+# page hashes of recently routed prompts remembered (-> the replica they went to): ~16 MB
+RECENT_PAGES = 1 << 16
 
 
 class ReplicaRouter:
@@ -40,6 +55,13 @@ class ReplicaRouter:
         self._pending: list[RequestOutput] = []  # abort outputs not handed out yet
         self._ids = itertools.count()
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="jaxbatch-replica")
+        # prefix-aware routing: off without a config (fakes) or prefix caching
+        cfg = self.config
+        self._page_size = cfg.cache.page_size if cfg is not None and \
+            cfg.cache.enable_prefix_caching and \
+            cfg.runner.data_parallel_routing == "prefix" else 0
+        self._max_seqs = cfg.scheduler.max_num_seqs if cfg is not None else 1 << 30
+        self._recent: OrderedDict[PageHash, int] = OrderedDict()  # page hash -> replica, LRU
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ReplicaRouter:
@@ -68,12 +90,57 @@ class ReplicaRouter:
         return cls([first, *rest])
 
     # ---- requests ----------------------------------------------------------------------------
-    def _choose(self, stats: list[EngineStats], sent: list[int]) -> int:
-        def load(i: int) -> tuple[int, int]:
+    def _choose(self, stats: list[EngineStats], sent: list[int], scores: list[int]) -> int:
+        def rank(i: int) -> tuple[int, int, int]:
             s = stats[i]
-            return s.num_waiting + s.num_running + sent[i], -s.kv_pages_free
+            return -scores[i], s.num_waiting + s.num_running + sent[i], -s.kv_pages_free
 
-        return min(range(len(self.replicas)), key=load)
+        def has_room(i: int) -> bool:
+            return stats[i].num_waiting == 0 and stats[i].num_running + sent[i] < self._max_seqs
+
+        pool = [i for i in range(len(self.replicas)) if has_room(i)] or range(len(self.replicas))
+        return min(pool, key=rank)
+
+    def _prefix(self, n: NewRequest) -> tuple[NewRequest, list[PageHash]]:
+        """The request with its prompt as token ids (tokenised once, here: the replica takes the
+        ids) and the hashes of its prompt's full pages; no hashes when routing by prefix is off
+        or the prompt is not readable (the replica refuses it with the reason)."""
+        if not self._page_size:
+            return n, []
+        try:
+            text, ids = encode_prompt(self.tokenizer, n.prompt)
+        except (ValueError, TypeError, KeyError):
+            return n, []
+        if not isinstance(n.prompt, dict) or "prompt_token_ids" not in n.prompt:
+            prompt = {"prompt_token_ids": ids} if text is None else \
+                {"prompt_token_ids": ids, "prompt": text}
+            n = dataclasses.replace(n, prompt=prompt)
+        # the pages a hit could cover: all but the last token is ever served from a cache
+        full = (len(ids) - 1) // self._page_size * self._page_size
+        return n, extend_page_hashes([], ids[:full], self._page_size)
+
+    def _scores(self, hashes: list[PageHash]) -> list[int]:
+        """Per replica: how many leading pages of `hashes` it holds (cached, or routed there)."""
+        scores = [0] * len(self.replicas)
+        if not hashes:
+            return scores
+        for i, r in enumerate(self.replicas):
+            held = getattr(r, "cached_prefix_pages", None)
+            if held is not None:
+                scores[i] = held(hashes)
+        for k in range(len(hashes) - 1, -1, -1):  # the deepest page routed: its whole prefix
+            i = self._recent.get(hashes[k])
+            if i is not None:
+                scores[i] = max(scores[i], k + 1)
+                break
+        return scores
+
+    def _remember(self, hashes: list[PageHash], i: int) -> None:
+        for h in hashes:
+            self._recent[h] = i
+            self._recent.move_to_end(h)
+        while len(self._recent) > RECENT_PAGES:
+            self._recent.popitem(last=False)
 
     def add_requests(self, new: Sequence[NewRequest]) -> list[Request]:
         """All or nothing across replicas: ValueError (and nothing added) if any is refused."""
@@ -87,9 +154,12 @@ class ReplicaRouter:
         sent = [0] * len(self.replicas)
         shares: dict[int, list[NewRequest]] = {}
         for n in new:
-            i = self._choose(stats, sent)
+            n, hashes = self._prefix(n)
+            i = self._choose(stats, sent, self._scores(hashes))
             sent[i] += 1
             shares.setdefault(i, []).append(n)
+            if hashes:  # the next ones in this call follow it
+                self._remember(hashes, i)
         added: list[tuple[int, list[Request]]] = []
         try:
             for i, share in shares.items():

@@ -124,3 +124,102 @@ def test_server_over_replicas_metrics_per_replica():
             assert f'jaxbatch_replica_num_requests_running{{replica="{i}"}}' in text
     finally:
         srv.stop()
+
+
+# ---- prefix-aware routing -------------------------------------------------------------------
+PAGE = 4
+
+
+class PrefixFake(PagedFake):
+    """A fake with a real config (page size 4, room for `seqs` sequences) and a prefix cache
+    given by hand: the page hashes it holds."""
+
+    def __init__(self, seqs: int = 64, routing: str = "prefix", **kw) -> None:
+        from jaxbatch.config import EngineConfig
+
+        super().__init__(max_num_seqs=seqs, **kw)
+        self.config = EngineConfig.from_flat(page_size=PAGE, max_num_seqs=seqs,
+                                             data_parallel_routing=routing)
+        self.held: set[bytes] = set()
+
+    def cache(self, prompt: list[int]) -> None:
+        from jaxbatch.core.kv_pages import extend_page_hashes
+
+        full = len(prompt) // PAGE * PAGE
+        self.held.update(extend_page_hashes([], prompt[:full], PAGE))
+
+    def cached_prefix_pages(self, hashes) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.held:
+            n += 1
+        return n
+
+
+SYSTEM = list(range(10, 30))  # 5 pages
+
+
+def test_prefix_cached_on_a_busier_replica_wins():
+    a, b = PrefixFake(), PrefixFake()
+    b.cache(SYSTEM + [1, 2, 3])
+    router = ReplicaRouter([a, b])
+    router.add_requests([new("q1", prompt=[50, 51])])  # no full page: shortest queue -> a
+    router.add_requests([new("q2", prompt=[60, 61])])  # -> b (a has one)
+    router.add_requests([new("q3", prompt=[70, 71])])  # -> a
+    assert router.owner == {"q1": 0, "q2": 1, "q3": 0}
+    # b holds the system prompt: it takes the next one although a's queue is as long
+    router.add_requests([new("x", prompt=SYSTEM + [5, 6, 7, 8])])
+    assert router.owner["x"] == 1
+    # the replica's prompt is the token ids (tokenised once, by the router)
+    assert b.running["x"][2] == SYSTEM + [5, 6, 7, 8]
+
+
+def test_followers_track_a_prefix_still_being_computed():
+    """Nothing cached yet: a conversation's next turn and requests in the same call sharing a
+    prompt's pages follow the replica it was sent to, not the shorter queue."""
+    a, b = PrefixFake(), PrefixFake()
+    router = ReplicaRouter([a, b])
+    turn1 = SYSTEM + [1, 2, 3, 4, 5]
+    router.add_requests([new("c1", prompt=turn1), new("c2", prompt=SYSTEM + [9, 9, 9, 9])])
+    assert router.owner == {"c1": 0, "c2": 0}  # one call: c2 follows c1's system prompt
+    router.add_requests([new("other", prompt=[7] * 12)])  # unrelated: the shorter queue
+    assert router.owner["other"] == 1
+    router.add_requests([new("c1-turn2", prompt=turn1 + [40, 41, 42, 43, 44])])
+    assert router.owner["c1-turn2"] == 0
+
+
+def test_a_full_prefix_holder_spills_to_a_replica_with_room():
+    a, b = PrefixFake(seqs=2), PrefixFake(seqs=2)
+    a.cache(SYSTEM)
+    router = ReplicaRouter([a, b])
+    router.add_requests([new(f"s{i}", prompt=SYSTEM + [i]) for i in range(3)])
+    # a had room for two; the third goes where there is room, prefix or not
+    assert router.owner == {"s0": 0, "s1": 0, "s2": 1}
+    # a is still full: b, which holds the prefix now too (routed there), takes the next
+    router.add_requests([new("s3", prompt=SYSTEM + [3])])
+    assert router.owner["s3"] == 1
+
+
+def test_shortest_queue_routing_ignores_prefixes():
+    a, b = PrefixFake(routing="shortest_queue"), PrefixFake(routing="shortest_queue")
+    b.cache(SYSTEM)
+    router = ReplicaRouter([a, b])
+    router.add_requests([new("x", prompt=SYSTEM + [1])])
+    router.add_requests([new("y", prompt=SYSTEM + [2])])
+    assert router.owner == {"x": 0, "y": 1}
+
+
+def test_text_prompts_are_tokenised_once_for_routing():
+    class Tok:
+        calls = 0
+
+        def __call__(self, text, add_special_tokens=True):
+            Tok.calls += 1
+            return {"input_ids": [ord(c) for c in text]}
+
+    a, b = PrefixFake(tokenizer=Tok()), PrefixFake(tokenizer=Tok())
+    b.cache([ord(c) for c in "a shared system prompt"])
+    router = ReplicaRouter([a, b])
+    router.add_requests([NewRequest("t", "a shared system prompt, then a question",
+                                    SamplingParams(max_tokens=2))])
+    assert router.owner["t"] == 1 and Tok.calls == 1
+    assert b.running["t"][2] == [ord(c) for c in "a shared system prompt, then a question"]
