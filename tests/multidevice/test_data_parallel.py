@@ -51,3 +51,17 @@ def test_dp2_tp2_greedy_spread_and_abort(tiny_models):
     stats = router.stats()
     assert [s.steps > 0 for s in stats.replicas] == [True, True]
     assert stats.steps == sum(s.steps for s in stats.replicas)
+
+    # routing by prefix: a prompt that starts with ps[3] (70 tokens: 4 full pages) goes to the
+    # replica that cached ps[3] (replica 1: the first call alternated) though both are idle,
+    # and is served from its cache
+    holder = [i for i, r in enumerate(router.replicas)
+              if any(q.prompt_token_ids == ps[3] for q in r.last_finished)]
+    assert holder == [1]
+    follow = ps[3] + ps[1]
+    out = llm.generate([{"prompt_token_ids": follow}],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    served = router.replicas[1].last_finished[-1]
+    assert served.prompt_token_ids == follow and served.num_cached_tokens == 64
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, follow, 3)
