@@ -30,6 +30,8 @@ from jaxbatch.api.body import (  # noqa: F401 - re-exported: one protocol module
     load_json_body,
 )
 from jaxbatch.api.parsed import ParsedRequest  # noqa: F401 - re-exported
+from jaxbatch.api.reasoning import CLOSE as REASONING_CLOSE
+from jaxbatch.api.reasoning import opens_reasoning
 from jaxbatch.api.responses import (  # noqa: F401 - re-exported: one protocol module
     chat_chunk,
     chat_logprobs,
@@ -70,7 +72,10 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "see
            "prompt_logprobs", *STRUCTURED_OUTPUT_KEYS}
 _COMPLETION_KEYS = _COMMON | {"prompt", "echo"}  # chat's `echo` (vLLM's) stays refused
 _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                        "tool_choice", "parallel_tool_calls"}
+                        "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
+# what the renderer passes itself: a chat_template_kwargs key may not replace it
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "continue_final_message",
+                 "tokenize", "chat_template")
 _MAX_ERROR_TEXT = 300  # text quoted from elsewhere (a template's error) is cut to this
 
 
@@ -383,10 +388,46 @@ def check_names_used(msgs: list[dict], text: str, render: Callable[[list[dict]],
                           "unsupported_parameter")
 
 
+def template_variables(tokenizer: Any) -> set[str] | None:
+    """The variables the tokenizer's chat template reads (None: not a template jinja2 parses
+    here, so not checked)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    try:
+        import jinja2
+        from jinja2 import meta
+
+        return set(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except Exception:  # noqa: BLE001 - an extension jinja2 alone does not know
+        return None
+
+
+def _template_kwargs(body: dict, tokenizer: Any) -> dict[str, Any] | None:
+    """chat_template_kwargs: more variables for the template (vLLM's), each one the template
+    reads (a variable it never reads would be dropped silently: a 400 naming it)."""
+    kwargs = _get(body, "chat_template_kwargs", dict)
+    if not kwargs:
+        return None
+    for key in kwargs:
+        if key in _TEMPLATE_OWN:
+            raise bad_request(f"chat_template_kwargs: {show(key)} is set by the server, not "
+                              f"here", "chat_template_kwargs")
+    known = template_variables(tokenizer)
+    unused = sorted(k for k in kwargs if known is not None and k not in known)
+    if unused:
+        raise bad_request(f"chat_template_kwargs: this model's chat template does not read "
+                          f"{', '.join(map(show, unused))}", "chat_template_kwargs",
+                          "unsupported_parameter")
+    return kwargs
+
+
 def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
                        served_models: Sequence[str] | None = None,
-                       limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
-    """POST /v1/chat/completions body -> ParsedRequest (messages through the chat template)."""
+                       limits: RequestLimits = DEFAULT_LIMITS,
+                       reasoning_parser: str | None = None) -> ParsedRequest:
+    """POST /v1/chat/completions body -> ParsedRequest (messages through the chat template;
+    `reasoning_parser`: the server's --reasoning-parser, reasoning.py)."""
     body = _check_keys(body, _CHAT_KEYS, limits)
     model, stream, include_usage = _common(body, tokenizer, served_models)
     want_logprobs = _get(body, "logprobs", bool, False)
@@ -405,14 +446,25 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
             for i, m in enumerate(messages)]
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    template_kwargs = _template_kwargs(body, tokenizer)
     try:
-        text, ids = render_tool_chat(tokenizer, msgs, tools)
+        text, ids = render_tool_chat(tokenizer, msgs, tools, template_kwargs)
     except Exception as e:  # noqa: BLE001 - a template that raises on this conversation
         why = str(e)[:_MAX_ERROR_TEXT] or type(e).__name__
         raise bad_request(f"the chat template failed on these messages: {why}",
                           "messages") from None
-    check_names_used(msgs, text, lambda ms: render_tool_chat(tokenizer, ms, tools)[0])
+    check_names_used(msgs, text,
+                     lambda ms: render_tool_chat(tokenizer, ms, tools, template_kwargs)[0])
     _check_length(len(ids), sp, max_model_len, "messages")
+    so = sp.structured_outputs
+    if reasoning_parser is not None and so is not None and \
+            not text.rstrip().endswith(REASONING_CLOSE):
+        # the grammar is the answer's: it starts after the reasoning (unless the prompt closed
+        # the reasoning already: thinking switched off)
+        sp = dataclasses.replace(sp, structured_outputs=dataclasses.replace(
+            so, after=REASONING_CLOSE))
     return ParsedRequest("chat", model, [{"prompt_token_ids": ids, "prompt": text}], sp, stream,
                          include_usage, top_logprobs, tool_calls=tools is not None,
-                         prompt_logprobs=sp.prompt_logprobs)
+                         prompt_logprobs=sp.prompt_logprobs, reasoning_parser=reasoning_parser,
+                         reasoning_open=reasoning_parser is not None and
+                         opens_reasoning(reasoning_parser, text))

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbatch.api.parsed import ParsedRequest
+from jaxbatch.api.reasoning import ReasoningStream, split_reasoning
 from jaxbatch.api.tool_calls import ToolCallStream, parse_tool_calls
 from jaxbatch.core.outputs import CompletionOutput, RequestOutput
 
@@ -141,14 +142,20 @@ def response_body(parsed: ParsedRequest, outputs: Sequence[RequestOutput], token
 
 def _chat_message(parsed: ParsedRequest, c: CompletionOutput, finish: str | None
                   ) -> tuple[dict[str, Any], str | None]:
-    """The assistant message; with tools, its <tool_call> blocks as `tool_calls` (finish
-    reason "tool_calls" when it stopped by itself)."""
-    if parsed.tool_calls:
-        content, calls = parse_tool_calls(c.text)
+    """The assistant message; with a reasoning parser, the reasoning as `reasoning_content`;
+    with tools, the answer's <tool_call> blocks as `tool_calls` (finish reason "tool_calls"
+    when it stopped by itself)."""
+    text: str | None = c.text
+    thought: dict[str, Any] = {}
+    if parsed.reasoning_parser is not None:
+        reasoning, text = split_reasoning(parsed.reasoning_parser, c.text, parsed.reasoning_open)
+        thought = {"reasoning_content": reasoning}
+    if parsed.tool_calls and text:
+        content, calls = parse_tool_calls(text)
         if calls:
-            return ({"role": "assistant", "content": content, "tool_calls": calls},
+            return ({"role": "assistant", **thought, "content": content, "tool_calls": calls},
                     "tool_calls" if finish == "stop" else finish)
-    return {"role": "assistant", "content": c.text}, finish
+    return {"role": "assistant", **thought, "content": text}, finish
 
 
 completion_response = chat_response = response_body  # one builder; kind comes from `parsed`
@@ -173,17 +180,24 @@ def completion_chunk(parsed: ParsedRequest, response_id: str, created: int, mode
 
 def chat_chunk(parsed: ParsedRequest, response_id: str, created: int, model: str,
                index: int, out: RequestOutput | None, tokenizer: Any,
-               first: bool = False, tools: ToolCallStream | None = None) -> dict[str, Any]:
+               first: bool = False, tools: ToolCallStream | None = None,
+               reasoning: ReasoningStream | None = None) -> dict[str, Any]:
     """One streamed chat delta; `first` adds the assistant role (out may then be None);
-    `tools` (with tools: one reader per choice) turns <tool_call> blocks into delta.tool_calls."""
+    `reasoning` (with a reasoning parser: one reader per choice) puts the reasoning in
+    delta.reasoning_content; `tools` (with tools: one reader per choice) turns the answer's
+    <tool_call> blocks into delta.tool_calls."""
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
     lp, finish = None, None
     if out is not None:
         c = out.outputs[0]
         content = out.delta_text
         finish = _finish_reason(out)
+        if reasoning is not None:
+            thought, content = reasoning.feed(content, final=out.finished)
+            if thought:
+                delta["reasoning_content"] = thought
         if tools is not None:
-            content, calls = tools.feed(out.delta_text, final=out.finished)
+            content, calls = tools.feed(content, final=out.finished)
             if calls:
                 delta["tool_calls"] = calls
             if finish == "stop" and tools.calls:

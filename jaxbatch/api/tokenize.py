@@ -9,8 +9,8 @@ detokenize:          {model?, tokens: [int]}  ->  {"prompt": str}
 
 The same paths as generation: text through core/prompts.encode_text, messages through the chat
 request's message parser and core/prompts.render_chat, so what /v1/tokenize returns is what a
-completion or chat request would run. vLLM's other chat fields (tools, chat_template,
-chat_template_kwargs, mm_processor_kwargs) are refused by name unless null; unknown fields are
+completion or chat request would run (chat_template_kwargs included). vLLM's other chat fields
+(tools, chat_template, mm_processor_kwargs) are refused by name unless null; unknown fields are
 400s, as on the generation routes.
 """
 
@@ -27,6 +27,7 @@ from jaxbatch.api.protocol import (
     _get,
     _int_list,
     _message,
+    _template_kwargs,
     bad_request,
     check_names_used,
 )
@@ -35,8 +36,8 @@ from jaxbatch.core.sampling_params import show
 
 _PROMPT_KEYS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 _CHAT_KEYS = {"model", "messages", "add_generation_prompt", "continue_final_message",
-              "add_special_tokens", "return_token_strs"}
-_CHAT_REFUSED = ("tools", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
+              "add_special_tokens", "return_token_strs", "chat_template_kwargs"}
+_CHAT_REFUSED = ("tools", "chat_template", "mm_processor_kwargs")
 
 
 def tokenize(body: Any, tokenizer: Any, max_model_len: int,
@@ -86,10 +87,11 @@ def _chat_ids(body: dict, tokenizer: Any) -> list[int]:
     msgs = [_message(m, i) for i, m in enumerate(messages)]
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template", "messages")
+    template_kwargs = _template_kwargs(body, tokenizer)
 
     def render(ms: list[dict]) -> tuple[str, list[int]]:
         return render_chat(tokenizer, ms, gen, continue_final_message=cont,
-                           add_special_tokens=special)
+                           add_special_tokens=special, template_kwargs=template_kwargs)
 
     try:
         text, ids = render(msgs)

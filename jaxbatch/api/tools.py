@@ -205,10 +205,11 @@ def _as_plain_messages(messages: list[dict], tools: list[dict] | None) -> list[d
     return out
 
 
-def render_tool_chat(tokenizer: Any, messages: list[dict], tools: ChatTools | None
-                     ) -> tuple[str, list[int]]:
+def render_tool_chat(tokenizer: Any, messages: list[dict], tools: ChatTools | None,
+                     template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """The conversation with its tools through the chat template -> (prompt text, ids)."""
     listed = tools.tools if tools is not None else None
     if _template_knows_tools(tokenizer):
-        return render_chat(tokenizer, messages, tools=listed)
-    return render_chat(tokenizer, _as_plain_messages(messages, listed))
+        return render_chat(tokenizer, messages, tools=listed, template_kwargs=template_kwargs)
+    return render_chat(tokenizer, _as_plain_messages(messages, listed),
+                       template_kwargs=template_kwargs)

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from jaxbatch.api.reasoning import REASONING_PARSERS
 from jaxbatch.cli import distributed
 from jaxbatch.cli.distributed import add_distributed_args
 from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args, require_readable
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="a thinking model's reasoning apart from its answer: chat messages get "
+                        "it as reasoning_content (streamed as delta.reasoning_content)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="429 with Retry-After when this many requests already wait for the "
@@ -117,7 +121,7 @@ async def _serve(args: argparse.Namespace, engine: EngineClient, api_key: str | 
 
     names = args.served_model_name or [engine.config.model.model]
     server = await Server.start(engine, args.host, args.port, names, api_key,
-                                limits_from_args(args))
+                                limits_from_args(args), args.reasoning_parser)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

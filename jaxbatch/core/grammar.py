@@ -97,6 +97,10 @@ class GrammarMatchers:
         self.eos_token_ids = tuple(eos_token_ids)
         self.words = bitmask_words(vocab_size)
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        # grammars that start after a text (StructuredOutputsParams.after): the output's text so
+        # far (its last characters) while waiting, then the output position the grammar starts at
+        self._waiting_text: dict[str, str] = {}
+        self._start: dict[str, int] = {}
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # grammar -> fresh
         self._executor: llguidance.LLExecutor | None = None
         self._unconstrained: dict[int, np.ndarray] = {}  # rows -> read-only all-ones mask
@@ -128,23 +132,50 @@ class GrammarMatchers:
         self._compiled.move_to_end(grammar)
         return fresh.deep_copy()
 
-    def _matcher(self, req: Request, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+    def _matcher(self, req: Request, params: StructuredOutputsParams
+                 ) -> llguidance.LLMatcher | None:
+        """The request's matcher (made, and fed its output so far, on first use); None while
+        its grammar waits for its `after` text."""
         matcher = self._matchers.get(req.request_id)
         if matcher is None:
+            start = self._started_at(req, params)
+            if start is None:
+                return None
             matcher = self._matchers[req.request_id] = self.check(params)
-            if req.output_token_ids and not matcher.consume_tokens(req.output_token_ids):
+            done = req.output_token_ids[start:]
+            if done and not matcher.consume_tokens(done):
                 raise RuntimeError(f"the grammar refused the request's output so far: "
                                    f"{matcher.get_error()}")
         return matcher
 
+    def _started_at(self, req: Request, params: StructuredOutputsParams) -> int | None:
+        """Where in the output the grammar starts: 0 without `after`; with it, after the token
+        that completed the text (`advance` watches each sampled token), None until then."""
+        if params.after is None:
+            return 0
+        return self._start.get(req.request_id)
+
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._start.pop(request_id, None)
+        self._waiting_text.pop(request_id, None)
 
     def advance(self, req: Request, token: int) -> bool:
         """The request's sampled token joins its matcher -> whether the grammar is complete
-        (nothing but EOS may follow). A token the mask did not allow is a RuntimeError."""
+        (nothing but EOS may follow). A token the mask did not allow is a RuntimeError. A
+        grammar waiting for its `after` text starts after the token that completes it."""
         matcher = self._matchers.get(req.request_id)
         if matcher is None:
+            params = req.sampling_params.structured_outputs
+            if params is not None and params.after is not None and \
+                    req.request_id not in self._start:
+                rid = req.request_id
+                text = (self._waiting_text.get(rid, "") + self.tokenizer.decode([token]))
+                if params.after in text:
+                    self._start[rid] = len(req.output_token_ids)  # token is the last of them
+                    self._waiting_text.pop(rid, None)
+                else:
+                    self._waiting_text[rid] = text[-4 * len(params.after) - 64:]
             return False
         if not matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused sampled token {token}: "
@@ -165,10 +196,12 @@ class GrammarMatchers:
             if s.samples and params is not None:
                 assert not s.spec_token_ids, "a constrained request does not speculate"
                 try:
-                    todo.append((self._matcher(s.request, params), row))
+                    matcher = self._matcher(s.request, params)
                 except Exception as e:  # noqa: BLE001 - this request's grammar alone
                     raise MatcherError(i, e) from e
-                which.append(i)
+                if matcher is not None:  # None: waiting for its `after` text (unconstrained)
+                    todo.append((matcher, row))
+                    which.append(i)
             row += s.num_logit_rows
         if not todo:
             mask = self._unconstrained.get(num_rows)

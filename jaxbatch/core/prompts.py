@@ -33,15 +33,20 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> tuple[str | None, list[int]
 
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None, continue_final_message: bool = False,
-                add_special_tokens: bool = False) -> tuple[str, list[int]]:
+                add_special_tokens: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """Messages (and OpenAI tool definitions, for a template that renders them) through the
     model's chat template -> (prompt text, token ids). The template carries its own special
     tokens, so the text is tokenized without adding more (what apply_chat_template(tokenize=True)
     does). continue_final_message leaves the last message open for the model to continue;
-    add_special_tokens adds the tokenizer's own (BOS ...) on top (both as vLLM's /tokenize)."""
+    add_special_tokens adds the tokenizer's own (BOS ...) on top (both as vLLM's /tokenize).
+    template_kwargs: more variables for the template (a request's chat_template_kwargs, e.g.
+    Qwen3's enable_thinking)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
-    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    extra: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
     if continue_final_message:
         extra["continue_final_message"] = True
     text = tokenizer.apply_chat_template(messages, tokenize=False,

@@ -32,6 +32,10 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
     json_object: bool | None = None  # any JSON object
+    # the grammar applies from the token after the one that completes this text in the output
+    # (None: from the first token): a thinking model's answer after its reasoning ("</think>",
+    # set by the server's reasoning parser, api/reasoning.py)
+    after: str | None = None
 
     def __post_init__(self) -> None:
         def bad(why: str) -> ValueError:
@@ -61,6 +65,8 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.json_object not in (None, True, False):
             raise bad("json_object must be true")
+        if self.after is not None and (not isinstance(self.after, str) or not self.after):
+            raise bad("after must be a non-empty string")
 
     @property
     def kind(self) -> str:
@@ -89,7 +95,7 @@ def structured_outputs_from(value: Any) -> StructuredOutputsParams | None:
     if value is None or isinstance(value, StructuredOutputsParams):
         return value
     if isinstance(value, dict):
-        unknown = sorted(set(value) - set(_FIELDS))
+        unknown = sorted(set(value) - set(_FIELDS) - {"after"})
         if unknown:
             raise ValueError(f"SamplingParams.structured_outputs: unknown field(s) {unknown} "
                              f"(supported: {', '.join(_FIELDS)})")

@@ -93,7 +93,8 @@ class Server:
     @classmethod
     async def start(cls, engine: EngineClient, host: str = "127.0.0.1", port: int = 8000,
                     served_names: list[str] | None = None, api_key: str | None = None,
-                    limits: ServerLimits | None = None) -> Server:
+                    limits: ServerLimits | None = None,
+                    reasoning_parser: str | None = None) -> Server:
         limits = limits or ServerLimits()
         names = served_names or [engine.config.model.model]
         spec = getattr(getattr(engine.config, "speculation", None), "speculative_config", None)
@@ -107,7 +108,8 @@ class Server:
         choice = getattr(getattr(engine, "runner", None), "invariance", None)
         app = create_app(ServerState(aeng, names, m, engine.tokenizer, engine.max_model_len,
                                      api_key, limits, pool,
-                                     determinism=choice.describe() if choice else None))
+                                     determinism=choice.describe() if choice else None,
+                                     reasoning_parser=reasoning_parser))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=5.0, keepalive_timeout=limits.header_timeout,
                                lingering_time=LINGER_S)

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from jaxbatch.api import protocol as protocol
 from jaxbatch.api.protocol import ApiError
+from jaxbatch.api.reasoning import ReasoningStream
 from jaxbatch.api.tool_calls import ToolCallStream
 from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.server.async_engine import (
@@ -46,8 +47,12 @@ def _parse(st: ServerState, kind: str, raw: bytes) -> protocol.ParsedRequest:
     """JSON decoding, tokenisation and the chat template: CPU work that a 10 MB prompt makes long,
     so it runs in the parse pool and the event loop keeps streaming to everyone else."""
     body = protocol.load_json_body(raw, st.limits.request)
-    parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
-    return parse(body, st.tokenizer, st.max_model_len, st.served_names, st.limits.request)
+    if kind == "chat":
+        return protocol.parse_chat_request(body, st.tokenizer, st.max_model_len,
+                                           st.served_names, st.limits.request,
+                                           st.reasoning_parser)
+    return protocol.parse_completion_request(body, st.tokenizer, st.max_model_len,
+                                             st.served_names, st.limits.request)
 
 
 def _engine_failed(rid: str, out: RequestOutput) -> ApiError:
@@ -126,6 +131,8 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
     offsets = [0] * len(stream.ids)  # per choice: every prompt's n choices (index i * n + j)
     started: set[int] = set()  # completions' choices that sent a chunk (the first echoes)
     tools = [ToolCallStream() for _ in stream.ids] if parsed.tool_calls else None
+    thinking = [ReasoningStream(parsed.reasoning_parser, parsed.reasoning_open)
+                for _ in stream.ids] if parsed.reasoning_parser else None
     if chat:
         for i in range(len(stream.ids)):
             await resp.write(_sse({**protocol.chat_chunk(parsed, response_id, created, model, i,
@@ -139,7 +146,8 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
             continue  # a token whose text is held back (partial character, stop string)
         if chat:
             chunk = protocol.chat_chunk(parsed, response_id, created, model, i, out, tok,
-                                        tools=tools[i] if tools else None)
+                                        tools=tools[i] if tools else None,
+                                        reasoning=thinking[i] if thinking else None)
             choice = chunk["choices"][0]
             if not choice["delta"] and choice["finish_reason"] is None and not with_lp:
                 continue  # text held back by the tool-call reader

@@ -49,6 +49,8 @@ class ServerState:
     # /v1/models' account of the engine's numerics: whether a request's tokens are independent
     # of its batch, and why (engine/invariance.py InvarianceChoice.describe())
     determinism: dict | None = None
+    # --reasoning-parser (api/reasoning.py): chat answers' reasoning as reasoning_content
+    reasoning_parser: str | None = None
 
 
 STATE = web.AppKey("state", ServerState)

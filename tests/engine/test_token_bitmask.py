@@ -116,3 +116,39 @@ def test_sampled_tokens_stay_inside_the_mask():
                 assert int(ids[i]) in toks, (temp, i, ids[i])
                 if temp == 0.0:
                     assert ids[i] == max(toks, key=lambda t: logits[i, t])
+
+
+def test_a_grammar_after_a_text_starts_after_it(tokenizer):
+    """StructuredOutputsParams.after (a thinking model's answer after `</think>`): the row is
+    unconstrained until a sampled token completes the text, then the grammar holds from the next
+    token, as a fresh matcher fed nothing before it."""
+    grammars = GrammarMatchers(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    so = StructuredOutputsParams(json=SCHEMA, after="</think>")
+    req = _seq("t", so, []).request
+
+    def mask_now() -> np.ndarray:  # the request's next sampling row
+        req.num_computed_tokens = req.num_tokens - 1
+        return grammars.step_bitmask([ScheduledSeq(req, req.num_tokens - 1, 1)], 1)
+
+    thinking = tokenizer("<think>\nI could answer {not json} here.\n</think>",
+                         add_special_tokens=False)["input_ids"]
+    for tok in thinking:
+        assert (mask_now() == -1).all()  # free while thinking
+        req.output_token_ids.append(tok)
+        assert grammars.advance(req, tok) is False
+    mask = mask_now()
+    ref = llguidance.LLMatcher(llguidance.hf.from_tokenizer(
+        tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id]), so.to_grammar())
+    allowed = np.frombuffer(ref.compute_logit_bias(), np.uint8)[:len(tokenizer)] > 0
+    got = np.asarray(apply_token_bitmask(jnp.zeros((1, len(tokenizer))), jnp.asarray(mask)))
+    np.testing.assert_array_equal(np.isfinite(got[0]), allowed)
+    assert 0 < allowed.sum() < len(tokenizer) // 10  # a JSON object's first token: constrained
+    answer = tokenizer('{"name": "x", "tags": []}', add_special_tokens=False)["input_ids"]
+    done = False
+    for tok in answer:
+        assert not (mask_now() == -1).all()
+        req.output_token_ids.append(tok)
+        done = grammars.advance(req, tok)
+    assert done
+    grammars.remove("t")
+    assert "t" not in grammars and not grammars._start
