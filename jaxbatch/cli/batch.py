@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsync-seconds", type=float, default=1.0,
                    help="... or every T seconds, whichever comes first (and at exit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ray = p.add_argument_group("Ray (one engine per replica on the nodes of a Ray cluster)")
+    ray.add_argument("--ray", metavar="ADDRESS", default=None,
+                     help="run the job on a Ray cluster: its address (host:port, ray://..., "
+                          "or auto); the results are written here, as without it")
+    ray.add_argument("--ray-replicas", type=int, default=None,
+                     help="engines (Ray actors), spread over the nodes (default: one per node)")
+    ray.add_argument("--ray-cpus-per-replica", type=float, default=1.0,
+                     help="CPUs Ray reserves for each engine (default 1)")
     # the server's request limits: a line is refused exactly as `jaxbatch serve` refuses a body
     add_request_limit_args(p.add_argument_group("request limits (as jaxbatch serve)"))
     add_engine_args(p)
@@ -88,6 +96,9 @@ def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
         return EXIT_REFUSED
     if args.max_in_flight is not None and args.max_in_flight < 1:
         _say("--max-in-flight must be >= 1")
+        return EXIT_REFUSED
+    if args.ray_replicas is not None and args.ray_replicas < 1:
+        _say("--ray-replicas must be >= 1")
         return EXIT_REFUSED
     try:
         config = engine_config_from_args(args, "jaxbatch batch")
@@ -158,7 +169,11 @@ def _run(args: argparse.Namespace, config: EngineConfig, engine: EngineClient | 
          todo: int) -> JobStats:
     from jaxbatch.batch.job import BatchJob
 
-    if engine is None:
+    if engine is None and args.ray:
+        from jaxbatch.engine.ray_replicas import RayReplicas
+
+        engine = RayReplicas(config, args.ray, args.ray_replicas, args.ray_cpus_per_replica)
+    elif engine is None:
         from jaxbatch.engine.replicas import build_engine
 
         engine = build_engine(config)  # data_parallel_size > 1: a ReplicaRouter
