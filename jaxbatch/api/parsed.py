@@ -23,7 +23,7 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) before each choice
     prompt_logprobs: int | None = None  # as the body asked (echo with logprobs computes them too)
     tool_calls: bool = False  # chat with tools: the output is read for calls (tool_calls.py)
-    # chat with a reasoning parser (reasoning.py): its name, and whether the output starts
-    # inside the reasoning (the prompt left it open)
+    # chat with a reasoning parser (reasoning.py): its name, and where the output starts (the
+    # reader's state after the prompt: reasoning.start_state)
     reasoning_parser: str | None = None
-    reasoning_open: bool = False
+    reasoning_start: str = "start"

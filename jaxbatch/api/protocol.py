@@ -31,7 +31,7 @@ from jaxbatch.api.body import (  # noqa: F401 - re-exported: one protocol module
 )
 from jaxbatch.api.parsed import ParsedRequest  # noqa: F401 - re-exported
 from jaxbatch.api.reasoning import CLOSE as REASONING_CLOSE
-from jaxbatch.api.reasoning import opens_reasoning
+from jaxbatch.api.reasoning import start_state
 from jaxbatch.api.responses import (  # noqa: F401 - re-exported: one protocol module
     chat_chunk,
     chat_logprobs,
@@ -456,8 +456,16 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
     check_names_used(msgs, text,
                      lambda ms: render_tool_chat(tokenizer, ms, tools, template_kwargs)[0])
     _check_length(len(ids), sp, max_model_len, "messages")
+    if reasoning_parser == "gpt_oss":
+        if sp.structured_outputs is not None:
+            raise bad_request("structured output and forced tool calls are not supported with "
+                              "the gpt_oss reasoning parser (the grammar would hold before "
+                              "harmony's final channel)", "response_format",
+                              "unsupported_parameter")
+        # harmony's channel markers are special tokens: the reader needs them in the text
+        sp = dataclasses.replace(sp, skip_special_tokens=False)
     so = sp.structured_outputs
-    if reasoning_parser is not None and so is not None and \
+    if reasoning_parser in ("qwen3", "deepseek_r1") and so is not None and \
             not text.rstrip().endswith(REASONING_CLOSE):
         # the grammar is the answer's: it starts after the reasoning (unless the prompt closed
         # the reasoning already: thinking switched off)
@@ -466,5 +474,5 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
     return ParsedRequest("chat", model, [{"prompt_token_ids": ids, "prompt": text}], sp, stream,
                          include_usage, top_logprobs, tool_calls=tools is not None,
                          prompt_logprobs=sp.prompt_logprobs, reasoning_parser=reasoning_parser,
-                         reasoning_open=reasoning_parser is not None and
-                         opens_reasoning(reasoning_parser, text))
+                         reasoning_start=start_state(reasoning_parser, text)
+                         if reasoning_parser is not None else "start")

@@ -148,7 +148,8 @@ def _chat_message(parsed: ParsedRequest, c: CompletionOutput, finish: str | None
     text: str | None = c.text
     thought: dict[str, Any] = {}
     if parsed.reasoning_parser is not None:
-        reasoning, text = split_reasoning(parsed.reasoning_parser, c.text, parsed.reasoning_open)
+        reasoning, text = split_reasoning(parsed.reasoning_parser, c.text,
+                                          parsed.reasoning_start)
         thought = {"reasoning_content": reasoning}
     if parsed.tool_calls and text:
         content, calls = parse_tool_calls(text)

@@ -131,7 +131,7 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
     offsets = [0] * len(stream.ids)  # per choice: every prompt's n choices (index i * n + j)
     started: set[int] = set()  # completions' choices that sent a chunk (the first echoes)
     tools = [ToolCallStream() for _ in stream.ids] if parsed.tool_calls else None
-    thinking = [ReasoningStream(parsed.reasoning_parser, parsed.reasoning_open)
+    thinking = [ReasoningStream(parsed.reasoning_parser, parsed.reasoning_start)
                 for _ in stream.ids] if parsed.reasoning_parser else None
     if chat:
         for i in range(len(stream.ids)):

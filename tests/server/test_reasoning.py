@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxbatch.api import protocol as P
-from jaxbatch.api.reasoning import ReasoningStream, opens_reasoning, split_reasoning
+from jaxbatch.api.reasoning import ReasoningStream, split_reasoning, start_state
 from jaxbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tests.server.support import FakeEngine, ServerThread
 
@@ -144,7 +144,7 @@ def test_kwargs_reach_the_template(tok):
                               512, reasoning_parser="qwen3")
     assert off.prompts[0]["prompt"].endswith("<think>\n\n</think>\n\n")
     assert not on.prompts[0]["prompt"].endswith("</think>\n\n")
-    assert not off.reasoning_open and not on.reasoning_open
+    assert off.reasoning_start == on.reasoning_start == "start"
 
 
 CASES = [  # (parser, prompt's tail, output) -> (reasoning, content)
@@ -162,7 +162,7 @@ CASES = [  # (parser, prompt's tail, output) -> (reasoning, content)
 
 @pytest.mark.parametrize("parser,prompt,text,want", CASES)
 def test_parsers_stream_and_whole_agree(parser, prompt, text, want):
-    open_ = opens_reasoning(parser, prompt)
+    open_ = start_state(parser, prompt)
     assert split_reasoning(parser, text, open_) == want
     rng = random.Random(0)
     for _ in range(50):
@@ -186,3 +186,43 @@ def test_structured_output_constrains_the_answer_only(tok):
     assert off.sampling_params.structured_outputs.after is None
     plain = P.parse_chat_request(body, tok, 512)
     assert plain.sampling_params.structured_outputs.after is None
+
+
+HARMONY_PROMPT = "<|start|>user<|message|>What is 2 + 2?<|end|><|start|>assistant"
+HARMONY_OUT = ("<|channel|>analysis<|message|>Two plus two is four.<|end|><|start|>assistant"
+               "<|channel|>final<|message|>The answer is 4.<|return|>")
+
+
+@pytest.mark.parametrize("prompt,text,want", [
+    (HARMONY_PROMPT, HARMONY_OUT, ("Two plus two is four.", "The answer is 4.")),
+    # the prompt opened the analysis message itself
+    (HARMONY_PROMPT + "<|channel|>analysis<|message|>", "Hmm.<|end|><|start|>assistant<|channel|>"
+     "final<|message|>4", ("Hmm.", "4")),
+    # a constrained final message, a commentary preamble, an unknown special token
+    (HARMONY_PROMPT, "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>"
+     "commentary<|message|>b<|end|><|start|>assistant<|channel|>final <|constrain|>json"
+     "<|message|>{}<|endoftext|>", ("a", "b{}")),
+    (HARMONY_PROMPT, "<|channel|>analysis<|message|>cut off", ("cut off", None)),
+    # off the format: no message at all, so the text is the answer
+    (HARMONY_PROMPT, "x <| y", (None, "x <| y")),
+])
+def test_harmony_channels(prompt, text, want):
+    start = start_state("gpt_oss", prompt)
+    assert split_reasoning("gpt_oss", text, start) == want
+    rng = random.Random(1)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(6, len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream = ReasoningStream("gpt_oss", start)
+        got = [stream.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        r, c = "".join(g[0] for g in got), "".join(g[1] for g in got)
+        assert (r or None, c or None) == want, pieces
+
+
+def test_gpt_oss_keeps_special_tokens_and_refuses_grammars(tok):
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    p = P.parse_chat_request(body, tok, 512, reasoning_parser="gpt_oss")
+    assert p.sampling_params.skip_special_tokens is False
+    with pytest.raises(P.ApiError, match="gpt_oss"):
+        P.parse_chat_request({**body, "response_format": {"type": "json_object"}}, tok, 512,
+                             reasoning_parser="gpt_oss")
