@@ -1,0 +1,178 @@
+"""jaxbatch's OpenAI server as a Ray Serve application: N engine replicas behind Serve's HTTP
+proxy, each request routed to the replica that served its prompt's prefix before.
+
+    import ray
+    from ray import serve
+    from jaxbatch.server.ray_serve import build_app
+
+    ray.init(address="auto")
+    serve.run(build_app({"model": "/models/model.gguf"}, num_replicas=4), route_prefix="/")
+
+Each replica (`EngineReplica`, one Ray actor) builds one engine and runs jaxbatch's own server
+on a local port, so every route, streaming, error body, limit and metric is `jaxbatch serve`'s;
+the ingress (`OpenAIIngress`) forwards each HTTP request to a replica through a deployment
+handle and streams the answer back (the replica's id in the `x-jaxbatch-replica` header).
+
+Routing (`PrefixAffinityRouter`, a Serve request router): the prompt's text (a completion's
+`prompt`, a chat's messages) is hashed at a few prefix lengths; a request goes to the replica
+that was last sent the longest of its prefixes, so a conversation's turns and the requests
+sharing a system prompt meet that replica's prefix cache, unless that replica's queue is longer
+than the shortest by more than `imbalance` requests; otherwise (and for prompts shorter than the
+shortest prefix) to the least loaded replica. Needs Ray with Serve (`pip install "ray[serve]"`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import threading
+from collections import OrderedDict
+from typing import Any
+
+PREFIX_CHARS = (256, 1024, 4096)  # the prompt text's prefixes a route is remembered by
+ROUTES_KEPT = 1 << 16
+_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
+
+
+def prompt_text(body: bytes) -> str:
+    """The text a request's prompt starts with, as far as the body says (no tokenizer here):
+    a chat's messages in order, or a completion's prompt (token ids as text)."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, TypeError):
+        return ""
+    if not isinstance(obj, dict):
+        return ""
+    msgs = obj.get("messages")
+    if isinstance(msgs, list):
+        return "".join(f"{m.get('role')}\x00{m.get('content')}\x00" for m in msgs
+                       if isinstance(m, dict))
+    prompt = obj.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def prefix_keys(body: bytes) -> list[str]:
+    """Hashes of the prompt's text at PREFIX_CHARS lengths it reaches (shortest first)."""
+    text = prompt_text(body)
+    return [hashlib.blake2b(text[:n].encode(), digest_size=12).hexdigest()
+            for n in PREFIX_CHARS if len(text) >= n]
+
+
+def _router_class() -> type:
+    from ray.serve.request_router import RequestRouter
+
+    class PrefixAffinityRouter(RequestRouter):
+        def initialize_state(self, imbalance: int = 4) -> None:
+            self._owner: OrderedDict[str, Any] = OrderedDict()  # prefix key -> replica id
+            self._imbalance = imbalance
+
+        @staticmethod
+        def _keys(pending: Any) -> list[str]:
+            args = pending.args if pending is not None else []
+            return prefix_keys(args[3]) if len(args) >= 4 and isinstance(args[3], bytes) else []
+
+        async def choose_replicas(self, candidate_replicas, pending_request=None):
+            if not candidate_replicas:
+                return []
+            cache = self._replica_queue_len_cache
+            load = {r.replica_id: cache.get(r.replica_id) or 0 for r in candidate_replicas}
+            least = min(load.values())
+            by_id = {r.replica_id: r for r in candidate_replicas}
+            for key in reversed(self._keys(pending_request)):
+                rid = self._owner.get(key)
+                if rid in by_id and load[rid] <= least + self._imbalance:
+                    return [[by_id[rid]]]
+            ranked = list(candidate_replicas)
+            random.shuffle(ranked)  # ties (equal queues) spread at random, as power-of-two
+            return [sorted(ranked, key=lambda r: load[r.replica_id])]
+
+        def on_request_routed(self, pending_request, replica_id, result) -> None:
+            for key in self._keys(pending_request):
+                self._owner[key] = replica_id
+                self._owner.move_to_end(key)
+            while len(self._owner) > ROUTES_KEPT:
+                self._owner.popitem(last=False)
+
+    return PrefixAffinityRouter
+
+
+class EngineReplica:
+    """One engine and jaxbatch's server on 127.0.0.1 (its own thread and event loop)."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], served_model_name: str | None = None
+                 ) -> None:
+        from jaxbatch.config import EngineConfig
+        from jaxbatch.engine.replicas import build_engine
+        from jaxbatch.server.app import Server
+
+        engine = build_engine(EngineConfig.from_flat(**engine_kwargs))
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="jaxbatch-server",
+                         daemon=True).start()
+        names = [served_model_name] if served_model_name else None
+        self._server = asyncio.run_coroutine_threadsafe(
+            Server.start(engine, "127.0.0.1", 0, names), self._loop).result()
+        try:
+            from ray import serve
+
+            self._id = str(serve.get_replica_context().replica_id.unique_id)
+        except Exception:  # noqa: BLE001 - outside Serve (tests): no id
+            self._id = "local"
+        self._session: Any = None
+
+    async def proxy(self, method: str, path: str, headers: dict[str, str], body: bytes):
+        """The local server's answer: first (status, headers), then the body in chunks."""
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP}
+        async with self._session.request(method, self._server.url + path, headers=fwd,
+                                         data=body) as resp:
+            out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+            out["x-jaxbatch-replica"] = self._id
+            yield resp.status, out
+            async for chunk in resp.content.iter_any():
+                yield chunk
+
+
+class OpenAIIngress:
+    """Serve's HTTP requests -> an engine replica (streamed both ways)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine.options(stream=True)
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import StreamingResponse
+
+        body = await request.body()
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        gen = self._engine.proxy.remote(request.method, path, dict(request.headers), body)
+        status, headers = await gen.__anext__()
+
+        async def rest():
+            async for chunk in gen:
+                yield chunk
+
+        return StreamingResponse(rest(), status_code=status, headers=headers)
+
+
+def build_app(engine_kwargs: dict[str, Any], num_replicas: int = 2,
+              served_model_name: str | None = None, cpus_per_replica: float = 1.0,
+              imbalance: int = 4) -> Any:
+    """The Serve application: `num_replicas` EngineReplicas (engine options as `LLM(...)` takes
+    them) routed by prefix, behind one OpenAIIngress. serve.run(app, route_prefix="/")."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    engines = serve.deployment(EngineReplica, name="jaxbatch-engine", num_replicas=num_replicas,
+                               ray_actor_options={"num_cpus": cpus_per_replica},
+                               max_ongoing_requests=1024,
+                               request_router_config=RequestRouterConfig(
+                                   request_router_class=_router_class(),
+                                   request_router_kwargs={"imbalance": imbalance}))
+    ingress = serve.deployment(OpenAIIngress, name="jaxbatch-openai",
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    return ingress.bind(engines.bind(dict(engine_kwargs), served_model_name))
