@@ -83,6 +83,12 @@ class _Harmony:
         reasoning, content = [], []
         while text:
             at = text.find("<|")
+            if at < 0 and not final and text.endswith("<"):
+                self._pending = "<"  # may become a marker
+                text = text[:-1]
+                at = -1 if not text else at
+                if not text:
+                    break
             if at < 0 or at > 0:
                 piece = text if at < 0 else text[:at]
                 text = "" if at < 0 else text[at:]
@@ -94,9 +100,8 @@ class _Harmony:
                 if close > 2 and text[2:close].replace("_", "").isalnum():
                     text = text[close + 2:]  # another special token (<|endoftext|> ...): dropped
                     continue
-                name = text[2:]
-                if not final and close < 0 and len(text) < 32 and \
-                        (not name or name.replace("_", "").isalnum()):
+                name = text[2:].removesuffix("|").replace("_", "")
+                if not final and close < 0 and len(text) < 32 and (not name or name.isalnum()):
                     self._pending = text  # may become a marker or a special token
                     break
                 self._take(text[:2], reasoning, content)  # not a marker: text
