@@ -86,7 +86,6 @@ class _Harmony:
             if at < 0 and not final and text.endswith("<"):
                 self._pending = "<"  # may become a marker
                 text = text[:-1]
-                at = -1 if not text else at
                 if not text:
                     break
             if at < 0 or at > 0:
