@@ -172,8 +172,12 @@ def _run(args: argparse.Namespace, config: EngineConfig, engine: EngineClient | 
     if engine is None and args.ray:
         from jaxbatch.engine.ray_replicas import RayReplicas
 
-        engine = RayReplicas(config, args.ray, args.ray_replicas, args.ray_cpus_per_replica)
-    elif engine is None:
+        replicas = RayReplicas(config, args.ray, args.ray_replicas, args.ray_cpus_per_replica)
+        try:  # the actors go with the job: their CPUs are the cluster's
+            return _run(args, config, replicas, writer, lines, done, todo)
+        finally:
+            replicas.close()
+    if engine is None:
         from jaxbatch.engine.replicas import build_engine
 
         engine = build_engine(config)  # data_parallel_size > 1: a ReplicaRouter

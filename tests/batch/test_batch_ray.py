@@ -66,7 +66,8 @@ def test_two_nodes_give_one_machines_texts(cluster, model_dir, one_machine, tmp_
 
 
 def test_a_killed_worker_loses_and_duplicates_nothing(cluster, model_dir, one_machine,
-                                                      tmp_path):
+                                                      tmp_path, monkeypatch):
+    from jaxbatch.engine import ray_replicas
     from jaxbatch.engine.ray_replicas import RayReplicas
 
     inp, want = one_machine
@@ -77,12 +78,13 @@ def test_a_killed_worker_loses_and_duplicates_nothing(cluster, model_dir, one_ma
 
     def step_then_kill():
         calls.append(1)
-        if len(calls) == 3:  # mid-job: both replicas hold unfinished requests
+        if len(calls) == 3:  # mid-job (two engine steps each): both hold unfinished requests
             assert all(replicas._load[i] > 0 for i in replicas.live)
             ray.kill(replicas._actors[1], no_restart=True)
         return step()
 
     replicas.step = step_then_kill
+    monkeypatch.setattr(ray_replicas, "STEP_SLICE_S", 0.0)  # one engine step per call
     out = tmp_path / "out.jsonl"
     args = build_parser().parse_args(["-i", inp, "-o", str(out), "--no-progress"])
     try:
