@@ -26,9 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import random
 import threading
-from collections import OrderedDict
 from typing import Any
 
 PREFIX_CHARS = (256, 1024, 4096)  # the prompt text's prefixes a route is remembered by
@@ -61,39 +59,8 @@ def prefix_keys(body: bytes) -> list[str]:
 
 
 def _router_class() -> type:
-    from ray.serve.request_router import RequestRouter
-
-    class PrefixAffinityRouter(RequestRouter):
-        def initialize_state(self, imbalance: int = 4) -> None:
-            self._owner: OrderedDict[str, Any] = OrderedDict()  # prefix key -> replica id
-            self._imbalance = imbalance
-
-        @staticmethod
-        def _keys(pending: Any) -> list[str]:
-            args = pending.args if pending is not None else []
-            return prefix_keys(args[3]) if len(args) >= 4 and isinstance(args[3], bytes) else []
-
-        async def choose_replicas(self, candidate_replicas, pending_request=None):
-            if not candidate_replicas:
-                return []
-            cache = self._replica_queue_len_cache
-            load = {r.replica_id: cache.get(r.replica_id) or 0 for r in candidate_replicas}
-            least = min(load.values())
-            by_id = {r.replica_id: r for r in candidate_replicas}
-            for key in reversed(self._keys(pending_request)):
-                rid = self._owner.get(key)
-                if rid in by_id and load[rid] <= least + self._imbalance:
-                    return [[by_id[rid]]]
-            ranked = list(candidate_replicas)
-            random.shuffle(ranked)  # ties (equal queues) spread at random, as power-of-two
-            return [sorted(ranked, key=lambda r: load[r.replica_id])]
-
-        def on_request_routed(self, pending_request, replica_id, result) -> None:
-            for key in self._keys(pending_request):
-                self._owner[key] = replica_id
-                self._owner.move_to_end(key)
-            while len(self._owner) > ROUTES_KEPT:
-                self._owner.popitem(last=False)
+    # Serve finds a request router by its module and name: its own module, which imports Ray
+    from jaxbatch.server.ray_serve_router import PrefixAffinityRouter
 
     return PrefixAffinityRouter
 
