@@ -10,7 +10,7 @@ from typing import Any
 
 from ray.serve.request_router import RequestRouter
 
-from jaxbatch.server.ray_serve import ROUTES_KEPT, prefix_keys
+from jaxbatch.server.prompt_prefix import ROUTES_KEPT, prefix_keys
 
 
 class PrefixAffinityRouter(RequestRouter):
