@@ -80,7 +80,8 @@ class _Harmony:
     def feed(self, delta: str, final: bool) -> tuple[str, str]:
         text = self._pending + delta
         self._pending = ""
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while text:
             at = text.find("<|")
             if at < 0 and not final and text.endswith("<"):

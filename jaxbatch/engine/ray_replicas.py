@@ -75,6 +75,7 @@ class EngineActor:
 @dataclasses.dataclass
 class _Open:
     new: NewRequest
+    rid: str  # new.request_id
     replica: int
     choices: set[str]  # its engine requests (choices) not finished yet
 
@@ -93,9 +94,10 @@ class RayReplicas:
         n = num_replicas or len(nodes)
         if n < 1:
             raise ValueError("the Ray cluster has no live node")
-        remote = ray.remote(EngineActor).options(num_cpus=cpus_per_replica, max_restarts=0,
-                                                  scheduling_strategy="SPREAD")
-        self._actors = [remote.remote(config) for _ in range(n)]
+        remote: Any = ray.remote(EngineActor).options(num_cpus=cpus_per_replica,
+                                                       max_restarts=0,
+                                                       scheduling_strategy="SPREAD")
+        self._actors: list[Any] = [remote.remote(config) for _ in range(n)]
         infos = ray.get([a.info.remote() for a in self._actors])  # every engine built
         self.config, self.max_model_len, self.tokenizer, _ = infos[0]
         self.node_ids = [info[3] for info in infos]
@@ -136,15 +138,17 @@ class RayReplicas:
                 self._lose(i)
                 i = self._least_loaded()
         for n in new:
+            rid = n.request_id
+            assert rid is not None, "add_requests names every request"
             n_choices = (n.sampling_params.n if n.sampling_params is not None else 1)
             # a choice whose final output was given before (a replica lost after it) is not
             # waited for again: its second run's output is left out
-            ids = [c for c in choice_request_ids(n.request_id, n_choices) if c not in self._done]
+            ids = [c for c in choice_request_ids(rid, n_choices) if c not in self._done]
             if not ids:
                 continue
-            self._open[n.request_id] = _Open(n, i, set(ids))
+            self._open[rid] = _Open(n, rid, i, set(ids))
             for cid in ids:
-                self._parent[cid] = n.request_id
+                self._parent[cid] = rid
             self._load[i] += len(ids)
 
     def abort_request(self, request_id: str) -> None:
@@ -200,7 +204,7 @@ class RayReplicas:
             self._load[st.replica] -= 1
             self._parent.pop(choice_id, None)
         if not st.choices:
-            self._open.pop(st.new.request_id, None)
+            self._open.pop(st.rid, None)
 
     def _lose(self, i: int) -> None:
         """Replica i is gone: its unfinished requests go to the live ones, from their prompts."""
@@ -213,7 +217,7 @@ class RayReplicas:
                     "%d live replica(s)", i, self.node_ids[i], len(orphans), len(self.live))
         self._load[i] = 0
         for st in orphans:
-            del self._open[st.new.request_id]
+            del self._open[st.rid]
             for cid in st.choices:
                 self._parent.pop(cid, None)
         for st in orphans:

@@ -129,9 +129,9 @@ class ReplicaRouter:
             if held is not None:
                 scores[i] = held(hashes)
         for k in range(len(hashes) - 1, -1, -1):  # the deepest page routed: its whole prefix
-            i = self._recent.get(hashes[k])
-            if i is not None:
-                scores[i] = max(scores[i], k + 1)
+            owner = self._recent.get(hashes[k])
+            if owner is not None:
+                scores[owner] = max(scores[owner], k + 1)
                 break
         return scores
 

@@ -106,12 +106,12 @@ def build_app(engine_kwargs: dict[str, Any], num_replicas: int = 2,
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    engines = serve.deployment(EngineReplica, name="jaxbatch-engine", num_replicas=num_replicas,
-                               ray_actor_options={"num_cpus": cpus_per_replica},
-                               max_ongoing_requests=1024,
-                               request_router_config=RequestRouterConfig(
-                                   request_router_class=_router_class(),
-                                   request_router_kwargs={"imbalance": imbalance}))
-    ingress = serve.deployment(OpenAIIngress, name="jaxbatch-openai",
-                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    router: Any = RequestRouterConfig(request_router_class=_router_class(),  # type: ignore[arg-type]
+                                      request_router_kwargs={"imbalance": imbalance})
+    engines: Any = serve.deployment(EngineReplica, name="jaxbatch-engine",
+                                    num_replicas=num_replicas,
+                                    ray_actor_options={"num_cpus": cpus_per_replica},
+                                    max_ongoing_requests=1024, request_router_config=router)
+    ingress: Any = serve.deployment(OpenAIIngress, name="jaxbatch-openai",
+                                    ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
     return ingress.bind(engines.bind(dict(engine_kwargs), served_model_name))

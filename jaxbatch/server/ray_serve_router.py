@@ -17,9 +17,9 @@ class PrefixAffinityRouter(RequestRouter):
     """A request goes to the replica last sent the longest prefix of its prompt text, unless its
     queue is longer than the shortest by more than `imbalance`; else to the least loaded."""
 
-    def initialize_state(self, imbalance: int = 4) -> None:
+    def initialize_state(self, **kwargs: Any) -> None:  # request_router_kwargs: imbalance
         self._owner: OrderedDict[str, Any] = OrderedDict()  # prefix key -> replica id
-        self._imbalance = imbalance
+        self._imbalance = int(kwargs.get("imbalance", 4))
 
     @staticmethod
     def _keys(pending: Any) -> list[str]:
