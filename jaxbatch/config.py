@@ -110,25 +110,30 @@ class KVEventsConfig:
         """A JSON string, a dict (vLLM's keys) or None; ValueError naming an unknown key."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: "
-                             f"{sorted(known)}")
-        value = dict(value)
+        fields = json_config_fields(value, "kv_events_config", cls)
         # vLLM: enabling events without naming a publisher means zmq
-        if value.get("enable_kv_cache_events") and "publisher" not in value:
-            value["publisher"] = "zmq"
-        return cls(**value)
+        if fields.get("enable_kv_cache_events") and "publisher" not in fields:
+            fields["publisher"] = "zmq"
+        return cls(**fields)
+
+
+def json_config_fields(value: Any, name: str, cls: type) -> dict[str, Any]:
+    """A JSON-object option (`--kv-events-config`, `--speculative-config`) given as JSON text or
+    a dict -> a new dict of `cls`'s fields; ValueError naming a key `cls` does not have."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {unknown}; known: {sorted(known)}")
+    return dict(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,24 +303,10 @@ class SpeculativeConfig:
         """A JSON string, a dict (vLLM's keys) or None; ValueError naming an unknown key."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        value = dict(value)
-        if value.get("method") is None:
-            value["method"] = "draft_model" if value.get("model") else "ngram"
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: "
-                             f"{sorted(known)}")
-        return cls(**value)
+        fields = json_config_fields(value, "speculative_config", cls)
+        if fields.get("method") is None:
+            fields["method"] = "draft_model" if fields.get("model") else "ngram"
+        return cls(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
