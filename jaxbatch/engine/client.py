@@ -52,6 +52,21 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries \
             else 0.0
 
+    @classmethod
+    def summed(cls, each: Sequence[EngineStats]) -> EngineStats:
+        """Several replicas' stats as one: counts summed (per-position tuples position by
+        position), fractions the largest, each replica's own in `replicas`."""
+        total: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "replicas":
+                continue
+            vals = [getattr(s, f.name) for s in each]
+            if isinstance(vals[0], tuple):
+                total[f.name] = tuple(sum(v) for v in zip(*vals))
+            else:
+                total[f.name] = max(vals) if isinstance(vals[0], float) else sum(vals)
+        return cls(**total, replicas=tuple(each))
+
 
 class EngineClient(Protocol):
     """The engine as the server (on its engine thread), batch jobs and `LLM` use it."""

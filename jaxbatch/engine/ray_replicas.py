@@ -237,16 +237,7 @@ class RayReplicas:
                 self._lose(i)
         if not each:
             raise RuntimeError("every Ray replica is gone")
-        total: dict[str, Any] = {}
-        for f in dataclasses.fields(EngineStats):
-            if f.name == "replicas":
-                continue
-            vals = [getattr(s, f.name) for s in each]
-            if isinstance(vals[0], tuple):
-                total[f.name] = tuple(sum(v) for v in zip(*vals))
-            else:
-                total[f.name] = max(vals) if isinstance(vals[0], float) else sum(vals)
-        return EngineStats(**total, replicas=tuple(each))
+        return EngineStats.summed(each)
 
     def close(self) -> None:
         for a in self._actors:

@@ -29,7 +29,6 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from jaxbatch.config import EngineConfig
 from jaxbatch.core.kv_pages import PageHash, extend_page_hashes
@@ -214,17 +213,7 @@ class ReplicaRouter:
     def stats(self) -> EngineStats:
         """The replicas' counts summed (fractions: the largest), each replica's own in
         `replicas` (/metrics labels them)."""
-        each = [r.stats() for r in self.replicas]
-        total: dict[str, Any] = {}
-        for f in dataclasses.fields(EngineStats):
-            if f.name == "replicas":
-                continue
-            vals = [getattr(s, f.name) for s in each]
-            if isinstance(vals[0], tuple):  # per position: summed position by position
-                total[f.name] = tuple(sum(v) for v in zip(*vals))
-            else:
-                total[f.name] = max(vals) if isinstance(vals[0], float) else sum(vals)
-        return EngineStats(**total, replicas=tuple(each))
+        return EngineStats.summed([r.stats() for r in self.replicas])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
