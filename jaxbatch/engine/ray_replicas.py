@@ -104,7 +104,9 @@ class RayReplicas:
         self.live = list(range(n))
         self._open: dict[str, _Open] = {}  # NewRequest id -> its state
         self._parent: dict[str, str] = {}  # engine request (choice) id -> its NewRequest's id
-        self._done: set[str] = set()  # choice ids whose final output was given
+        # choices whose final output was given but that run again (their request was re-sent
+        # after a replica was lost, for its other choices): their outputs are dropped
+        self._superseded: set[str] = set()
         self._load = [0] * n  # open engine requests per replica
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -141,9 +143,7 @@ class RayReplicas:
             rid = n.request_id
             assert rid is not None, "add_requests names every request"
             n_choices = (n.sampling_params.n if n.sampling_params is not None else 1)
-            # a choice whose final output was given before (a replica lost after it) is not
-            # waited for again: its second run's output is left out
-            ids = [c for c in choice_request_ids(rid, n_choices) if c not in self._done]
+            ids = [c for c in choice_request_ids(rid, n_choices) if c not in self._superseded]
             if not ids:
                 continue
             self._open[rid] = _Open(n, rid, i, set(ids))
@@ -161,7 +161,6 @@ class RayReplicas:
         except self._ray.exceptions.RayActorError:
             outs = []
         self._finish_choice(st, request_id)
-        self._done.add(request_id)
         self._pending.extend(outs)
 
     def drain_aborted(self) -> list[RequestOutput]:
@@ -187,11 +186,12 @@ class RayReplicas:
         """Outputs with the superseded ones (a final output already given) left out."""
         kept = []
         for o in outs:
-            if o.request_id in self._done:
+            if o.request_id in self._superseded:
+                if o.finished:  # its second run is over: nothing more comes of it
+                    self._superseded.discard(o.request_id)
                 continue
             kept.append(o)
             if o.finished:
-                self._done.add(o.request_id)
                 parent = self._parent.get(o.request_id)
                 st = self._open.get(parent) if parent is not None else None
                 if st is not None:
@@ -220,6 +220,8 @@ class RayReplicas:
             del self._open[st.rid]
             for cid in st.choices:
                 self._parent.pop(cid, None)
+            n_choices = st.new.sampling_params.n if st.new.sampling_params is not None else 1
+            self._superseded.update(set(choice_request_ids(st.rid, n_choices)) - st.choices)
         for st in orphans:
             self._send([st.new], self._least_loaded())
 
