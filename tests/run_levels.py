@@ -5,8 +5,8 @@ The suite itself runs the native library (JAXBATCH_CPU_LEVEL unset). An AVX2-onl
 the library built with `-march=x86-64-v3`, and an AVX-512 CPU without AMX the one without AMX
 instructions; both are built from the same sources with other #if paths, so this machine runs
 the library's kernel tests again with each (cpu_library.runnable_levels: avx2 and, on an
-AVX-512 CPU with AMX, avx512) and fails if any run fails. Each level is a pytest process of its own, since a
-process registers one library."""
+AVX-512 CPU with AMX, avx512) and fails if any run fails. Each level is a pytest process of its
+own, since a process registers one library."""
 
 from __future__ import annotations
 

@@ -64,11 +64,10 @@ def encode_batch(events: list[ev.KVCacheEvent], ts: float, data_parallel_rank: i
             parent = None if e.parent_block_hash is None else \
                 external_hash(e.parent_block_hash, as_int)
             out.append(wire.BlockStored([external_hash(h, as_int) for h in e.block_hashes],
-                                           parent, list(e.token_ids), e.block_size, None,
-                                           MEDIUM))
+                                        parent, list(e.token_ids), e.block_size, None, MEDIUM))
         elif isinstance(e, ev.BlockRemoved):
             out.append(wire.BlockRemoved([external_hash(h, as_int) for h in e.block_hashes],
-                                            MEDIUM))
+                                         MEDIUM))
         else:
             out.append(wire.AllBlocksCleared())
     return wire.ENCODER.encode(wire.KVEventBatch(ts, out, data_parallel_rank))

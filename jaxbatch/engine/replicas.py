@@ -12,10 +12,10 @@ sent), or among all when none has room; ties (no prefix anywhere, most often) go
 queue (waiting + running, plus what this same call already sent there), then to the most free KV
 pages. So a replica computes a shared prefix once and takes its followers as long as it keeps up;
 when it would queue while another has room, the other takes them and computes the prefix too.
-Several requests
-added in one call are spread that way and stay all-or-nothing: if one replica refuses its share,
-the shares already added elsewhere are aborted and their abort outputs swallowed. The router
-remembers which replica owns each live request id, so an abort reaches the right one.
+Several requests added in one call are spread that way and stay all-or-nothing: if one replica
+refuses its share, the shares already added elsewhere are aborted and their abort outputs
+swallowed. The router remembers which replica owns each live request id, so an abort reaches the
+right one.
 
 Stepping: the replicas with work step concurrently, one thread each (a jitted step releases the
 GIL while it runs), and `step()` returns when all have; a replica never touches another's arrays.
