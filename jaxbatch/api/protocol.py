@@ -17,6 +17,7 @@ re-exported here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,8 +31,7 @@ from jaxbatch.api.body import (  # noqa: F401 - re-exported: one protocol module
     load_json_body,
 )
 from jaxbatch.api.parsed import ParsedRequest  # noqa: F401 - re-exported
-from jaxbatch.api.reasoning import CLOSE as REASONING_CLOSE
-from jaxbatch.api.reasoning import start_state
+from jaxbatch.api.reasoning import reasoning_sampling, start_state
 from jaxbatch.api.responses import (  # noqa: F401 - re-exported: one protocol module
     chat_chunk,
     chat_logprobs,
@@ -388,17 +388,21 @@ def check_names_used(msgs: list[dict], text: str, render: Callable[[list[dict]],
                           "unsupported_parameter")
 
 
-def template_variables(tokenizer: Any) -> set[str] | None:
+def template_variables(tokenizer: Any) -> frozenset[str] | None:
     """The variables the tokenizer's chat template reads (None: not a template jinja2 parses
     here, so not checked)."""
     template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
-        return None
+    return _template_variables(template) if isinstance(template, str) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _template_variables(template: str) -> frozenset[str] | None:
+    """Parsed once per template, not per request."""
     try:
         import jinja2
         from jinja2 import meta
 
-        return set(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+        return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
     except Exception:  # noqa: BLE001 - an extension jinja2 alone does not know
         return None
 
@@ -456,21 +460,11 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
     check_names_used(msgs, text,
                      lambda ms: render_tool_chat(tokenizer, ms, tools, template_kwargs)[0])
     _check_length(len(ids), sp, max_model_len, "messages")
-    if reasoning_parser == "gpt_oss":
-        if sp.structured_outputs is not None:
-            raise bad_request("structured output and forced tool calls are not supported with "
-                              "the gpt_oss reasoning parser (the grammar would hold before "
-                              "harmony's final channel)", "response_format",
-                              "unsupported_parameter")
-        # harmony's channel markers are special tokens: the reader needs them in the text
-        sp = dataclasses.replace(sp, skip_special_tokens=False)
-    so = sp.structured_outputs
-    if reasoning_parser in ("qwen3", "deepseek_r1") and so is not None and \
-            not text.rstrip().endswith(REASONING_CLOSE):
-        # the grammar is the answer's: it starts after the reasoning (unless the prompt closed
-        # the reasoning already: thinking switched off)
-        sp = dataclasses.replace(sp, structured_outputs=dataclasses.replace(
-            so, after=REASONING_CLOSE))
+    if reasoning_parser is not None:
+        try:
+            sp = reasoning_sampling(reasoning_parser, sp, text)
+        except ValueError as e:
+            raise bad_request(str(e), "response_format", "unsupported_parameter") from None
     return ParsedRequest("chat", model, [{"prompt_token_ids": ids, "prompt": text}], sp, stream,
                          include_usage, top_logprobs, tool_calls=tools is not None,
                          prompt_logprobs=sp.prompt_logprobs, reasoning_parser=reasoning_parser,

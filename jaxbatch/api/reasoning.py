@@ -26,6 +26,10 @@ reasoning or not; for gpt_oss, which part of a message) is read off the prompt's
 
 from __future__ import annotations
 
+import dataclasses
+
+from jaxbatch.core.sampling_params import SamplingParams
+
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
 # harmony's markers (special tokens of gpt-oss's vocabulary)
@@ -46,6 +50,23 @@ def opens_reasoning(parser: str, prompt_text: str | None) -> bool:
     if parser == "gpt_oss":
         return start_state(parser, prompt_text) == "body:analysis"
     return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
+
+
+def reasoning_sampling(parser: str, sp: SamplingParams, prompt_text: str) -> SamplingParams:
+    """A request's sampling under a reasoning parser: qwen3 / deepseek_r1 constrain the answer
+    only (a grammar starts after `</think>`, unless the prompt closed the reasoning already:
+    thinking switched off); gpt_oss keeps special tokens (harmony's markers) for the reader and
+    refuses a grammar (ValueError: it would hold before the final channel)."""
+    so = sp.structured_outputs
+    if parser == "gpt_oss":
+        if so is not None:
+            raise ValueError("structured output and forced tool calls are not supported with "
+                             "the gpt_oss reasoning parser (the grammar would hold before "
+                             "harmony's final channel)")
+        return dataclasses.replace(sp, skip_special_tokens=False)
+    if so is not None and not prompt_text.rstrip().endswith(CLOSE):
+        return dataclasses.replace(sp, structured_outputs=dataclasses.replace(so, after=CLOSE))
+    return sp
 
 
 def start_state(parser: str, prompt_text: str | None) -> str:
