@@ -320,8 +320,62 @@ class SpeculationConfig:
                            SpeculativeConfig.parse(self.speculative_config))
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (model/lora.py, engine/lora.py), as vLLM's
+    flags: `enable_lora`; `max_loras` adapters in one step (fixed device slots: loading one into
+    a slot never compiles); `max_lora_rank` the largest rank a slot holds (smaller ranks are
+    zero-padded, exactly); `lora_modules` adapters loaded at start, {name: path} (a PEFT
+    directory or a llama.cpp GGUF LoRA file); a request chooses one by its `model`."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules))
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora")
+
+
+def parse_lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
+    """{name: path}, "name=path" strings, vLLM's JSON objects ({"name", "path"}) or pairs ->
+    ((name, path), ...); ValueError for anything else or a name given twice."""
+    if isinstance(value, dict):
+        items: list[Any] = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"lora_modules: expected {{name: path}} or a list, got {value!r}")
+    out: list[tuple[str, str]] = []
+    for item in items:
+        if isinstance(item, str):
+            if item.lstrip().startswith("{"):
+                import json
+                item = json.loads(item)
+            elif "=" in item:
+                item = tuple(item.split("=", 1))
+        if isinstance(item, dict):
+            item = (item.get("name"), item.get("path"))
+        if not (isinstance(item, (list, tuple)) and len(item) == 2
+                and all(isinstance(x, str) and x for x in item)):
+            raise ValueError(f"lora_modules: {item!r} is not name=path")
+        out.append((item[0], item[1]))
+    names = [n for n, _ in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"lora_modules: the name(s) {dup} are given twice")
+    return tuple(out)
+
+
 _PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-          "planner": PlannerConfig, "runner": RunnerConfig, "speculation": SpeculationConfig}
+          "planner": PlannerConfig, "runner": RunnerConfig, "speculation": SpeculationConfig,
+          "lora": LoRAConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +386,7 @@ class EngineConfig:
     planner: PlannerConfig = PlannerConfig()
     runner: RunnerConfig = RunnerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> EngineConfig:

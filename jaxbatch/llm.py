@@ -9,7 +9,7 @@ from jaxbatch.config import EngineConfig, config_from_sources
 from jaxbatch.core.outputs import RequestMetrics, RequestOutput
 from jaxbatch.core.parallel_sampling import choice_request_ids
 from jaxbatch.core.prompts import Prompt, render_chat
-from jaxbatch.core.request import NewRequest
+from jaxbatch.core.request import LoRARequest, NewRequest
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.engine.engine import Engine
 from jaxbatch.engine.replicas import ReplicaRouter
@@ -35,7 +35,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: one LoRA adapter for every prompt, or one (or None) per prompt; an
+        adapter not loaded yet is read from its lora_path (needs enable_lora)."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text, token-id dict, or a bare id list)
@@ -46,16 +50,32 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
+        for lr in {lr for lr in loras if lr is not None}:
+            self._ensure_lora(lr)
         first = self._counter
         ids = [f"llm-{first + i}" for i in range(len(prompts))]
         # a bad prompt fails the call whole: nothing half-submitted runs on
-        added = self.engine.add_requests([NewRequest(rid, p, sp)
-                                          for rid, p, sp in zip(ids, prompts, params)])
+        added = self.engine.add_requests([
+            NewRequest(rid, p, sp, lora_name=None if lr is None else lr.lora_name)
+            for rid, p, sp, lr in zip(ids, prompts, params, loras)])
         self._counter += len(prompts)
         done = self._run([r.request_id for r in added], use_tqdm)
         # n > 1: the choices of one prompt in one RequestOutput (vLLM's shape)
         return [_merge(rid, [done[c] for c in choice_request_ids(rid, sp.n)])
                 for rid, sp in zip(ids, params)]
+
+    def _ensure_lora(self, lr: LoRARequest) -> None:
+        if lr.lora_name in self.engine.lora_modules():
+            return
+        if not lr.lora_path:
+            raise ValueError(f"LoRA adapter {lr.lora_name!r} is not loaded and has no lora_path")
+        self.engine.load_lora_adapter(lr.lora_name, lr.lora_path)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -224,11 +224,17 @@ def usage_chunk(parsed: ParsedRequest, response_id: str, created: int, model: st
 
 def models_response(names: Sequence[str], max_model_len: int | None = None,
                     created: int | None = None,
-                    determinism: dict[str, Any] | None = None) -> dict[str, Any]:
+                    determinism: dict[str, Any] | None = None,
+                    lora_modules: dict[str, str] | None = None) -> dict[str, Any]:
     """`determinism`: whether the engine runs batch invariant and why (engine/invariance.py),
-    an extra field beside vLLM's."""
+    an extra field beside vLLM's. `lora_modules`: the LoRA adapters served, {name: path}, each
+    listed as vLLM lists one (`root` its path, `parent` the base model's first name)."""
     created = created or int(time.time())
     data = [{"id": n, "object": "model", "created": created, "owned_by": "jaxbatch",
              **({"max_model_len": max_model_len} if max_model_len else {}),
              **({"determinism": determinism} if determinism else {})} for n in names]
+    data += [{"id": name, "object": "model", "created": created, "owned_by": "jaxbatch",
+              "root": path, "parent": names[0] if names else None,
+              **({"max_model_len": max_model_len} if max_model_len else {})}
+             for name, path in (lora_modules or {}).items()]
     return {"object": "list", "data": data}

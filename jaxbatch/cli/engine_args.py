@@ -44,6 +44,7 @@ _ENGINE_ARGS = [
     ("--data-parallel-routing", str), ("--collective-gbps", float),
     ("--quantization", str), ("--speculative-config", str), ("--kv-events-config", str),
     ("--replan-interval-steps", int), ("--replan-window-steps", int), ("--replan-min-gain", float),
+    ("--max-loras", int), ("--max-lora-rank", int),
 ]
 
 
@@ -60,6 +61,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the same request gives the same tokens alone or in any batch (an error "
                         "where this engine cannot promise it; default: on where it can and "
                         "measures no slower at start-up; docs/determinism.md)")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters: a request names one as its model (--max-loras "
+                        "of them in one step, ranks up to --max-lora-rank)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters loaded at start: name=path (a PEFT adapter directory or "
+                        "a llama.cpp GGUF LoRA file), or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ...}'")
     g.add_argument("--live-replan", action=argparse.BooleanOptionalAction, default=None,
                    help="learn the bucket set from the traffic: compile a cheaper set in the "
                         "background and swap it in between steps (engine/replan.py)")
@@ -74,4 +82,6 @@ def engine_config_from_args(args: argparse.Namespace, prog: str = "jaxbatch") ->
     overrides["enable_prefix_caching"] = args.enable_prefix_caching
     overrides["live_replan"] = args.live_replan
     overrides["batch_invariant"] = args.batch_invariant
+    overrides["enable_lora"] = args.enable_lora
+    overrides["lora_modules"] = args.lora_modules
     return config_from_sources(args.config, **overrides)

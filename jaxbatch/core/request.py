@@ -50,6 +50,10 @@ class Request:
     # (tokens are only ever appended, so it stays valid across steps and preemptions).
     num_cached_tokens: int = 0
     prefix_cache_key: str = ""
+    # LoRA: the adapter's name (None: the base model) and the device slot it holds while it runs
+    # (core/lora_slots.py; 0: none)
+    lora_name: str | None = None
+    lora_slot: int = 0
     page_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     auto_seed: int = 0  # drawn by the engine at arrival; used when sampling_params.seed is None
     stop_reason: int | str | None = None
@@ -112,3 +116,15 @@ class NewRequest:
     prompt: Prompt
     sampling_params: SamplingParams | None = None
     arrival_time: float | None = None
+    lora_name: str | None = None  # a LoRA adapter the engine has (None: the base model)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's LoRARequest: an adapter by name, read from `lora_path` (a PEFT directory or a GGUF
+    LoRA file) the first time a request uses it. `lora_int_id` is vLLM's numeric id, kept for
+    callers that pass it; the name identifies the adapter here."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""

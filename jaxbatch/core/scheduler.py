@@ -33,6 +33,10 @@ Parallel sampling (n > 1; see parallel_sampling.py): only a prompt's first choic
 takes seats for all its choices at admission (max_num_seqs counts them), computes the prompt but
 its last token, and then, in `update`, the other choices fork off it into `running`, sharing its
 pages; the device page copies that takes are handed to the engine (`take_page_copies`).
+
+LoRA (with `lora_slots`, core/lora_slots.py): a request with an adapter is admitted only when
+its adapter has or can get a device slot; one that cannot waits while the requests behind it
+that can run are admitted. Running requests hold their slot until they finish or are preempted.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from collections.abc import Mapping
 from jaxbatch.config import SchedulerConfig
 from jaxbatch.core import parallel_sampling
 from jaxbatch.core.kv_pages import PageAllocator, extend_page_hashes
+from jaxbatch.core.lora_slots import LoRASlots
 from jaxbatch.core.request import Request, RequestStatus
 
 
@@ -93,9 +98,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pages: PageAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, pages: PageAllocator,
+                 lora_slots: LoRASlots | None = None) -> None:
         self.config = config
         self.pages = pages
+        self.lora_slots = lora_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._prefill_streak = 0  # consecutive steps that left someone starving (see policies)
@@ -126,10 +133,15 @@ class Scheduler:
             heir = parallel_sampling.hand_over(req)
             queue = self.running if req in self.running else self.waiting
             queue[queue.index(req)] = heir
+            if queue is self.running and self.lora_slots is not None:
+                self.lora_slots.acquire(heir)  # the same adapter: resident, held by req
+                self.lora_slots.release(req)
             req.status = status
             return
         if req in self.running:
             self.running.remove(req)
+            if self.lora_slots is not None:
+                self.lora_slots.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.pages.free(req.page_table)
@@ -197,18 +209,32 @@ class Scheduler:
             scheduled_ids.add(req.request_id)
             budget -= n
         if admit and not preempted:
-            while self.waiting and budget > 0 and len(seqs) < cfg.max_num_seqs \
-                    and self._seats(self.running) + self._seats([self.waiting[0]]) \
-                    <= cfg.max_num_seqs:
-                req = self.waiting[0]
+            while budget > 0 and len(seqs) < cfg.max_num_seqs:
+                at = self._next_admissible()
+                if at is None or self._seats(self.running) + self._seats([self.waiting[at]]) \
+                        > cfg.max_num_seqs:
+                    break
+                req = self.waiting[at]
                 n = self._admit(req, budget)
                 if n == 0:
                     break
-                self.waiting.popleft()
+                del self.waiting[at]
                 self.running.append(req)
+                if self.lora_slots is not None:
+                    assert self.lora_slots.acquire(req), req.request_id  # _next_admissible
                 seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
                 budget -= n
         return ScheduledBatch(seqs, preempted)
+
+    def _next_admissible(self) -> int | None:
+        """The queue position of the first waiting request that can run now: the first one,
+        or with LoRA the first whose adapter has or can get a slot."""
+        if not self.waiting:
+            return None
+        if self.lora_slots is None:
+            return 0
+        return next((i for i, r in enumerate(self.waiting) if self.lora_slots.can_place(r)),
+                    None)
 
     def _admit(self, req: Request, budget: int) -> int:
         """Give the queue's first request its cached prefix and the pages of its first chunk;
@@ -255,6 +281,8 @@ class Scheduler:
         """Preempt a running request by recompute: free its pages (its cached ones stay cached,
         so a recompute may find them) and requeue it at the front."""
         self.running.remove(req)
+        if self.lora_slots is not None:
+            self.lora_slots.release(req)
         self.pages.free(req.page_table)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -302,6 +330,9 @@ class Scheduler:
         """The parent computed its prompt but the last token: its waiting choices join
         `running` right after it, sharing its pages (those without a free page are queued)."""
         forked, unforked, copies = parallel_sampling.fork(parent, self.pages)
+        if self.lora_slots is not None:
+            for child in forked:  # the parent's adapter: resident, held by the parent
+                self.lora_slots.acquire(child)
         at = self.running.index(parent) + 1
         self.running[at:at] = forked
         self.waiting.extendleft(reversed(unforked))

@@ -56,6 +56,8 @@ def calibration_ident(model: LoadedModel, config: EngineConfig, runner: Runner,
         "tp": config.runner.tensor_parallel_size, "small_matmul_rows": runner.small_matmul_rows,
         "batch_invariant": runner.batch_invariant, "quant_acts": runner.quant_acts,
         "bf16_xla_rows": runner.bf16_xla_rows,
+        "lora": [config.lora.max_loras, config.lora.max_lora_rank] if config.lora.enable_lora
+        else None,
     }, sort_keys=True, default=str)
 
 

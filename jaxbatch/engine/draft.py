@@ -151,11 +151,13 @@ def build_draft_proposer(config: Any, model: Any, num_tokens: int,
 
 def draft_config(target_config, spec, num_pages: int):
     """The inner engine's config: the target's, with the draft model, no speculation of its own,
-    no live re-planning, no prefix cache (nor its events: the target publishes its own), and as
+    no live re-planning, no prefix cache (nor its events: the target publishes its own), no LoRA
+    adapters (they are the target's), and as
     many KV pages as the target (the same tokens fit)."""
     return target_config.replace(
         model=spec.model, tokenizer=None, speculative_config=None, live_replan=False,
         num_pages=num_pages, kv_cache_memory_gb=None, trace_path=None,
         quantization=None, enable_prefix_caching=False, kv_events_config=None,
+        enable_lora=False, lora_modules=(),
         max_model_len=target_config.model.max_model_len)
 

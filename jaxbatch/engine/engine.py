@@ -33,6 +33,7 @@ from jaxbatch.engine import compile_guard, isolation, prompt_logprobs, startup
 from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.kv_events import ZmqEventPublisher, open_publisher
 from jaxbatch.engine.kv_events import release as release_publisher
+from jaxbatch.engine.lora import LoRAAdapters
 from jaxbatch.engine.precision import PrecisionChoice
 from jaxbatch.engine.replan import BackgroundReplan
 from jaxbatch.engine.runner import Runner
@@ -88,6 +89,9 @@ class Engine:
         # KV-cache events for routers (engine/kv_events.py); None: off
         self.kv_events: ZmqEventPublisher | None = None
         self.data_parallel_rank: int | None = None
+        # LoRA adapters (engine/lora.py); None: enable_lora off
+        slots = scheduler.lora_slots
+        self.lora: LoRAAdapters | None = None if slots is None else LoRAAdapters(slots, runner)
 
     @classmethod
     def from_config(cls, config: EngineConfig, model: LoadedModel | None = None,
@@ -110,6 +114,8 @@ class Engine:
         engine.precision, engine.replan, engine.warmup_seconds = p.precision, p.replan, p.warmup
         engine.data_parallel_rank = data_parallel_rank
         engine.kv_events = kv_events
+        for name, path in p.config.lora.lora_modules:  # a bad adapter: the start fails
+            engine.load_lora_adapter(name, path)
         if engine.kv_events is not None:
             engine.pages.start_events()
             engine._publish_kv_events()
@@ -141,8 +147,37 @@ class Engine:
         return len(self.pages.match(hashes))
 
     def add_request(self, request_id: str | None, prompt: Prompt,
-                    sampling_params: SamplingParams | None = None) -> Request:
-        return self.add_requests([NewRequest(request_id, prompt, sampling_params)])[0]
+                    sampling_params: SamplingParams | None = None,
+                    lora_name: str | None = None) -> Request:
+        return self.add_requests([NewRequest(request_id, prompt, sampling_params,
+                                             lora_name=lora_name)])[0]
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Read a LoRA adapter (a PEFT directory or a GGUF LoRA file) and serve it as `name`;
+        ValueError (model/lora.py's LoRALoadError among them) saying why it cannot be."""
+        from jaxbatch.model.lora import load_adapter
+
+        self.add_lora(load_adapter(name, path, self.arch, self.config.lora.max_lora_rank))
+
+    def add_lora(self, adapter: Any) -> None:
+        """Serve an adapter read by model/lora.py (host memory only until a request uses it)."""
+        self._lora_adapters().add(adapter)
+
+    def remove_lora(self, name: str, check_only: bool = False) -> None:
+        """Unload an adapter; ValueError while unfinished requests use it (`check_only`: the
+        same checks, nothing unloaded)."""
+        self._lora_adapters().remove(name, self.requests.values(), check_only)
+
+    def lora_modules(self) -> dict[str, str]:
+        """{name: path} of the loaded adapters."""
+        return {} if self.lora is None else {n: a.path for n, a in self.lora.by_name.items()}
+
+    def _lora_adapters(self) -> LoRAAdapters:
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora "
+                             "(--enable-lora)")
+        return self.lora
 
     def _add(self, new: NewRequest) -> list[Request]:
         sp = new.sampling_params or SamplingParams()
@@ -172,10 +207,15 @@ class Engine:
                              f"[0, {self.arch.vocab_size}): {bad[:5]}")
         if sp.structured_outputs is not None:
             self.grammars.check(sp.structured_outputs)  # ValueError: llguidance's message
-        return self._add_choices(request_id, ids, text, sp, new.arrival_time)
+        lora_key = None if new.lora_name is None else \
+            self._lora_adapters().key(new.lora_name)  # ValueError: not loaded
+        return self._add_choices(request_id, ids, text, sp, new.arrival_time, new.lora_name,
+                                 lora_key)
 
     def _add_choices(self, request_id: str, ids: list[int], text: str | None,
-                     sp: SamplingParams, arrival: float | None = None) -> list[Request]:
+                     sp: SamplingParams, arrival: float | None = None,
+                     lora_name: str | None = None, lora_key: str | None = None
+                     ) -> list[Request]:
         """One Request per choice (sp.n of them), queued and registered."""
         max_seqs = self.config.scheduler.max_num_seqs
         if sp.n > max_seqs:
@@ -186,8 +226,11 @@ class Engine:
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
         now = time.time() if arrival is None else arrival
+        # an adapter's requests share cached pages with each other only (the key is unique to
+        # one load of the adapter)
         choices = [Request(rid, ids, parallel_sampling.choice_params(sp, j), now,
-                           prompt=text, auto_seed=self._rng.getrandbits(63), choice_index=j)
+                           prompt=text, auto_seed=self._rng.getrandbits(63), choice_index=j,
+                           lora_name=lora_name, prefix_cache_key=lora_key or "")
                    for j, rid in enumerate(rids)]
         for req in parallel_sampling.group(choices):
             self.scheduler.add_request(req)  # may raise (KV capacity): the first one would
@@ -234,6 +277,8 @@ class Engine:
             self.speculator.extend(batch, self.scheduler, self.planner.step_cost)
         if self.replan is not None:
             self.replan.observe(batch.num_tokens, batch.num_rows)
+        if self.lora is not None:  # adapters newly placed in slots, before the step reads them
+            self.lora.write_pending()
         sampled: dict[str, tuple] = {}
         ran: list[ScheduledSeq] = []
         for sub in self.planner.plan(batch):

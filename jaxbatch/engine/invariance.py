@@ -37,15 +37,17 @@ AUTO_SLACK = 1.03
 
 
 def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
-             attention: str) -> str | None:
+             attention: str, lora: bool = False) -> str | None:
     """Why this engine cannot run batch invariant, or None: `dtype` the compute dtype,
     `float_linears` / `quantised`: some linear weight is a float array / GGUF or int8 blocks,
-    `attention` the resolved attention backend."""
+    `attention` the resolved attention backend, `lora`: LoRA adapter slots are on."""
     import jax
 
     from pallas_kernels import cpu_library
     from pallas_kernels.matmul import quant, small_bf16
 
+    if lora:
+        return "LoRA adapters' products run through XLA's dot, whose sums depend on the step"
     if jax.default_backend() != "cpu":
         return f"it runs on CPU only (this backend: {jax.default_backend()})"
     if sharded:

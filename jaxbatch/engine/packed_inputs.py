@@ -32,6 +32,7 @@ class ModelInputs:
     positions: Any  # i32[T]
     attn: AttentionInputs
     logits_indices: Any  # i32[S]
+    lora_ids: Any  # i32[T] each token's LoRA slot (0: none; read only with LoRA slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,8 @@ class Layout:
 
 def model_inputs(step: Any) -> ModelInputs:
     """The forward's part of a StepInputs (host or device arrays)."""
-    return ModelInputs(step.token_ids, step.positions, step.attn, step.logits_indices)
+    return ModelInputs(step.token_ids, step.positions, step.attn, step.logits_indices,
+                       step.lora_ids)
 
 
 def layout_of(inputs: ModelInputs) -> Layout:

@@ -29,6 +29,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from jaxbatch.config import EngineConfig
 from jaxbatch.core.kv_pages import PageHash, extend_page_hashes
@@ -178,6 +179,27 @@ class ReplicaRouter:
             for rid in gone:
                 replica.abort_request(rid)
             self._pending.extend(o for o in replica.drain_aborted() if o.request_id not in gone)
+
+    # ---- LoRA adapters: every replica serves the same ones -------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        done: list[Any] = []
+        try:
+            for r in self.replicas:
+                r.load_lora_adapter(name, path)  # type: ignore[attr-defined]
+                done.append(r)
+        except BaseException:
+            for r in done:  # all or none
+                r.remove_lora(name)
+            raise
+
+    def remove_lora(self, name: str) -> None:
+        for r in self.replicas:  # in use on any: refused before any replica drops it
+            r.remove_lora(name, check_only=True)  # type: ignore[attr-defined]
+        for r in self.replicas:
+            r.remove_lora(name)  # type: ignore[attr-defined]
+
+    def lora_modules(self) -> dict[str, str]:
+        return dict(self.replicas[0].lora_modules())  # type: ignore[attr-defined]
 
     def abort_request(self, request_id: str) -> None:
         i = self.owner.get(request_id)

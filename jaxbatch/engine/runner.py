@@ -80,6 +80,7 @@ def step_fn(params, kv_cache, inputs: StepInputs | ModelInputs, *, arch: ModelAr
         params, kv_cache, inputs.token_ids, inputs.positions, inputs.attn,
         arch=arch, attention_fn=attention_fn,
         **({} if experts_fn is None else {"experts_fn": experts_fn}),
+        lora_ids=inputs.lora_ids if "lora" in params else None,
     )
     logits = llama.compute_logits(params, hidden[inputs.logits_indices], arch=arch)
     return kv_cache, logits, hidden, greedy_argmax(logits)
@@ -106,7 +107,8 @@ class Runner:
                  attention_fn: Any, mesh: Any = None, small_matmul_rows: int = 0,
                  quant_acts: dict[tuple[str, int, int], str] | None = None,
                  bf16_xla_rows: dict[tuple[int, int], int] | None = None,
-                 kv_zeros: Callable[[tuple[int, ...], Any], jax.Array] | None = None) -> None:
+                 kv_zeros: Callable[[tuple[int, ...], Any], jax.Array] | None = None,
+                 lora_slots: tuple[int, int] | None = None) -> None:
         """`mesh`: a "tp" mesh (engine/sharding.py) to run on, else the default device.
         `small_matmul_rows`: bf16 weights also packed for the small-matmul kernel, which steps
         of at most that many tokens run (llama.as_run_on_cpu; the engine measures up to where
@@ -115,7 +117,8 @@ class Runner:
         weights, from how many rows a step runs XLA's dot rather than the kernel (absent: never;
         engine/precision.py measures both). `kv_zeros(shape, dtype)`: makes the unsharded KV
         cache (default jnp.zeros; on CPU pallas_kernels/zeros.py's, which leaves its pages
-        untouched until written)."""
+        untouched until written). `lora_slots`: (max_loras, max_lora_rank) LoRA adapter slots
+        on the dense linears (model/lora_layers.py; one device; None: no adapters)."""
         self.placement: sharding.Placement | None = None
         experts_fn = None
         if mesh is not None:  # tensor parallel (or one replica's devices): see sharding.py
@@ -136,8 +139,15 @@ class Runner:
                                      quant_acts=lambda f, n, k: acts.get((f, n, k), "float"),
                                      bf16_xla_rows=lambda n, k: routes.get((n, k), 0))
         if self.placement is not None:  # shardings of the params as run (kernel forms)
+            if lora_slots is not None:
+                raise ValueError("LoRA adapters run on one device: enable_lora with "
+                                 "tensor_parallel_size > 1 is not supported")
             self.placement = sharding.with_params(self.placement, params)
             params = sharding.place(params, self.placement.params)
+        self.lora_leaves: tuple[str, ...] = ()
+        self._set_lora: Any = None
+        if lora_slots is not None:
+            params = self._with_lora_slots(params, arch, *lora_slots)
         self.params = params
         self.page_size = cache.page_size
         self.pages_per_seq = -(-max_model_len // cache.page_size)
@@ -188,6 +198,39 @@ class Runner:
         self._page_copy: jax.stages.Compiled | None = None  # compiled with the buckets
         self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
         self._hidden: Any = None  # the last step's hidden states [T, H], on the device
+
+    def _with_lora_slots(self, params: Any, arch: ModelArch, max_loras: int, rank: int) -> Any:
+        """params with zeroed LoRA slots on the dense linears the model has, stored as its
+        layer weights are (uint16 bits for bf16 on CPU; llama.store_bf16_as_bits), and the
+        compiled slot writer (one executable for every slot: loading never compiles)."""
+        from jaxbatch.model import lora_layers
+        from jaxbatch.model.lora import adapted_leaves
+
+        self.lora_leaves = adapted_leaves(arch)
+        dtype = llama.value_dtype(params["final_norm"])
+        store = kv_storage_dtype(dtype)  # bf16 on CPU: uint16 bits, as the layers are
+        shapes = arch.param_shapes()["layers"]
+        lora = lora_layers.init_slots(shapes, self.lora_leaves, max_loras, rank, store)
+        self.lora_shapes = {leaf: shapes[leaf] for leaf in self.lora_leaves}
+        self.lora_rank, self.lora_store = rank, store
+        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), lora)
+        a_spec = {leaf: jax.ShapeDtypeStruct((s[0], s[1], rank), store)
+                  for leaf, s in self.lora_shapes.items()}
+        b_spec = {leaf: jax.ShapeDtypeStruct((s[0], rank, s[2]), store)
+                  for leaf, s in self.lora_shapes.items()}
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
+        self._set_lora = jax.jit(lora_layers.set_slot, donate_argnums=(0,)).lower(
+            spec, scalar, a_spec, b_spec, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+        return {**params, "lora": lora}
+
+    def load_lora(self, slot: int, weights: dict, scale: float) -> None:
+        """Write an adapter (model/lora.py LoRAAdapter.weights) into LoRA slot `slot` (1..S)."""
+        from jaxbatch.model import lora_layers
+
+        a, b = lora_layers.host_slot_weights(weights, self.lora_shapes, self.lora_leaves,
+                                             self.lora_rank, self.lora_store)
+        self.params = {**self.params, "lora": self._set_lora(
+            self.params["lora"], np.int32(slot), a, b, np.float32(scale))}
 
     def compile(self, buckets: list[Bucket], progress: bool = True) -> float:
         """Compile every bucket's step ahead of time. Returns the seconds it took."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxbatch.config import EngineConfig, cache_dir
 from jaxbatch.core.kv_pages import PageAllocator
+from jaxbatch.core.lora_slots import LoRASlots
 from jaxbatch.core.scheduler import Scheduler
 from jaxbatch.engine import compile_guard, invariance, multihost
 from jaxbatch.engine.attention import attention_fn, resolve_backend
@@ -138,7 +139,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
         if mesh is None and config.model.dtype == "bfloat16" else {}
     invariance_choice = invariance.resolve(
         config.runner.batch_invariant, invariance.obstacle(
-            config.model.dtype, mesh is not None, float_linears, quantised, backend),
+            config.model.dtype, mesh is not None, float_linears, quantised, backend,
+            config.lora.enable_lora),
         functools.partial(_invariance_cost, model, config, quant_acts, bf16_xla_rows,
                           small_rows if float_linears else None, root))
     invariant = invariance_choice.on
@@ -149,7 +151,9 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
     runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                     attention, mesh, small_matmul_rows=small_rows, quant_acts=quant_acts,
                     bf16_xla_rows=bf16_xla_rows,  # on CPU: a KV cache not touched yet
-                    kv_zeros=functools.partial(untouched_zeros, cache_dir=root))
+                    kv_zeros=functools.partial(untouched_zeros, cache_dir=root),
+                    lora_slots=(config.lora.max_loras, config.lora.max_lora_rank)
+                    if config.lora.enable_lora else None)
     runner.batch_invariant = invariant
     runner.invariance = invariance_choice
     # the runner holds the params in the forms it runs: the loaded copy goes (one resident copy
@@ -158,7 +162,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
         model = dataclasses.replace(model, params={})
     runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several
     scheduler = Scheduler(config.scheduler, PageAllocator(
-        runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching))
+        runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching),
+        LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None)
     config, replan = live_replan_setup(config, root, model.arch)  # may load a learned set
     planner = make_planner(config, model.arch, collective_gbps(
         config.planner.collective_gbps, runner.placement, model.arch.hidden_size))

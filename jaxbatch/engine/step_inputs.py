@@ -3,6 +3,7 @@
 Layout (T = bucket tokens, S = bucket sequences, W = pages per sequence, B = banned-id width):
   token_ids i32[T], positions i32[T], slot_mapping i32[T]   padding rows: token 0, dummy slot 0
   kv_lens i32[S], page_indices i32[S, W], cu_q_lens i32[S+1], num_seqs i32[1]
+  lora_ids i32[T]         each token's LoRA slot (Request.lora_slot; 0 and padding: none)
   logits_indices i32[S]   the rows that sample: the last new token of each sequence, and with
                           speculative decoding its proposals' rows too (ScheduledSeq.num_logit_rows)
   sampling: temperature f32[S], top_k i32[S], top_p f32[S], min_p f32[S], seeds u32[S],
@@ -42,6 +43,7 @@ class StepInputs:
     attn: AttentionInputs  # slot_mapping [T], kv_lens [S], page_indices [S, W], cu_q_lens [S+1]
     logits_indices: Any  # i32[S]
     sampling: SamplingInputs  # per-row sampling parameters [S]
+    lora_ids: Any  # i32[T] each token's LoRA slot (0: none)
 
 
 class RowError(Exception):
@@ -84,6 +86,7 @@ def build_step_inputs(
     page_indices = np.zeros((S, pages_per_seq), i32)
     cu_q_lens = np.full(S + 1, n_tok, i32)
     logits_indices = np.zeros(S, i32)
+    lora_ids = np.zeros(T, i32)
     arrays = SamplingInputs(np.zeros(S, np.float32), np.zeros(S, i32), np.ones(S, np.float32),
                             np.zeros(S, np.float32), np.zeros(S, np.uint32), np.zeros(S, i32),
                             np.full((S, MAX_BANNED_IDS), -1, i32), np.zeros(S, bool), None,
@@ -99,6 +102,7 @@ def build_step_inputs(
                                                                    s.start + n - len(spec))
             token_ids[off + n - len(spec) : off + n] = spec
             positions[off : off + n] = pos
+            lora_ids[off : off + n] = req.lora_slot
             slot_mapping[off : off + n] = pt[pos // page_size] * page_size + pos % page_size
             kv_lens[i] = s.start + n
             page_indices[i, : len(pt)] = pt
@@ -116,7 +120,7 @@ def build_step_inputs(
     return StepInputs(
         token_ids, positions,
         AttentionInputs(slot_mapping, kv_lens, page_indices, cu_q_lens, np.array([len(seqs)], i32)),
-        logits_indices, arrays,
+        logits_indices, arrays, lora_ids,
     )
 
 

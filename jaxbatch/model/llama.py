@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.model import moe
+from jaxbatch.model import lora_layers, moe
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.fixed_order import row_sum
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight, quant_matmul
@@ -194,19 +194,35 @@ def _layer_inputs(arch: ModelArch) -> dict[str, jax.Array]:
     return extra
 
 
+def _mm_lora(x: jax.Array, w: Any, lora: dict | None, rows: lora_layers.LoRARows | None
+             ) -> jax.Array:
+    """`_mm`, plus each token's LoRA adapter (model/lora_layers.py) where `lora` holds this
+    linear's slots ({"a", "b"} of one layer, as values): base + scale * B (A x), rounded to x's
+    dtype as PEFT adds it to the base layer's output."""
+    out = _mm(x, w)
+    if lora is None or rows is None:
+        return out
+    return (out + lora_layers.delta(x, lora["a"], lora["b"], rows).astype(out.dtype))
+
+
 def mlp(h: jax.Array, lp: Params, arch: ModelArch, num_valid: jax.Array | None = None,
-        experts_fn: Callable[..., jax.Array] = moe.experts_mlp) -> jax.Array:
+        experts_fn: Callable[..., jax.Array] = moe.experts_mlp,
+        lora: dict | None = None, rows: lora_layers.LoRARows | None = None) -> jax.Array:
     """h [T, H] -> [T, H]: the gated MLP (SwiGLU / GeGLU), or the routed experts (plus
     Qwen2-MoE's gated shared expert, held in the dense w_* leaves); `num_valid`: the step's
     real tokens (the routed experts skip the padding). `experts_fn`: moe.experts_mlp's
-    signature (tensor parallelism passes it run per device over its own experts)."""
+    signature (tensor parallelism passes it run per device over its own experts). `lora`,
+    `rows`: this layer's LoRA slots and the step's token rows (None: no adapters)."""
     act = ACTIVATIONS[arch.hidden_act]
+    ad = lora or {}
 
     def dense() -> jax.Array:
         # the activation in f32, rounded once, as torch's bf16 kernels do (bf16 silu differed
         # from HF's in 40% of the values)
-        g = _mm(h, lp["w_gate"])
-        return _mm(act(g.astype(jnp.float32)).astype(g.dtype) * _mm(h, lp["w_up"]), lp["w_down"])
+        g = _mm_lora(h, lp["w_gate"], ad.get("w_gate"), rows)
+        u = _mm_lora(h, lp["w_up"], ad.get("w_up"), rows)
+        return _mm_lora(act(g.astype(jnp.float32)).astype(g.dtype) * u, lp["w_down"],
+                        ad.get("w_down"), rows)
 
     if not arch.num_experts:
         return dense()
@@ -226,11 +242,14 @@ def forward(
     arch: ModelArch,
     attention_fn: AttentionFn,
     experts_fn: Callable[..., jax.Array] = moe.experts_mlp,
+    lora_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns hidden states [T, H] (before the final norm) and the updated KV cache.
 
     The matmuls run in the weights' dtype (the loader converted them to the compute dtype) with
     f32 accumulation (`_mm`); the KV cache may be stored in another dtype (see `_kv_encode`).
+    With LoRA slots in params["lora"] (model/lora_layers.py), `lora_ids` i32[T] is each token's
+    adapter slot (0: the base model).
     """
     L, N_pages, P, K, D = kv_cache["k"].shape
     N, T = arch.num_heads, token_ids.shape[0]
@@ -262,19 +281,24 @@ def forward(
     quants = {name: w for name, w in layers.items() if isinstance(w, QuantWeight)}
     scanned = {name: dataclasses.replace(w, packed=None) if name in packs else w
                for name, w in layers.items() if name not in quants}
+    lora = params.get("lora")
+    rows = lora_layers.step_rows(lora, lora_ids) if lora is not None and lora_ids is not None \
+        else None
+    lora_scanned = lora["layers"] if lora is not None and rows is not None else {}
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry
-        lp, li, extra = xs
+        lp, li, extra, ad = xs
         lp = jax.tree.map(values, lp)
+        ad = jax.tree.map(values, ad)
         for name, pack in packs.items():
             lp[name] = dataclasses.replace(lp[name], packed=dataclasses.replace(pack, layer=li))
         for name, qw in quants.items():
             lp[name] = dataclasses.replace(qw, layer=li)
         h = norm(x, lp["attn_norm"])
-        q = _mm(h, lp["wq"])
-        k = _mm(h, lp["wk"])
-        v = _mm(h, lp["wv"])
+        q = _mm_lora(h, lp["wq"], ad.get("wq"), rows)
+        k = _mm_lora(h, lp["wk"], ad.get("wk"), rows)
+        v = _mm_lora(h, lp["wv"], ad.get("wv"), rows)
         if arch.attention_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
         q, k, v = q.reshape(T, N, D), k.reshape(T, K, D), v.reshape(T, K, D)
@@ -308,13 +332,13 @@ def forward(
             sliding_window=extra["window"] if arch.mixed_windows else arch.sliding_window,
             **sinks,
         )
-        o = _mm(o.reshape(T, N * D).astype(x.dtype), lp["wo"])
+        o = _mm_lora(o.reshape(T, N * D).astype(x.dtype), lp["wo"], ad.get("wo"), rows)
         if arch.o_bias:
             o = o + lp["bo"]
         if gemma:
             o = norm(o, lp["post_attn_norm"])
         x = x + o
-        m = mlp(norm(x, lp["mlp_norm"]), lp, arch, num_valid, experts_fn)
+        m = mlp(norm(x, lp["mlp_norm"]), lp, arch, num_valid, experts_fn, ad, rows)
         if gemma:
             m = norm(m, lp["post_mlp_norm"])
         x = x + m
@@ -327,7 +351,7 @@ def forward(
     flat = (L * N_pages, P, K, D)
     (x, k_cache, v_cache), _ = jax.lax.scan(
         layer, (x, kv_cache["k"].reshape(flat), kv_cache["v"].reshape(flat)),
-        (scanned, idx, _layer_inputs(arch)),
+        (scanned, idx, _layer_inputs(arch), lora_scanned),
     )
     shape = kv_cache["k"].shape
     return x, {"k": k_cache.reshape(shape), "v": v_cache.reshape(shape)}

@@ -1,7 +1,8 @@
 """The OpenAI-compatible server over an AsyncEngine: the app, its small routes, start and stop.
 
 POST /v1/completions, POST /v1/chat/completions (JSON or SSE; `generate.py`), POST /v1/tokenize
-and /v1/detokenize (`tokenize.py`), GET /v1/models,
+and /v1/detokenize (`tokenize.py`), GET /v1/models, POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (`lora_admin.py`),
 GET /health, GET /metrics. Parsing and bodies come from `jaxbatch.api.protocol`; errors are
 OpenAI's shape everywhere (`middleware.py`). A client that goes away cancels its handler
 (handler_cancellation=True), whose `finally` aborts its engine requests, so their KV pages are
@@ -22,6 +23,7 @@ from aiohttp import web
 from jaxbatch.api import protocol as protocol
 from jaxbatch.api.protocol import ApiError
 from jaxbatch.engine.client import EngineClient
+from jaxbatch.server import lora_admin
 from jaxbatch.server.async_engine import AsyncEngine
 from jaxbatch.server.connections import LimitedTCPSite
 from jaxbatch.server.generate import chat_completions, completions
@@ -41,7 +43,8 @@ LINGER_S = 2.0
 async def models(request: web.Request) -> web.Response:
     st = request.app[STATE]
     return web.json_response(protocol.models_response(st.served_names, st.max_model_len,
-                                                      determinism=st.determinism))
+                                                      determinism=st.determinism,
+                                                      lora_modules=st.lora_modules))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -75,6 +78,9 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/tokenize", tokenize)
     app.router.add_post("/v1/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
+    if state.lora_modules is not None and lora_admin.runtime_updates_allowed():
+        app.router.add_post("/v1/load_lora_adapter", lora_admin.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", lora_admin.unload_lora_adapter)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
@@ -109,7 +115,8 @@ class Server:
         app = create_app(ServerState(aeng, names, m, engine.tokenizer, engine.max_model_len,
                                      api_key, limits, pool,
                                      determinism=choice.describe() if choice else None,
-                                     reasoning_parser=reasoning_parser))
+                                     reasoning_parser=reasoning_parser,
+                                     lora_modules=lora_admin.served_adapters(engine)))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=5.0, keepalive_timeout=limits.header_timeout,
                                lingering_time=LINGER_S)

@@ -1,7 +1,7 @@
 """AsyncEngine: the synchronous engine driven by one background thread, for asyncio callers.
 
 The engine is touched by that thread only. Callers hand it commands (`AddRequests`,
-`AbortRequests`, `Stop`) through a thread-safe queue; the thread applies them between steps,
+`AbortRequests`, `CallEngine`, `Stop`) through a thread-safe queue; the thread applies them between steps,
 steps while there is work and sleeps on the queue when there is none. After each step the outputs
 go back to the event loop in one `call_soon_threadsafe` and are sorted into per-request asyncio
 queues (one RequestStream per HTTP request, which may hold several engine requests: one per
@@ -55,6 +55,15 @@ class AddRequests:
     params: SamplingParams
     accepted: asyncio.Future[None]
     arrival: float
+    lora_name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CallEngine:
+    """Run fn(engine) on the engine thread between steps (loading a LoRA adapter ...); `done`
+    resolves on the event loop with its result or its exception."""
+    fn: Callable[[EngineClient], object]
+    done: asyncio.Future[object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +76,7 @@ class Stop:
     abort: bool  # True: abort what runs now; False: stop once it has finished
 
 
-Command = AddRequests | AbortRequests | Stop
+Command = AddRequests | AbortRequests | CallEngine | Stop
 
 
 class RequestStream:
@@ -174,10 +183,20 @@ class AsyncEngine:
         await self.dead.wait()
         return self.error
 
-    async def add(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams
-                  ) -> RequestStream:
+    async def call(self, fn: Callable[[EngineClient], object]) -> object:
+        """fn(engine) on the engine thread, between steps; its result, or its exception."""
+        if not self.healthy or self.stopped:
+            raise EngineDeadError("the engine has failed" if self.error is not None else
+                                  "the engine is not running")
+        assert self._loop is not None
+        done: asyncio.Future[object] = self._loop.create_future()
+        self._cmds.put(CallEngine(fn, done))
+        return await done
+
+    async def add(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
+                  lora_name: str | None = None) -> RequestStream:
         """Submit one engine request per prompt (ids request_id-0, -1, ...; params.n choices
-        each), all or none.
+        each; `lora_name`: the LoRA adapter they run with), all or none.
         Raises ValueError (bad prompt, from the engine: none was added; RequestTooLargeError),
         QueueFullError or EngineDeadError; on success the requests are in the engine."""
         if not self.healthy or self.stopped:
@@ -201,7 +220,8 @@ class AsyncEngine:
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
         self._submitted += n
-        self._cmds.put(AddRequests(ids, tuple(prompts), params, accepted, time.time()))
+        self._cmds.put(AddRequests(ids, tuple(prompts), params, accepted, time.time(),
+                                   lora_name))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -274,10 +294,10 @@ class AsyncEngine:
         """Apply one command; False when the thread should stop."""
         eng = self.engine
         match cmd:
-            case AddRequests(ids, prompts, params, accepted, arrival):
+            case AddRequests(ids, prompts, params, accepted, arrival, lora_name):
                 error: Exception | None = None
                 try:  # all or nothing: a refused prompt leaves none of them in the engine
-                    eng.add_requests([NewRequest(rid, p, params, arrival)
+                    eng.add_requests([NewRequest(rid, p, params, arrival, lora_name)
                                       for rid, p in zip(ids, prompts)])
                 except Exception as e:  # noqa: BLE001 -- a bad prompt fails the call, not us
                     error = e
@@ -287,6 +307,12 @@ class AsyncEngine:
             case AbortRequests(ids):
                 for rid in ids:
                     eng.abort_request(rid)
+            case CallEngine(fn, done):
+                try:
+                    result, failure = fn(eng), None
+                except Exception as e:  # noqa: BLE001 -- the caller's error, not the engine's
+                    result, failure = None, e
+                self._call(_settle, done, result, failure)
             case Stop(abort=True):
                 for rid in sorted(self._live):
                     eng.abort_request(rid)
@@ -357,6 +383,17 @@ class AsyncEngine:
             if isinstance(cmd, AddRequests):
                 self._call(self._resolve, cmd.accepted, len(cmd.ids) * cmd.params.n,
                            EngineDeadError("the engine stopped before this request started"))
+            elif isinstance(cmd, CallEngine):
+                self._call(_settle, cmd.done, None, EngineDeadError("the engine has stopped"))
+
+
+def _settle(fut: asyncio.Future[object], result: object, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
 
 
 def _choice_ids(ids: Sequence[str], params: SamplingParams) -> list[str]:

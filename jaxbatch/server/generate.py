@@ -49,10 +49,10 @@ def _parse(st: ServerState, kind: str, raw: bytes) -> protocol.ParsedRequest:
     body = protocol.load_json_body(raw, st.limits.request)
     if kind == "chat":
         return protocol.parse_chat_request(body, st.tokenizer, st.max_model_len,
-                                           st.served_names, st.limits.request,
+                                           st.model_names(), st.limits.request,
                                            st.reasoning_parser)
     return protocol.parse_completion_request(body, st.tokenizer, st.max_model_len,
-                                             st.served_names, st.limits.request)
+                                             st.model_names(), st.limits.request)
 
 
 def _engine_failed(rid: str, out: RequestOutput) -> ApiError:
@@ -69,8 +69,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     parsed = await loop.run_in_executor(st.parse_pool, functools.partial(_parse, st, kind, raw))
     model = parsed.model or st.served_names[0]
+    lora_name = model if model in (st.lora_modules or {}) else None
     try:
-        stream = await st.engine.add(response_id, parsed.prompts, parsed.sampling_params)
+        stream = await st.engine.add(response_id, parsed.prompts, parsed.sampling_params,
+                                     lora_name)
     except ValueError as e:  # the engine refused a prompt (token out of range, KV capacity ...)
         msg, param = str(e), "prompt" if kind == "completion" else "messages"
         if isinstance(e, RequestTooLargeError) and len(parsed.prompts) == 1:

@@ -51,6 +51,13 @@ class ServerState:
     determinism: dict | None = None
     # --reasoning-parser (api/reasoning.py): chat answers' reasoning as reasoning_content
     reasoning_parser: str | None = None
+    # the engine's LoRA adapters, {name: path} (a request names one as its `model`); None:
+    # the engine has no LoRA slots (enable_lora off). Changed only on the event loop.
+    lora_modules: dict[str, str] | None = None
+
+    def model_names(self) -> list[str]:
+        """Every name a request's `model` may take: the served names, then the adapters."""
+        return [*self.served_names, *(self.lora_modules or {})]
 
 
 STATE = web.AppKey("state", ServerState)

@@ -17,13 +17,13 @@ from jaxbatch.server.state import STATE, ServerState
 
 def _tokenize(st: ServerState, raw: bytes) -> dict[str, Any]:
     body = protocol.load_json_body(raw, st.limits.request)
-    return api_tokenize.tokenize(body, st.tokenizer, st.max_model_len, st.served_names,
-                                    st.limits.request)
+    return api_tokenize.tokenize(body, st.tokenizer, st.max_model_len, st.model_names(),
+                                 st.limits.request)
 
 
 def _detokenize(st: ServerState, raw: bytes) -> dict[str, Any]:
     body = protocol.load_json_body(raw, st.limits.request)
-    return api_tokenize.detokenize(body, st.tokenizer, st.served_names, st.limits.request)
+    return api_tokenize.detokenize(body, st.tokenizer, st.model_names(), st.limits.request)
 
 
 async def tokenize(request: web.Request) -> web.Response:
