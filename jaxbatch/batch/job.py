@@ -69,6 +69,10 @@ class BatchJob:
         self.engine = engine
         self.writer = writer
         self.served_models = list(served_models)  # the first is the default in responses
+        # a line whose `model` names one of the engine's LoRA adapters runs with it
+        lora_modules = getattr(engine, "lora_modules", None)
+        self.lora_names = set(lora_modules()) if callable(lora_modules) else set()
+        self.served_models += sorted(self.lora_names - set(self.served_models))
         self.ordered = ordered
         self.max_in_flight = max_in_flight
         self.progress = progress
@@ -126,7 +130,8 @@ class BatchJob:
             # prompt i's choices (n > 1) run as engine requests choice_request_ids(...-i, n)
             rids = [cid for i in range(len(parsed.prompts))
                     for cid in choice_request_ids(f"{item.response_id}-{i}", sp.n)]
-            eng.add_requests([NewRequest(f"{item.response_id}-{i}", p, sp)
+            lora = parsed.model if parsed.model in self.lora_names else None
+            eng.add_requests([NewRequest(f"{item.response_id}-{i}", p, sp, lora_name=lora)
                               for i, p in enumerate(parsed.prompts)])
             item.request_ids = rids  # added, all of them (a refused prompt adds none)
             for rid in rids:

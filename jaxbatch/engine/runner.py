@@ -298,10 +298,16 @@ class Runner:
         seqs = sorted({b.num_seqs for b in todo if (b.num_seqs, False) not in self.samplers})
         V = self.arch.vocab_size
 
+        # the LoRA slots by shape too: loading an adapter donates them (engine thread)
+        params = self.params if "lora" not in self.params else {
+            **self.params, "lora": jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                self.params["lora"])}
+
         def step(b: Bucket) -> None:
             layout = self.step_layout(b)
             packed = jax.ShapeDtypeStruct((layout.words,), jnp.int32)
-            steps[b] = self._jitted.lower(self.params, cache_spec, packed, layout).compile()
+            steps[b] = self._jitted.lower(params, cache_spec, packed, layout).compile()
 
         def sampler(S: int) -> None:
             logits = jax.ShapeDtypeStruct((S, V), jnp.float32)

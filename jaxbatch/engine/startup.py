@@ -75,6 +75,10 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
                 from_config: Callable[..., Any]) -> EngineParts:
     """Engine.from_config's work (its arguments; `from_config` builds a draft model's engine)."""
     compile_guard.install()
+    if config.lora.enable_lora and (config.runner.tensor_parallel_size > 1
+                                    or jax.process_count() > 1):
+        raise ValueError("LoRA adapters run on one device of one host: enable_lora with "
+                         "tensor parallelism or several hosts is not supported")
     root = cache_dir(config.model.cache_dir)
     compile_guard.enable_persistent_cache(root)
     on_cpu = jax.default_backend() == "cpu"

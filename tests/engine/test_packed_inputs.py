@@ -21,10 +21,11 @@ def test_pack_unpack_round_trip_inside_jit():
                              rng.integers(0, 64, (3, 5), dtype=np.int32),
                              np.array([0, 2, 5, 7], np.int32), np.array([3], np.int32)),
         # a float leaf too: bitcast, not converted (-0.0, NaN bits and subnormals survive)
-        logits_indices=np.array([-0.0, np.nan, 1e-40], np.float32))
+        logits_indices=np.array([-0.0, np.nan, 1e-40], np.float32),
+        lora_ids=rng.integers(0, 4, 7, dtype=np.int32))
     layout = packed_inputs.layout_of(host)
     flat = packed_inputs.pack(host)
-    words = 7 + 7 + 7 + 3 + 15 + 4 + 1 + 3  # every leaf's elements
+    words = 7 + 7 + 7 + 3 + 15 + 4 + 1 + 3 + 7  # every leaf's elements
     assert flat.dtype == np.int32 and flat.shape == (layout.words,) == (words,)
     back = jax.jit(packed_inputs.unpack, static_argnums=1)(jnp.asarray(flat), layout)
     for want, got in zip(jax.tree.leaves(host), jax.tree.leaves(back), strict=True):
@@ -37,7 +38,8 @@ def test_layout_follows_the_bucket_and_refuses_other_widths():
     b = packed_inputs.model_inputs(dummy_step_inputs(Bucket(16, 4), 8, 100))
     assert packed_inputs.layout_of(a) == packed_inputs.layout_of(b)
     assert hash(packed_inputs.layout_of(a)) == hash(packed_inputs.layout_of(b))
-    bad = packed_inputs.ModelInputs(np.zeros(2, np.int64), a.positions, a.attn, a.logits_indices)
+    bad = packed_inputs.ModelInputs(np.zeros(2, np.int64), a.positions, a.attn, a.logits_indices,
+                                    a.lora_ids)
     try:
         packed_inputs.layout_of(bad)
     except TypeError as e:
