@@ -192,3 +192,35 @@ def test_lora_needs_enable_lora(setup):
     path, *_ = setup
     with pytest.raises(ValueError, match="lora_modules need enable_lora"):
         LLM(path, lora_modules={"a": "/x"}, **ENGINE)
+
+
+def test_adapter_over_quantised_gguf_base(setup, tmp_path):
+    """An adapter over a Q8_0 GGUF base (the base products on the blocks, the adapters' beside
+    them): HF transformers on the same file's weights + PEFT, token for token."""
+    import transformers
+    from gguf import GGMLQuantizationType as QT
+    from peft import PeftModel
+
+    from jaxbatch.model.gguf import load_gguf_config
+    from jaxbatch.model.quantize import QuantWeight
+    from tests.helpers.gguf_files import write_gguf
+
+    _, hf, dirs, _, _ = setup
+    path = write_gguf(str(tmp_path / "m.gguf"), hf, qtype=lambda name, w: QT.Q8_0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", config=load_gguf_config(path),
+        dtype=torch.float32).eval()
+    ref = PeftModel.from_pretrained(base, dirs["a8"]).eval()
+    llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8,
+              lora_modules={"a8": dirs["a8"]}, **ENGINE)
+    assert isinstance(llm.engine.runner.params["layers"]["wq"], QuantWeight)
+    prompts = prompts_of([6, 29], seed=4)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts] * 2, sp, use_tqdm=False,
+                        lora_request=[LoRARequest("a8"), LoRARequest("a8"), None, None])
+    for p, o in zip(prompts, outs[:2]):
+        assert o.outputs[0].token_ids == hf_greedy(ref, p, 8)
+    with ref.disable_adapter():
+        base_want = [hf_greedy(ref.base_model.model, p, 8) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs[2:]] == base_want
+    assert llm.engine.compiles_since_warmup == 0
