@@ -208,15 +208,22 @@ class Runner:
 
         self.lora_leaves = adapted_leaves(arch)
         dtype = llama.value_dtype(params["final_norm"])
-        store = kv_storage_dtype(dtype)  # bf16 on CPU: uint16 bits, as the layers are
+        # bf16 on a CPU whose quantised matmul runs bf16: BF16 rows on that kernel; else the
+        # compute dtype's arrays (bf16 on CPU: uint16 bits, as the layers are) for XLA's dot
+        from pallas_kernels.matmul import quant
+
+        on_kernel = jax.default_backend() == "cpu" and dtype == jnp.bfloat16 \
+            and quant.available(jnp.bfloat16)
+        store = jnp.uint8 if on_kernel else kv_storage_dtype(dtype)
+        per = 2 if on_kernel else 1  # bytes per bf16 value in BF16 rows
         shapes = arch.param_shapes()["layers"]
         lora = lora_layers.init_slots(shapes, self.lora_leaves, max_loras, rank, store)
         self.lora_shapes = {leaf: shapes[leaf] for leaf in self.lora_leaves}
         self.lora_rank, self.lora_store = rank, store
         spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), lora)
-        a_spec = {leaf: jax.ShapeDtypeStruct((s[0], s[1], rank), store)
+        a_spec = {leaf: jax.ShapeDtypeStruct((s[0], rank, s[1] * per), store)
                   for leaf, s in self.lora_shapes.items()}
-        b_spec = {leaf: jax.ShapeDtypeStruct((s[0], rank, s[2]), store)
+        b_spec = {leaf: jax.ShapeDtypeStruct((s[0], s[2], rank * per), store)
                   for leaf, s in self.lora_shapes.items()}
         scalar = jax.ShapeDtypeStruct((), jnp.int32)
         self._set_lora = jax.jit(lora_layers.set_slot, donate_argnums=(0,)).lower(

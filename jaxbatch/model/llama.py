@@ -284,13 +284,17 @@ def forward(
     lora = params.get("lora")
     rows = lora_layers.step_rows(lora, lora_ids) if lora is not None and lora_ids is not None \
         else None
-    lora_scanned = lora["layers"] if lora is not None and rows is not None else {}
+    # LoRA slots: scanned with the layers, or (BF16 rows on the kernel) whole stacks read by
+    # layer index, as the quantised weights are
+    lora_kernel = lora is not None and rows is not None and lora_layers.on_kernel(lora)
+    lora_scanned = lora["layers"] if lora is not None and rows is not None \
+        and not lora_kernel else {}
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry
         lp, li, extra, ad = xs
         lp = jax.tree.map(values, lp)
-        ad = jax.tree.map(values, ad)
+        ad = lora_layers.layer_slots(lora, li) if lora_kernel else jax.tree.map(values, ad)
         for name, pack in packs.items():
             lp[name] = dataclasses.replace(lp[name], packed=dataclasses.replace(pack, layer=li))
         for name, qw in quants.items():

@@ -224,3 +224,36 @@ def test_adapter_over_quantised_gguf_base(setup, tmp_path):
         base_want = [hf_greedy(ref.base_model.model, p, 8) for p in prompts]
     assert [o.outputs[0].token_ids for o in outs[2:]] == base_want
     assert llm.engine.compiles_since_warmup == 0
+
+
+def test_bf16_adapters_agree_with_float32(setup):
+    """bf16 compute (on this CPU's quantised-matmul kernel where it runs bf16: the slots as BF16
+    rows read by layer index; else XLA's dot): each adapter's next-token logprobs agree with
+    the float32 engine's within bf16's rounding (0.15 nats here), while the adapters move them
+    by far more than that (the check can fail)."""
+    path, hf, dirs, refs, _ = setup
+    mods = {n: dirs[n] for n in ("a8", "b16")}
+    kw = {**ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
+          "lora_modules": mods}
+    prompts = prompts_of([9, 37, 20], seed=6)
+    sp = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+    def top(llm, name):
+        lr = None if name is None else LoRARequest(name)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+                            lora_request=lr)
+        return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+
+    f32 = LLM(path, **kw)
+    want = {n: top(f32, n) for n in (None, "a8", "b16")}
+    del f32
+    bf16 = LLM(path, **{**kw, "dtype": "bfloat16"})
+    for name in (None, "a8", "b16"):
+        for w, g in zip(want[name], top(bf16, name)):
+            shared = set(w) & set(g)
+            assert len(shared) >= 3, (name, w, g)
+            assert max(abs(w[t] - g[t]) for t in shared) < 0.15, (name, w, g)
+    moved = [max(abs(a[t] - b.get(t, -99.0)) for t in a)
+             for a, b in zip(want["a8"], want[None])]
+    assert min(moved) > 0.5, moved
+    assert bf16.engine.compiles_since_warmup == 0
