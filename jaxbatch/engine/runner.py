@@ -108,7 +108,8 @@ class Runner:
                  quant_acts: dict[tuple[str, int, int], str] | None = None,
                  bf16_xla_rows: dict[tuple[int, int], int] | None = None,
                  kv_zeros: Callable[[tuple[int, ...], Any], jax.Array] | None = None,
-                 lora_slots: tuple[int, int] | None = None) -> None:
+                 lora_slots: tuple[int, int] | None = None,
+                 lora_routes: dict[tuple[int, int], tuple[str, int]] | None = None) -> None:
         """`mesh`: a "tp" mesh (engine/sharding.py) to run on, else the default device.
         `small_matmul_rows`: bf16 weights also packed for the small-matmul kernel, which steps
         of at most that many tokens run (llama.as_run_on_cpu; the engine measures up to where
@@ -118,7 +119,10 @@ class Runner:
         engine/precision.py measures both). `kv_zeros(shape, dtype)`: makes the unsharded KV
         cache (default jnp.zeros; on CPU pallas_kernels/zeros.py's, which leaves its pages
         untouched until written). `lora_slots`: (max_loras, max_lora_rank) LoRA adapter slots
-        on the dense linears (model/lora_layers.py; one device; None: no adapters)."""
+        on the dense linears (model/lora_layers.py; one device; None: no adapters);
+        `lora_routes`: the slots as BF16 rows on the quantised-matmul kernel, each product's
+        (N, K) -> (kernel mode, rows from which XLA's dot runs it) (engine/startup.py measures
+        them); None: arrays for XLA's dot."""
         self.placement: sharding.Placement | None = None
         experts_fn = None
         if mesh is not None:  # tensor parallel (or one replica's devices): see sharding.py
@@ -147,7 +151,7 @@ class Runner:
         self.lora_leaves: tuple[str, ...] = ()
         self._set_lora: Any = None
         if lora_slots is not None:
-            params = self._with_lora_slots(params, arch, *lora_slots)
+            params = self._with_lora_slots(params, arch, *lora_slots, routes=lora_routes)
         self.params = params
         self.page_size = cache.page_size
         self.pages_per_seq = -(-max_model_len // cache.page_size)
@@ -199,7 +203,8 @@ class Runner:
         self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
         self._hidden: Any = None  # the last step's hidden states [T, H], on the device
 
-    def _with_lora_slots(self, params: Any, arch: ModelArch, max_loras: int, rank: int) -> Any:
+    def _with_lora_slots(self, params: Any, arch: ModelArch, max_loras: int, rank: int,
+                         routes: dict[tuple[int, int], tuple[str, int]] | None) -> Any:
         """params with zeroed LoRA slots on the dense linears the model has, stored as its
         layer weights are (uint16 bits for bf16 on CPU; llama.store_bf16_as_bits), and the
         compiled slot writer (one executable for every slot: loading never compiles)."""
@@ -208,16 +213,13 @@ class Runner:
 
         self.lora_leaves = adapted_leaves(arch)
         dtype = llama.value_dtype(params["final_norm"])
-        # bf16 on a CPU whose quantised matmul runs bf16: BF16 rows on that kernel; else the
-        # compute dtype's arrays (bf16 on CPU: uint16 bits, as the layers are) for XLA's dot
-        from pallas_kernels.matmul import quant
-
-        on_kernel = jax.default_backend() == "cpu" and dtype == jnp.bfloat16 \
-            and quant.available(jnp.bfloat16)
+        # BF16 rows on the quantised-matmul kernel (routes measured), else the compute dtype's
+        # arrays (bf16 on CPU: uint16 bits, as the layers are) for XLA's dot
+        on_kernel = routes is not None
         store = jnp.uint8 if on_kernel else kv_storage_dtype(dtype)
         per = 2 if on_kernel else 1  # bytes per bf16 value in BF16 rows
         shapes = arch.param_shapes()["layers"]
-        lora = lora_layers.init_slots(shapes, self.lora_leaves, max_loras, rank, store)
+        lora = lora_layers.init_slots(shapes, self.lora_leaves, max_loras, rank, store, routes)
         self.lora_shapes = {leaf: shapes[leaf] for leaf in self.lora_leaves}
         self.lora_rank, self.lora_store = rank, store
         spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), lora)

@@ -70,6 +70,29 @@ def _invariance_cost(model: LoadedModel, config: EngineConfig, quant_acts: dict,
         config.scheduler.max_num_batched_tokens, linears, bf16_xla_rows, floats, root)
 
 
+def _lora_routes(config: EngineConfig, arch: Any, root: str, on_cpu: bool
+                 ) -> dict[tuple[int, int], tuple[str, int]] | None:
+    """With LoRA, bf16 compute on a CPU whose quantised matmul runs bf16: the slots' products
+    on that kernel, each (N, K) with its mode and the step size from which XLA's dot runs it,
+    measured as a model's BF16 rows are (model/lora_layers.py has the timings); None: arrays
+    for XLA's dot."""
+    from jaxbatch.model import lora_layers
+    from jaxbatch.model.lora import adapted_leaves
+
+    lc = config.lora
+    if not (lc.enable_lora and on_cpu and config.model.dtype == "bfloat16"
+            and quant.available(jnp.bfloat16)):
+        return None
+    shapes = lora_layers.kernel_shapes(arch.param_shapes()["layers"], adapted_leaves(arch),
+                                       lc.max_loras, lc.max_lora_rank)
+    formats = {("BF16", n, k) for n, k in shapes}
+    # the slots are written in place as rows: never packed into panels
+    acts = choose_quant_acts(formats, "bfloat16", root, rows_only=formats)
+    by_shape = {(n, k): a for (_, n, k), a in acts.items()}
+    xla_rows = choose_bf16_route(shapes, root, by_shape)
+    return {s: (by_shape.get(s, "float"), xla_rows.get(s, 0)) for s in shapes}
+
+
 def build_parts(config: EngineConfig, model: LoadedModel | None,
                 devices: Sequence[Any] | None, keep_loaded_params: bool,
                 from_config: Callable[..., Any]) -> EngineParts:
@@ -157,7 +180,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
                     bf16_xla_rows=bf16_xla_rows,  # on CPU: a KV cache not touched yet
                     kv_zeros=functools.partial(untouched_zeros, cache_dir=root),
                     lora_slots=(config.lora.max_loras, config.lora.max_lora_rank)
-                    if config.lora.enable_lora else None)
+                    if config.lora.enable_lora else None,
+                    lora_routes=_lora_routes(config, model.arch, root, on_cpu))
     runner.batch_invariant = invariant
     runner.invariance = invariance_choice
     # the runner holds the params in the forms it runs: the loaded copy goes (one resident copy

@@ -17,19 +17,24 @@ by its adapter's scale (PEFT's order: B (A x) * scale). This is the BGMV / SGMV 
 two dense products: the masked columns contribute exact zeros, so a token's delta is its own
 adapter's alone, and the extra work is W / out of the base product's (8 slots of rank 16 on a
 2048-wide linear: 6%), with no gather of per-token weights. (XLA's `ragged_dot`, the grouped
-form, ran 4-45x slower than the masked products on CPU: it is dense over the groups there.)
+form, ran 6-44x slower than the masked products on the AMX Xeon, 2026-12-07: it is dense over
+the groups on CPU.)
 
 Storage, by route: with bf16 compute on a CPU whose quantised-matmul kernel runs bf16
 (pallas_kernels/matmul/quant.py), the slots are BF16 rows (uint8 bytes, as a bf16 GGUF holds a
-weight) and both products run on that kernel, the stacks read in place by layer index (XLA's
-bf16 dot ran 16 layers x 7 slot products of one token in 62 ms under load: it converted and
-repacked the slots per call); elsewhere they are arrays of the compute dtype (bf16 as uint16
-bits on CPU, llama.store_bf16_as_bits) and XLA's dot runs them.
+weight; QuantWeights carrying each product's mode and XLA route, measured at start-up as a
+model's BF16 rows are) and both products run on that kernel, the stacks read in place by layer
+index; elsewhere they are arrays of the compute dtype (bf16 as uint16 bits on CPU,
+llama.store_bf16_as_bits) and XLA's dot runs them. On the AMX Xeon (2026-12-07, 8 slots of
+rank 16, llama-1b shapes) one token's slot products took 0.12-0.33 ms on the kernel against
+0.59-1.17 ms through XLA's dot; at 16-64 rows the kernel's AMX mode was 1.5-3x faster; at 512
+rows XLA's dot was (1.9-13 against 3.1-22 ms), which the measured route sends there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,18 +57,42 @@ def slot_width(max_loras: int, rank: int) -> int:
     return -(-max_loras * rank // ROW_ALIGN) * ROW_ALIGN
 
 
+def kernel_shapes(layer_shapes: dict[str, tuple[int, ...]], leaves: tuple[str, ...],
+                  max_loras: int, rank: int) -> set[tuple[int, int]]:
+    """The (N, K) of every slot product as the kernel sees it (shrink: W x in, expand: out x W)."""
+    width = slot_width(max_loras, rank)
+    return {shape for leaf in leaves for shape in (
+        (width, layer_shapes[leaf][1]), (layer_shapes[leaf][2], width))}
+
+
 def init_slots(layer_shapes: dict[str, tuple[int, ...]], leaves: tuple[str, ...],
-               max_loras: int, rank: int, store) -> dict:
+               max_loras: int, rank: int, store,
+               routes: dict[tuple[int, int], tuple[str, int]] | None = None) -> dict:
     """Zeroed slots for the linear `leaves` of `layer_shapes` ([L, in, out] each), stored as
-    `store`: uint8 (BF16 rows for the quantised-matmul kernel), uint16 (bf16 bits) or a float
+    `store`: uint8 (BF16 rows, QuantWeights for the quantised-matmul kernel; `routes` gives
+    each product's (N, K) its kernel mode and the step size from which XLA's dot runs it, as
+    engine/precision.py measures them for a model's BF16 rows), uint16 (bf16 bits) or a float
     dtype."""
+    from jaxbatch.model.quantize import QuantWeight
+
     width = slot_width(max_loras, rank)
     rows = jnp.dtype(store) == jnp.uint8
-    layers = {}
+
+    def kernel_weight(stack: jax.Array, n: int, k: int) -> QuantWeight:
+        act, xla_rows = (routes or {}).get((n, k), ("float", 0))
+        return QuantWeight((stack,), None, None, ("BF16",), k, n, True, kernel=True,
+                           acts=(act,), xla_from_rows=xla_rows)
+
+    layers: dict = {}
     for leaf in leaves:
         L, d_in, d_out = layer_shapes[leaf]
-        layers[leaf] = {"a": jnp.zeros((L, width, d_in * (2 if rows else 1)), store),
-                        "b": jnp.zeros((L, d_out, width * (2 if rows else 1)), store)}
+        if rows:
+            layers[leaf] = {
+                "a": kernel_weight(jnp.zeros((L, width, 2 * d_in), store), width, d_in),
+                "b": kernel_weight(jnp.zeros((L, d_out, 2 * width), store), d_out, width)}
+        else:
+            layers[leaf] = {"a": jnp.zeros((L, width, d_in), store),
+                            "b": jnp.zeros((L, d_out, width), store)}
     col = np.full(width, -1, np.int32)
     col[:max_loras * rank] = np.arange(max_loras * rank) // rank + 1
     return {"layers": layers, "col_slot": jnp.asarray(col),
@@ -74,13 +103,21 @@ def set_slot(lora: dict, slot: jax.Array, a: dict, b: dict, scale: jax.Array) ->
     """Slot `slot` (i32 scalar, 1..S) holds a[leaf] [L, r, in'], b[leaf] [L, out, r'] (in the
     slots' storage: in' = in and r' = r, or twice that in bytes for BF16 rows; zeros for a leaf
     the adapter leaves alone) and `scale`; jit with `lora` donated: in place."""
+    from jaxbatch.model.quantize import QuantWeight
+
+    def update(held, new, at: tuple) -> Any:
+        if isinstance(held, QuantWeight):  # BF16 rows: the one stacked part
+            return dataclasses.replace(
+                held, parts=(jax.lax.dynamic_update_slice(held.parts[0], new, at),))
+        return jax.lax.dynamic_update_slice(held, new, at)
+
     layers = {}
     for leaf, ab in lora["layers"].items():
         r = a[leaf].shape[1]
         at = (slot - 1) * r
         per = b[leaf].shape[2] // r  # 2 bytes per column of BF16 rows, else 1
-        layers[leaf] = {"a": jax.lax.dynamic_update_slice(ab["a"], a[leaf], (0, at, 0)),
-                        "b": jax.lax.dynamic_update_slice(ab["b"], b[leaf], (0, 0, at * per))}
+        layers[leaf] = {"a": update(ab["a"], a[leaf], (0, at, 0)),
+                        "b": update(ab["b"], b[leaf], (0, 0, at * per))}
     return {**lora, "layers": layers, "scale": lora["scale"].at[slot].set(scale)}
 
 
@@ -121,7 +158,9 @@ def step_rows(lora: dict, lora_ids: jax.Array) -> LoRARows:
 def on_kernel(lora: dict) -> bool:
     """The slots are BF16 rows for the quantised-matmul kernel (read by layer index, outside
     the layer scan), not arrays scanned with the layers."""
-    return next(iter(lora["layers"].values()))["a"].dtype == jnp.uint8
+    from jaxbatch.model.quantize import QuantWeight
+
+    return isinstance(next(iter(lora["layers"].values()))["a"], QuantWeight)
 
 
 def delta(x: jax.Array, a, b, rows: LoRARows) -> jax.Array:
@@ -145,15 +184,5 @@ def delta(x: jax.Array, a, b, rows: LoRARows) -> jax.Array:
 def layer_slots(lora: dict, li: jax.Array) -> dict:
     """Inside the layer scan, on the kernel route: each leaf's stacks as BF16-row QuantWeights
     picking layer `li` (the kernel reads the stacks in place)."""
-    from jaxbatch.model.quantize import QuantWeight
-
-    out = {}
-    for leaf, ab in lora["layers"].items():
-        _, width, a_bytes = ab["a"].shape
-        d_out = ab["b"].shape[1]
-        out[leaf] = {
-            "a": QuantWeight((ab["a"],), None, None, ("BF16",), a_bytes // 2, width, True,
-                             kernel=True, layer=li),
-            "b": QuantWeight((ab["b"],), None, None, ("BF16",), width, d_out, True,
-                             kernel=True, layer=li)}
-    return out
+    return {leaf: {k: dataclasses.replace(w, layer=li) for k, w in ab.items()}
+            for leaf, ab in lora["layers"].items()}

@@ -52,6 +52,7 @@ def test_each_token_gets_its_own_adapter(route, tmp_path):
         if route == "kernel":
             ad = lora_layers.layer_slots(lora, jnp.int32(layer))["wq"]
             a, b = ad["a"], ad["b"]
+            assert a.acts == b.acts == ("float",)
         else:
             a = jax.lax.bitcast_convert_type(lora["layers"]["wq"]["a"][layer], jnp.bfloat16)
             b = jax.lax.bitcast_convert_type(lora["layers"]["wq"]["b"][layer], jnp.bfloat16)
