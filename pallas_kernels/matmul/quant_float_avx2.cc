@@ -363,8 +363,11 @@ constexpr int kTileRows = 4, kTileCols = 3;
 // K in chunks of this many bytes of each x row (the tile's rows stay in L1 while the tiles of a
 // column block pass over them); between chunks the accumulators wait in `saved`, exactly
 constexpr int64_t kChunkBytes = 4096;
-// x rows an item reads at most (bytes): with the column block within L2
-constexpr int64_t kSegBytes = 320 * 1024;
+// x rows an item reads at most (bytes; f32): each segment dequantises the column block again, so
+// segments of >= 128 rows at K = 2048 (a Q8_0 column is ~4 uops per 8 weights to dequantise
+// against 16 FMAs per 8 weights over 128 rows); the tiles read x from L1 in K chunks, so x past
+// L2 streams in once per column block
+constexpr int64_t kSegBytes = 1024 * 1024;
 
 template <class D, bool RB>
 void dequant_cols(const Job& j, int64_t n0, int64_t cols, float* buf) {
