@@ -24,7 +24,8 @@
 //   prefetcher follows badly).
 // - M > 1 (dot_rows): a block of columns (~384 KB of f32) is dequantised into a per-thread buffer
 //   once, then register tiles of 4 rows x 3 columns (12 ymm accumulators, 3 weight vectors, x a
-//   memory operand) run over it, K in 4 KB chunks of each x row so that a tile's x stays in L1.
+//   memory operand) run over it, K in 4 KB chunks of each x row so that a tile's x stays in L1
+//   (bf16 x widened a tile's chunk at a time, into L1, for all the block's columns).
 // Threads (XLA's intra-op pool) claim chunks of output features (and, when there are few column
 // blocks, segments of rows).
 
@@ -260,6 +261,19 @@ JB_INLINE uint16_t bf16_bits(float f) {
   return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
+// bf16 bits [n] -> f32 (exact: a 16-bit shift)
+void widen(const uint16_t* x, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(load128(
+                                      reinterpret_cast<const uint8_t*>(x + i))), 16)));
+  for (; i < n; ++i) {
+    const uint32_t b = uint32_t(x[i]) << 16;
+    std::memcpy(out + i, &b, 4);
+  }
+}
+
 // D's weights as the dot reads them: for bf16 x (RB) rounded to bf16 (a no-op for BF16 rows)
 template <class D, bool RB, class F>
 JB_INLINE void decode(const uint8_t* p, F&& f) {
@@ -285,7 +299,8 @@ JB_INLINE float reduce8(__m256 a) {
 }
 
 struct Job {
-  const float* x;  // [M, K] f32 (bf16 x widened once)
+  const float* x;  // [M, K] f32 x; one row: bf16 x widened
+  const uint16_t* xb;  // [M, K] bf16 x (more rows: widened a tile's K chunk at a time)
   const uint8_t* w;  // the layer's [N, RB]
   void* out;
   int64_t M, N, K, rb;
@@ -353,7 +368,7 @@ Scratch& weight_scratch() {
   thread_local Scratch s;
   return s;
 }
-// the calling thread's: bf16 x widened (the helpers read it until the call returns)
+// the calling thread's: one bf16 row widened (the helpers read it until the call returns)
 Scratch& x_scratch() {
   thread_local Scratch s;
   return s;
@@ -382,21 +397,21 @@ void dequant_cols(const Job& j, int64_t n0, int64_t cols, float* buf) {
   }
 }
 
+// x: the R rows' K chunk [k0, k1) (row stride ldx), wb: the C columns' (row stride j.K)
 template <int R, int C>
-void dot_tile(const Job& j, const float* wb, int64_t m0, int64_t n0, int64_t k0, int64_t k1,
-              __m256* saved) {
+void dot_tile(const Job& j, const float* x, int64_t ldx, const float* wb, int64_t m0, int64_t n0,
+              int64_t k0, int64_t k1, __m256* saved) {
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       acc[r][c] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(
                                                        reinterpret_cast<float*>(saved + r * C + c));
   const int64_t K = j.K;
-  const float* x = j.x + m0 * K;
-  for (int64_t k = k0; k < k1; k += 8) {
+  for (int64_t k = 0; k < k1 - k0; k += 8) {
     __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = pin(_mm256_load_ps(wb + c * K + k));
+    for (int c = 0; c < C; ++c) wv[c] = pin(_mm256_load_ps(wb + c * K + k0 + k));
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
@@ -410,17 +425,26 @@ void dot_tile(const Job& j, const float* wb, int64_t m0, int64_t n0, int64_t k0,
   }
 }
 
-// rows m0.. (R of them) x the block's `cols` columns; `saved` holds cols * R accumulators
+// rows m0.. (R of them) x the block's `cols` columns; `saved` holds cols * R accumulators,
+// `xw` R K chunks (bf16 x widened there, for all the block's columns)
 template <int R>
 void dot_rows(const Job& j, const float* buf, int64_t m0, int64_t n0, int64_t cols,
-              __m256* saved) {
+              __m256* saved, float* xw) {
   constexpr int64_t kc = kChunkBytes / sizeof(float);
   for (int64_t k0 = 0; k0 < j.K; k0 += kc) {
     const int64_t k1 = std::min(j.K, k0 + kc);
+    const float* x = j.x + m0 * j.K + k0;
+    int64_t ldx = j.K;
+    if (j.xb != nullptr) {
+      for (int r = 0; r < R; ++r) widen(j.xb + (m0 + r) * j.K + k0, k1 - k0, xw + r * kc);
+      x = xw;
+      ldx = kc;
+    }
     int64_t c = 0;
     for (; c + kTileCols <= cols; c += kTileCols)
-      dot_tile<R, kTileCols>(j, buf + c * j.K, m0, n0 + c, k0, k1, saved + c * R);
-    for (; c < cols; ++c) dot_tile<R, 1>(j, buf + c * j.K, m0, n0 + c, k0, k1, saved + c * R);
+      dot_tile<R, kTileCols>(j, x, ldx, buf + c * j.K, m0, n0 + c, k0, k1, saved + c * R);
+    for (; c < cols; ++c)
+      dot_tile<R, 1>(j, x, ldx, buf + c * j.K, m0, n0 + c, k0, k1, saved + c * R);
   }
 }
 
@@ -434,19 +458,20 @@ int64_t block_cols(int64_t K) {
 // column block it % ncb (nc columns) over row segment it / ncb
 template <class D, bool RB>
 void buffered_item(const Job& j, int64_t it, int64_t nc) {
-  float* buf = static_cast<float*>(
-      weight_scratch().get(nc * j.K * sizeof(float) + nc * kTileRows * sizeof(__m256)));
+  float* buf = static_cast<float*>(weight_scratch().get(
+      nc * j.K * sizeof(float) + nc * kTileRows * sizeof(__m256) + kTileRows * kChunkBytes));
   __m256* saved = reinterpret_cast<__m256*>(buf + nc * j.K);
+  float* xw = reinterpret_cast<float*>(saved + nc * kTileRows);
   const int64_t cb = it % j.ncb, seg = it / j.ncb;
   const int64_t n0 = cb * nc, cols = std::min(nc, j.N - n0);
   const int64_t m_lo = seg * j.segrows, m_hi = std::min(j.M, m_lo + j.segrows);
   dequant_cols<D, RB>(j, n0, cols, buf);
   for (int64_t m = m_lo; m < m_hi; m += kTileRows) {
     switch (std::min<int64_t>(kTileRows, m_hi - m)) {
-      case 1: dot_rows<1>(j, buf, m, n0, cols, saved); break;
-      case 2: dot_rows<2>(j, buf, m, n0, cols, saved); break;
-      case 3: dot_rows<3>(j, buf, m, n0, cols, saved); break;
-      default: dot_rows<4>(j, buf, m, n0, cols, saved); break;
+      case 1: dot_rows<1>(j, buf, m, n0, cols, saved, xw); break;
+      case 2: dot_rows<2>(j, buf, m, n0, cols, saved, xw); break;
+      case 3: dot_rows<3>(j, buf, m, n0, cols, saved, xw); break;
+      default: dot_rows<4>(j, buf, m, n0, cols, saved, xw); break;
     }
   }
 }
@@ -482,19 +507,6 @@ Drain pick(int64_t fmt, int64_t M) {
   }
 }
 
-// bf16 bits [n] -> f32 (exact: a 16-bit shift)
-void widen(const uint16_t* x, int64_t n, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                  _mm256_cvtepu16_epi32(load128(
-                                      reinterpret_cast<const uint8_t*>(x + i))), 16)));
-  for (; i < n; ++i) {
-    const uint32_t b = uint32_t(x[i]) << 16;
-    std::memcpy(out + i, &b, 4);
-  }
-}
-
 }  // namespace
 
 namespace jaxbatch_quant {
@@ -507,12 +519,14 @@ bool QuantMatmulFloatAvx2(ffi::ThreadPool& pool, const void* x, bool x_bf16, con
   const Drain drain = x_bf16 ? pick<true>(fmt, M) : pick<false>(fmt, M);
   if (drain == nullptr) return false;
   auto j = std::make_shared<Job>();
-  if (x_bf16) {
-    float* xf = static_cast<float*>(x_scratch().get(M * K * sizeof(float)));
-    widen(static_cast<const uint16_t*>(x), M * K, xf);
+  j->x = static_cast<const float*>(x);
+  j->xb = nullptr;
+  if (x_bf16 && M == 1) {
+    float* xf = static_cast<float*>(x_scratch().get(K * sizeof(float)));
+    widen(static_cast<const uint16_t*>(x), K, xf);
     j->x = xf;
-  } else {
-    j->x = static_cast<const float*>(x);
+  } else if (x_bf16) {
+    j->xb = static_cast<const uint16_t*>(x);
   }
   j->w = w;
   j->out = out;
