@@ -2,9 +2,9 @@
 use, loaded once a process, each kernel registered as an XLA FFI custom call for the CPU platform.
 
 Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the small
-bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` (its AVX2 build:
-`matmul/quant_int8_avx2.cc`) and `matmul/quant_amx.cc` (matmuls over GGUF blocks, float and int8
-activations; AMX tiles for bf16 rows) and `zeros.cc` (a zeroed KV cache without touching its
+bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` (their AVX2 builds:
+`matmul/quant_float_avx2.cc`, `matmul/quant_int8_avx2.cc`) and `matmul/quant_amx.cc` (matmuls
+over GGUF blocks, float and int8 activations; AMX tiles for bf16 rows) and `zeros.cc` (a zeroed KV cache without touching its
 pages); one `.so`, one FFI target each (TARGETS). The build is cached by everything that changes
 the binary: the sources (and `ffi_safety.h`, the handlers' shared guard: no C++ exception leaves a
 handler), the compiler's version, the instruction-set level's flags (LEVELS;
@@ -40,6 +40,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "quant.cc"),
            os.path.join(_HERE, "matmul", "quant_int8.cc"),
            os.path.join(_HERE, "matmul", "quant_int8_avx2.cc"),
+           os.path.join(_HERE, "matmul", "quant_float_avx2.cc"),
            os.path.join(_HERE, "matmul", "quant_amx.cc"),
            os.path.join(_HERE, "matmul", "quant_panel.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),

@@ -84,7 +84,13 @@ def choose_compute_dtype(hidden: int, inner: int, cache_root: str,
     kernel", on the BF16 rows of the model's up and down shapes) before XLA's bf16 dot, which
     is timed only when the kernel does not already win. On an EPYC without AMX XLA's bf16 dot
     ran at 296 GFLOP/s against f32's 290, so timing XLA alone chose float32 for a Q4_K_M
-    model, whose int8 and bf16 kernel paths are 2-3x faster than its f32 one."""
+    model, whose int8 and bf16 kernel paths are 2-3x faster than its f32 one.
+
+    Where neither bf16 candidate clearly wins those compute-bound sizes, a decode step (one
+    row, weights read from memory) is timed too: the kernel on BF16 rows against XLA's f32 dot
+    on f32 weights (what float32 holds: twice the bytes to read). bfloat16 is then chosen where
+    the kernel's decode is a clear win and its prefill rate not clearly below f32's (an AVX2
+    machine: its float mode FMAs at f32's rate, and the step reads half the bytes)."""
     kernel = bf16_kernel and _bf16_kernel_available()
     ident = f"{measurement_identity()}|dtype {hidden}x{inner}" + (" kernel" if kernel else "")
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
@@ -98,11 +104,19 @@ def choose_compute_dtype(hidden: int, inner: int, cache_root: str,
             if rates["bfloat16 kernel"] >= BF16_MIN_SPEEDUP * rates["float32"]:
                 return rates
         rates["bfloat16"] = flops / _time_matmuls(jnp.bfloat16, hidden, inner) / 1e9
+        if kernel and rates["bfloat16"] < BF16_MIN_SPEEDUP * rates["float32"]:
+            one_row = 2 * 2 * hidden * inner
+            rates["float32 decode"] = one_row / _time_decode_f32(hidden, inner) / 1e9
+            rates["bfloat16 kernel decode"] = one_row / _time_bf16_rows_decode(hidden, inner) / 1e9
         return rates
 
     gflops, source = cached(path, ident, "gflops", measure)
-    bf16 = max(v for k, v in gflops.items() if k.startswith("bfloat16"))
-    dtype = "bfloat16" if bf16 >= BF16_MIN_SPEEDUP * gflops["float32"] else "float32"
+    bf16 = max(v for k, v in gflops.items() if k in ("bfloat16", "bfloat16 kernel"))
+    f32 = gflops["float32"]
+    decode_wins = "bfloat16 kernel decode" in gflops and \
+        gflops["bfloat16 kernel decode"] >= BF16_MIN_SPEEDUP * gflops["float32 decode"] and \
+        gflops["bfloat16 kernel"] * BF16_MIN_SPEEDUP >= f32
+    dtype = "bfloat16" if bf16 >= BF16_MIN_SPEEDUP * f32 or decode_wins else "float32"
     choice = PrecisionChoice(dtype, gflops, source)
     log.info("dtype auto: %s", choice.describe())
     return choice
@@ -122,6 +136,38 @@ def _time_bf16_rows(hidden: int, inner: int) -> float:
                    for rows in _ROWS for n, k in ((inner, hidden), (hidden, inner)))
     finally:
         _release_blocks()
+
+
+def _time_bf16_rows_decode(hidden: int, inner: int) -> float:
+    """Seconds of one row through the up- and down-projection shapes on BF16 rows (the
+    quantised matmul's float path, bf16 x), each layer of a stack read from memory."""
+    try:
+        return sum(_time_quant("BF16", n, k, "float", 1)
+                   for n, k in ((inner, hidden), (hidden, inner)))
+    finally:
+        _release_blocks()
+
+
+def _time_decode_f32(hidden: int, inner: int, repeats: int = 5) -> float:
+    """Seconds of one row through the up- and down-projection shapes in XLA's f32 dot on f32
+    weights (float32 compute), stepping through a stack of layers as big as _quant_timer's, so
+    that the weights are read from memory as a decode step reads them: the fastest of
+    `repeats`."""
+    rng = np.random.default_rng(0)
+    layers = max(1, -(-_QUANT_ACT_BYTES // (4 * hidden * inner)))
+    up = rng.standard_normal((hidden, inner), np.float32) * 0.02
+    down = rng.standard_normal((inner, hidden), np.float32) * 0.02
+    # one array per layer (a copy each): a slice of a stack inside the call would be copied
+    ws = [(jnp.asarray(up), jnp.asarray(down)) for _ in range(layers)]
+    proj = jax.jit(lambda x, up, down: jnp.dot(jnp.dot(x, up), down))
+    x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.float32)
+    jax.block_until_ready(proj(x, *ws[0]))
+    best = float("inf")
+    for i in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(proj(x, *ws[(i + 1) % layers]))
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 # ---- the small bf16 matmul (decode steps, small prefill chunks) --------------------------------

@@ -447,10 +447,11 @@ def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None
     from pallas_kernels.matmul import quant
 
     dtype = value_dtype(params["final_norm"])
-    # a build with the int8 mode and no float mode (the avx2 level: quant_int8_avx2.cc), bfloat16
-    # compute: block-format weights (Q8_0, Q4_0, K-quants, MXFP4) run the int8 mode, as
-    # llama.cpp's AVX2 build computes them; BF16 / F16 rows stay on the jnp path, and float32
-    # keeps its exact dequantised dots (dtype auto, timing XLA's dots alone there, picks float32)
+    # a build with the int8 mode and no float mode for the compute dtype (none on x86 since the
+    # avx2 level has quant_float_avx2.cc), bfloat16 compute: block-format weights (Q8_0, Q4_0,
+    # K-quants, MXFP4) run the int8 mode, as llama.cpp's AVX2 build computes them; BF16 / F16 rows
+    # stay on the jnp path, and float32 keeps its exact dequantised dots (dtype auto, timing
+    # XLA's dots alone there, picks float32)
     int8_only = not quant.available(dtype)
     if int8_only and not (dtype == jnp.bfloat16 and quant.available(dtype, act="int8")):
         return params

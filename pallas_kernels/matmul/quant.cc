@@ -867,6 +867,13 @@ void run(ffi::ThreadPool& pool, std::shared_ptr<Job> j, Drain drain) {
 }  // namespace
 
 namespace jaxbatch_quant {
+// quant_float_avx2.cc: the float mode on AVX2 (with FMA, F16C), for the dtypes this file's
+// AVX-512 path lacks; false: a build without them (Built() says which)
+bool QuantMatmulFloatAvx2(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
+                          void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
+                          int64_t rb);
+bool QuantMatmulFloatAvx2Built();
+
 // this file's float activation mode over one layer's rows w [N, RB] (false: this build has no
 // path for x's dtype); moe.cc calls it once per routed expert
 bool QuantMatmulFloat(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
@@ -891,9 +898,8 @@ bool QuantMatmulFloat(ffi::ThreadPool& pool, const void* x, bool x_bf16, const u
   return true;
 #endif
 #endif
-  (void)pool, (void)x, (void)x_bf16, (void)w, (void)out, (void)out_f32, (void)fmt, (void)M;
-  (void)N, (void)K, (void)rb;
-  return false;
+  // quant_float_avx2.cc: x's dtype on AVX2 (false: a build without AVX2, FMA and F16C)
+  return QuantMatmulFloatAvx2(pool, x, x_bf16, w, out, out_f32, fmt, M, N, K, rb);
 }
 
 // quant_int8.cc: the int8 activation mode (false: this build has none)
@@ -1019,12 +1025,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
                                   .Attr<int64_t>("act")  // 0 float, 1 int8, 2 amx, 3 panel, 4 packed
                                   .Attr<int64_t>("n"));  // > 0: w is a file, N = n
 
-// 1 when this build has the bf16-x path (AVX512-BF16), the f32-x path (AVX512F)
+// 1 when this build has the bf16-x path (AVX512-BF16, or AVX2 with FMA and F16C), the f32-x
+// path (AVX512F, or AVX2 with FMA and F16C)
 extern "C" int JaxbatchQuantMatmulBf16() {
 #if defined(__AVX512BF16__)
   return 1;
 #else
-  return 0;
+  return jaxbatch_quant::QuantMatmulFloatAvx2Built() ? 1 : 0;
 #endif
 }
 
@@ -1032,6 +1039,6 @@ extern "C" int JaxbatchQuantMatmulF32() {
 #if defined(__AVX512F__)
   return 1;
 #else
-  return 0;
+  return jaxbatch_quant::QuantMatmulFloatAvx2Built() ? 1 : 0;
 #endif
 }

@@ -5,8 +5,8 @@ and registered as an XLA FFI custom call by pallas_kernels/cpu_library.py.
 Two activation modes, both batch invariant (the bits of a row do not depend on how many rows the
 call has, nor on tiles or threads):
 - act="float": the weights are dequantised inside the dot; each output is one f32 sum over K (16
-  lane partial sums reduced by one fixed tree). For bf16 x the dequantised weights (f32, as ggml
-  computes them) are rounded to bf16 first.
+  lane partial sums reduced by one fixed tree; 8 on AVX2, quant_float_avx2.cc). For bf16 x the
+  dequantised weights (f32, as ggml computes them) are rounded to bf16 first.
 - act="int8" (llama.cpp's CPU scheme): each row of x is quantised to int8 blocks (32 values for
   Q8_0/Q4_0/MXFP4 weights, 256 for the K-quants; scale amax / 127, values
   round-half-even(x * (127 / amax))), dotted with the weights' integer codes exactly
@@ -53,7 +53,8 @@ _FEATURE = {"amx": "quant_matmul_amx", "panel": "quant_matmul_panel",
 
 def available(x_dtype, act: str = "float") -> bool:
     """The CPU library is registered and this build has the path for x's dtype and `act`: float
-    mode bf16 needs AVX512-BF16, f32 AVX512F; int8 mode (either dtype) AVX512-VNNI or AVX2 (with
+    mode bf16 needs AVX512-BF16, f32 AVX512F, or either AVX2 with FMA and F16C
+    (quant_float_avx2.cc); int8 mode (either dtype) AVX512-VNNI or AVX2 (with
     FMA and F16C: quant_int8_avx2.cc, the same bits); amx mode (bf16 only) AMX-BF16 and the OS's
     permission to use the tiles; panel mode (bf16 only) AVX512-BF16."""
     dt = jnp.dtype(x_dtype)

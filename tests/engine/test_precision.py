@@ -93,15 +93,22 @@ def test_device_identity_counts_the_cpus_this_process_may_use(monkeypatch):
     assert precision.device_identity().endswith(":7")
 
 
-@pytest.mark.parametrize("kernel_s,bf16_xla_s,want,timed", [
-    (0.5, 1.0, "bfloat16", ["float32", "kernel"]),          # the kernel wins: XLA bf16 untimed
-    (0.95, 0.5, "bfloat16", ["float32", "kernel", "bfloat16"]),  # XLA's bf16 dot wins (AMX)
-    (0.95, 0.95, "float32", ["float32", "kernel", "bfloat16"]),
+@pytest.mark.parametrize("kernel_s,bf16_xla_s,decode_s,want,timed", [
+    (0.5, 1.0, 1.0, "bfloat16", ["float32", "kernel"]),  # the kernel wins: XLA bf16 untimed
+    (0.95, 0.5, 1.0, "bfloat16", ["float32", "kernel", "bfloat16"]),  # XLA's bf16 dot (AMX)
+    (0.95, 0.95, 1.0, "float32", ["float32", "kernel", "bfloat16", "f32 1", "kernel 1"]),
+    # no clear win at prefill, but a decode step reading half the bytes (an AVX2 machine)
+    (0.95, 0.95, 0.5, "bfloat16", ["float32", "kernel", "bfloat16", "f32 1", "kernel 1"]),
+    # ... unless the kernel's prefill is clearly slower than f32's
+    (1.5, 1.5, 0.5, "float32", ["float32", "kernel", "bfloat16", "f32 1", "kernel 1"]),
 ])
-def test_bf16_kernel_is_bf16s_candidate(tmp_path, monkeypatch, kernel_s, bf16_xla_s, want, timed):
+def test_bf16_kernel_is_bf16s_candidate(tmp_path, monkeypatch, kernel_s, bf16_xla_s, decode_s,
+                                        want, timed):
     """Where the linears would run the quantised matmul's kernel in bf16 (one CPU device), the
     kernel is timed for bf16 first, XLA's bf16 dot only if the kernel does not win; bf16's rate
-    is the better of the two, against XLA's f32 dot (1.0 s here)."""
+    is the better of the two, against XLA's f32 dot (1.0 s here). Where neither wins, a decode
+    step is timed in both (f32's 1.0 s): a clear win there, with the kernel's prefill not
+    clearly slower, picks bfloat16."""
     calls = []
 
     def fake_xla(dtype, hidden, inner, repeats=3):
@@ -112,6 +119,10 @@ def test_bf16_kernel_is_bf16s_candidate(tmp_path, monkeypatch, kernel_s, bf16_xl
         calls.append("kernel")
         return kernel_s
 
+    monkeypatch.setattr(precision, "_time_decode_f32",
+                        lambda hidden, inner: calls.append("f32 1") or 1.0)
+    monkeypatch.setattr(precision, "_time_bf16_rows_decode",
+                        lambda hidden, inner: calls.append("kernel 1") or decode_s)
     monkeypatch.setattr(precision, "_time_matmuls", fake_xla)
     monkeypatch.setattr(precision, "_time_bf16_rows", fake_kernel)
     monkeypatch.setattr(precision, "_bf16_kernel_available", lambda: True)

@@ -1,9 +1,10 @@
-"""A kernel build with the quantised matmul's int8 mode but no float mode (the avx2 level,
-`JAXBATCH_CPU_LEVEL=avx2`: quant_int8_avx2.cc) runs a GGUF's block weights through that mode in
-bfloat16 (llama.cpp's AVX2 scheme) instead of dequantising them: every block weight goes to the
-kernel with act int8, and the logits are the jnp path's within the int8 activations' rounding.
-`python -m tests.run_levels` runs this at the avx2 level; a build with the float mode (native
-here) routes by its measured modes instead (tests/model/test_gguf.py), so it skips there."""
+"""A kernel build with the quantised matmul's int8 mode but no float mode for the compute dtype
+runs a GGUF's block weights through that mode in bfloat16 (llama.cpp's AVX2 scheme) instead of
+dequantising them: every block weight goes to the kernel with act int8, and the logits are the
+jnp path's within the int8 activations' rounding. No x86 level is such a build since the avx2
+level has the float mode (quant_float_avx2.cc), so the float mode is reported missing here
+(`quant.available` patched), and the route runs wherever the int8 mode is built; a build with
+the float mode routes by its measured modes instead (tests/model/test_gguf.py)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,20 @@ from tests.model.test_gguf import _K_COMMON, IDS, _tiny
 def _built(tmp_path_factory):
     why = cpu_library.available(str(tmp_path_factory.getbasetemp() / "kernel-cache"))
     assert why is None, why
-    if quant.available(jnp.bfloat16):
-        pytest.skip("this build has the float mode: weights are routed by measured modes "
-                    "(tests/model/test_gguf.py)")
     if not quant.available(jnp.bfloat16, act="int8"):
-        pytest.skip("this build has no int8 mode either: the jnp path runs")
+        pytest.skip("this build has no int8 mode: the jnp path runs")
+
+
+def _int8_only(monkeypatch):
+    """This build as one with the int8 mode alone: the float mode reported missing."""
+    has = quant.available
+    monkeypatch.setattr(quant, "available",
+                        lambda dtype, act="float": act != "float" and has(dtype, act))
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
-def test_block_weights_run_the_int8_mode(tmp_path, fmt):
+def test_block_weights_run_the_int8_mode(tmp_path, monkeypatch, fmt):
+    _int8_only(monkeypatch)
     model = _tiny(transformers.LlamaConfig(**_K_COMMON, rope_theta=10000.0,
                                            tie_word_embeddings=True))
     path = gguf_files.write_gguf(str(tmp_path / "m.gguf"), model, qtype=lambda n, w: QT[fmt])

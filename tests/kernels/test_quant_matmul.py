@@ -7,7 +7,8 @@ Also exactly: one-hot rows read the kernel's dequantised weights back, bit for b
 package's (f32) or their bf16 rounding; and each output row's bits do not depend on how many rows
 the call has. Never bitwise against XLA's dot (other libraries, other summation orders on other
 CPUs). Skipped where the CPU library did not build or this CPU lacks the instructions a path needs
-(bf16 x: AVX512-BF16; f32 x: AVX512F).
+(bf16 x: AVX512-BF16; f32 x: AVX512F; either on AVX2 with FMA and F16C: quant_float_avx2.cc, which
+`python -m tests.run_levels` runs at the avx2 level).
 
 Timing (not a test; the numbers quoted in quant.cc's header):
   .venv/bin/python -m tests.kernels.test_quant_matmul
@@ -41,7 +42,7 @@ def _built(tmp_path_factory):
 
 def _need(dtype):
     if not quant.available(dtype):
-        need = "AVX512-BF16" if jnp.dtype(dtype) == jnp.bfloat16 else "AVX512F"
+        need = ("AVX512-BF16" if jnp.dtype(dtype) == jnp.bfloat16 else "AVX512F") + " or AVX2"
         pytest.skip(f"this CPU (or its build) has no {need}: no quant matmul for "
                     f"{jnp.dtype(dtype).name} x")
 
