@@ -867,6 +867,11 @@ void run(ffi::ThreadPool& pool, std::shared_ptr<Job> j, Drain drain) {
 }  // namespace
 
 namespace jaxbatch_quant {
+// quant_neon.cc: the float mode on aarch64
+bool QuantMatmulFloatNeon(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
+                          void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
+                          int64_t rb);
+
 // this file's float activation mode over one layer's rows w [N, RB] (false: this build has no
 // path for x's dtype); moe.cc calls it once per routed expert
 bool QuantMatmulFloat(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
@@ -890,6 +895,9 @@ bool QuantMatmulFloat(ffi::ThreadPool& pool, const void* x, bool x_bf16, const u
   run<PathBF16>(pool, j, pick<PathBF16>(fmt, M));
   return true;
 #endif
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+  return QuantMatmulFloatNeon(pool, x, x_bf16, w, out, out_f32, fmt, M, N, K, rb);
 #endif
   (void)pool, (void)x, (void)x_bf16, (void)w, (void)out, (void)out_f32, (void)fmt, (void)M;
   (void)N, (void)K, (void)rb;
@@ -1019,9 +1027,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
                                   .Attr<int64_t>("act")  // 0 float, 1 int8, 2 amx, 3 panel, 4 packed
                                   .Attr<int64_t>("n"));  // > 0: w is a file, N = n
 
-// 1 when this build has the bf16-x path (AVX512-BF16), the f32-x path (AVX512F)
+// 1 when this build has the bf16-x path (AVX512-BF16), the f32-x path (AVX512F); both on
+// aarch64 (quant_neon.cc)
 extern "C" int JaxbatchQuantMatmulBf16() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__aarch64__) && defined(__ARM_NEON))
   return 1;
 #else
   return 0;
@@ -1029,7 +1038,7 @@ extern "C" int JaxbatchQuantMatmulBf16() {
 }
 
 extern "C" int JaxbatchQuantMatmulF32() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__aarch64__) && defined(__ARM_NEON))
   return 1;
 #else
   return 0;
