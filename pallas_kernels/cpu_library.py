@@ -10,7 +10,7 @@ experts through the same modes) and `zeros.cc` (a zeroed KV cache without touchi
 one `.so`, one FFI target each (TARGETS). The build is cached by everything that changes
 the binary: the sources (and `ffi_safety.h`, the handlers' shared guard: no C++ exception leaves a
 handler), the compiler's version, the instruction-set level's flags (LEVELS;
-JAXBATCH_CPU_LEVEL=avx2|avx512|native, on aarch64 armv8|dotprod|native; default native:
+JAXBATCH_CPU_LEVEL=avx2|avx512|native, on aarch64 armv8|dotprod|i8mm|native; default native:
 -march=native), the CPU's instruction set flags (so a library built on one CPU model is never
 loaded on another) and jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when there is no compiler or the build fails;
 callers fall back to jnp and say so.
@@ -81,11 +81,13 @@ X86_LEVELS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 # aarch64 (quant_neon.cc, small_bf16_neon.cc; attention's portable f32 path): armv8 is NEON
 # alone (Cortex-A72, Graviton1: the int8 mode's integer dots by SMULL + SADALP); dotprod adds
-# SDOT (ARMv8.2+: Graviton2+, Ampere Altra, Apple M1+), which native builds use wherever the CPU
-# has it. The named levels are also what tests/kernels/test_aarch64_qemu.py cross-compiles.
+# SDOT (ARMv8.2+: Graviton2+, Ampere Altra, Apple M1+), i8mm SMMLA (Graviton3+, Apple M2+);
+# native builds use what the CPU has. The named levels are also what
+# tests/kernels/test_aarch64_qemu.py cross-compiles and runs.
 ARM_LEVELS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "armv8": (["-march=armv8-a"], ()),
     "dotprod": (["-march=armv8.2-a+dotprod"], ("asimddp",)),
+    "i8mm": (["-march=armv8.2-a+dotprod+i8mm"], ("asimddp", "i8mm")),
     "native": (["-march=native"], ()),
 }
 LEVEL_ENV = "JAXBATCH_CPU_LEVEL"

@@ -25,7 +25,10 @@
 // product and sum rounded once (no FMA: mul_once), over b in K order:
 //   A_I += (dx_b d_b) f32(I_b);  A_J += (dx_b dmin_b) f32(J_b);  out = A_I - A_J, or A_I.
 // Integer dots: SDOT (vdotq_s32) where the build has dotprod (ARMv8.2+: Apple M1+, Graviton2+,
-// Ampere Altra), else SMULL + SADALP; integers are exact, so both give the same bits.
+// Ampere Altra), else SMULL + SADALP; with i8mm (Graviton3+, Apple M2+) calls of 2+ rows take
+// 2 rows x 2 columns at a time through SMMLA (vmmlaq_s32), x's row pairs and the columns' codes
+// interleaved in 8-byte units. Integers are exact and the f32 steps run lane by lane in the
+// same order, so every path gives the same bits.
 //
 // Threads (XLA's intra-op pool) claim chunks of output features; neither the chunking nor the
 // tiles change any output's operations.
@@ -250,6 +253,7 @@ struct Job {
   const int8_t* q;  // int8 mode: x's codes [M, K]
   const float* dx;  // int8 mode: [M, K / QA]
   const int32_t* bsum;  // int8 mode, Q4_K / Q5_K: q sums per 32 [M, K / 32]
+  const int8_t* xi = nullptr;  // int8 mode with i8mm, M >= 2: row pairs' codes interleaved
   const uint8_t* w;  // [N, RB]
   void* out;
   int64_t fmt, M, N, K, rb, chunk, items;
@@ -457,21 +461,130 @@ float int8_output(const Job& j, const Unpacked& u, int64_t m) {
   return (fmt == kQ4_K || fmt == kQ5_K) ? ai - aj : ai;
 }
 
+// scratch for one unpacked row at `base`; returns the bytes it takes
+size_t carve(uint8_t* base, int64_t K, int64_t nb, Unpacked* u) {
+  const size_t codes = (K + 63) / 64 * 64;
+  if (u != nullptr) {
+    u->c = reinterpret_cast<int8_t*>(base);
+    u->d = reinterpret_cast<float*>(base + codes);
+    u->dmin = u->d + nb;
+    u->sc = reinterpret_cast<int32_t*>(u->dmin + nb);
+    u->mn = u->sc + nb * 16;
+  }
+  return codes + nb * (4 + 4 + 64 + 32);  // codes, then d, dmin, sc [nb, 16], mn [nb, 8]
+}
+
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+// i8mm (SMMLA: a 2 x 8 by 8 x 2 int8 product into 2 x 2 int32 lanes), for 2 rows x 2 columns:
+// the integers are exact, and the f32 steps run lane by lane as int8_output's, so the outputs
+// are its bits. xi: rows m, m+1 and wi: the two columns' codes, interleaved in 8-byte units
+// ([a 0..7][b 0..7][a 8..15][b 8..15] ...); lanes (m, c0), (m, c1), (m+1, c0), (m+1, c1).
+
+// the sum over `units` 8-byte units from x and w (16 bytes a unit pair)
+JB_INLINE int32x4_t mm_units(const int8_t* x, const int8_t* w, int units) {
+  int32x4_t r = vdupq_n_s32(0);
+  for (int u = 0; u < units; ++u) r = vmmlaq_s32(r, vld1q_s8(x + 16 * u), vld1q_s8(w + 16 * u));
+  return r;
+}
+
+JB_INLINE int32x4_t pair_lanes(int32_t c0, int32_t c1) {  // (c0, c1, c0, c1)
+  const int32_t v[4] = {c0, c1, c0, c1};
+  return vld1q_s32(v);
+}
+
+JB_INLINE float32x4_t row_lanes(float r0, float r1) {  // (r0, r0, r1, r1)
+  const float v[4] = {r0, r0, r1, r1};
+  return vld1q_f32(v);
+}
+
+void int8_tile2x2(const Job& j, const Unpacked& u0, const Unpacked& u1, const int8_t* wi,
+                  const int8_t* xi, int64_t m, int64_t n) {
+  const int64_t fmt = j.fmt, qk = kBlockWeights[fmt], nb = j.K / qk;
+  const bool mins = fmt == kQ4_K || fmt == kQ5_K;
+  const float* dx0 = j.dx + m * nb;
+  const float* dx1 = dx0 + nb;
+  float32x4_t ai = vdupq_n_f32(0.0f), aj = vdupq_n_f32(0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xb = xi + 2 * b * qk;
+    const int8_t* wb = wi + 2 * b * qk;
+    int32x4_t I, J = vdupq_n_s32(0);
+    if (qk == 32) {
+      I = mm_units(xb, wb, 4);
+    } else if (fmt == kQ6_K) {  // 16 groups of 16 weights, each its scale
+      I = vdupq_n_s32(0);
+      for (int g = 0; g < 16; ++g)
+        I = vmlaq_s32(I, mm_units(xb + 32 * g, wb + 32 * g, 2),
+                      pair_lanes(u0.sc[b * 16 + g], u1.sc[b * 16 + g]));
+    } else {  // Q4_K, Q5_K: 8 sub-blocks of 32
+      I = vdupq_n_s32(0);
+      const int32_t* bs0 = j.bsum + m * (j.K / 32) + b * 8;
+      const int32_t* bs1 = bs0 + j.K / 32;
+      for (int s = 0; s < 8; ++s) {
+        I = vmlaq_s32(I, mm_units(xb + 64 * s, wb + 64 * s, 4),
+                      pair_lanes(u0.sc[b * 16 + s], u1.sc[b * 16 + s]));
+        const int32_t bs[4] = {bs0[s], bs0[s], bs1[s], bs1[s]};
+        J = vmlaq_s32(J, vld1q_s32(bs), pair_lanes(u0.mn[b * 8 + s], u1.mn[b * 8 + s]));
+      }
+    }
+    const float32x4_t dx = row_lanes(dx0[b], dx1[b]);
+    const float dd[4] = {u0.d[b], u1.d[b], u0.d[b], u1.d[b]};
+    float32x4_t p = vmulq_f32(vmulq_f32(dx, vld1q_f32(dd)), vcvtq_f32_s32(I));
+    asm("" : "+w"(p));  // rounded once, never fused with the sum (mul_once)
+    ai = vaddq_f32(ai, p);
+    if (mins) {
+      const float dm[4] = {u0.dmin[b], u1.dmin[b], u0.dmin[b], u1.dmin[b]};
+      float32x4_t q = vmulq_f32(vmulq_f32(dx, vld1q_f32(dm)), vcvtq_f32_s32(J));
+      asm("" : "+w"(q));
+      aj = vaddq_f32(aj, q);
+    }
+  }
+  alignas(16) float o[4];
+  vst1q_f32(o, mins ? vsubq_f32(ai, aj) : ai);
+  store(j, m, n, o[0]);
+  store(j, m, n + 1, o[1]);
+  store(j, m + 1, n, o[2]);
+  store(j, m + 1, n + 1, o[3]);
+}
+
+// [a 0..7][b 0..7][a 8..15][b 8..15] ... of two K-long rows
+void interleave8(const int8_t* a, const int8_t* b, int64_t K, int8_t* out) {
+  for (int64_t k = 0; k < K; k += 16) {
+    const int64x2_t va = vreinterpretq_s64_s8(vld1q_s8(a + k));
+    const int64x2_t vb = vreinterpretq_s64_s8(vld1q_s8(b + k));
+    vst1q_s8(out + 2 * k, vreinterpretq_s8_s64(vzip1q_s64(va, vb)));
+    vst1q_s8(out + 2 * k + 16, vreinterpretq_s8_s64(vzip2q_s64(va, vb)));
+  }
+}
+#endif
+
 void int8_item(const Job& j, int64_t it) {
   const int64_t n0 = it * j.chunk, cols = std::min(j.chunk, j.N - n0);
   const int64_t nb = j.K / kBlockWeights[j.fmt];
-  // codes, then d, dmin, sc [nb, 16], mn [nb, 8]
-  const size_t bytes = (j.K + 63) / 64 * 64 + nb * (4 + 4 + 64 + 32);
-  auto* base = static_cast<uint8_t*>(weight_scratch().get(bytes));
-  Unpacked u;
-  u.c = reinterpret_cast<int8_t*>(base);
-  u.d = reinterpret_cast<float*>(base + (j.K + 63) / 64 * 64);
-  u.dmin = u.d + nb;
-  u.sc = reinterpret_cast<int32_t*>(u.dmin + nb);
-  u.mn = u.sc + nb * 16;
-  for (int64_t c = 0; c < cols; ++c) {
-    unpack_row(j.fmt, j.w + (n0 + c) * j.rb, j.K, u);
-    for (int64_t m = 0; m < j.M; ++m) store(j, m, n0 + c, int8_output(j, u, m));
+  const size_t one = carve(nullptr, j.K, nb, nullptr);
+  auto* base = static_cast<uint8_t*>(weight_scratch().get(2 * one + 2 * j.K));
+  Unpacked u0, u1;
+  carve(base, j.K, nb, &u0);
+  carve(base + one, j.K, nb, &u1);
+  int64_t c = 0;
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+  if (j.xi != nullptr) {  // two columns at a time, rows in pairs (the odd last row alone)
+    int8_t* wi = reinterpret_cast<int8_t*>(base + 2 * one);
+    for (; c + 2 <= cols; c += 2) {
+      unpack_row(j.fmt, j.w + (n0 + c) * j.rb, j.K, u0);
+      unpack_row(j.fmt, j.w + (n0 + c + 1) * j.rb, j.K, u1);
+      interleave8(u0.c, u1.c, j.K, wi);
+      int64_t m = 0;
+      for (; m + 2 <= j.M; m += 2) int8_tile2x2(j, u0, u1, wi, j.xi + m * j.K, m, n0 + c);
+      for (; m < j.M; ++m) {
+        store(j, m, n0 + c, int8_output(j, u0, m));
+        store(j, m, n0 + c + 1, int8_output(j, u1, m));
+      }
+    }
+  }
+#endif
+  for (; c < cols; ++c) {
+    unpack_row(j.fmt, j.w + (n0 + c) * j.rb, j.K, u0);
+    for (int64_t m = 0; m < j.M; ++m) store(j, m, n0 + c, int8_output(j, u0, m));
   }
 }
 
@@ -607,6 +720,14 @@ bool QuantMatmulInt8Neon(ffi::ThreadPool& pool, const void* x, bool x_bf16, cons
   j->q = q;
   j->dx = dx;
   j->bsum = bsum;
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+  if (M >= 2) {  // rows 2p, 2p + 1 interleaved for SMMLA (at row 2p's offset: [M / 2][2 K])
+    static thread_local jaxbatch_ffi::Scratch xi_scratch;
+    auto* xi = static_cast<int8_t*>(xi_scratch.get(M * K));
+    for (int64_t m = 0; m + 2 <= M; m += 2) interleave8(q + m * K, q + (m + 1) * K, K, xi + m * K);
+    j->xi = xi;
+  }
+#endif
   run<int8_item>(pool, j);
   return true;
 }

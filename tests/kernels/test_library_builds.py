@@ -86,8 +86,8 @@ def test_cpu_level_chooses_and_refuses(monkeypatch):
 
 def test_aarch64_levels():
     """aarch64's levels: NEON alone (armv8), SDOT (dotprod: what /proc/cpuinfo calls asimddp),
-    native; each with its -march."""
-    assert list(cpu_library.levels("aarch64")) == ["armv8", "dotprod", "native"]
+    SMMLA (i8mm), native; each with its -march."""
+    assert list(cpu_library.levels("aarch64")) == ["armv8", "dotprod", "i8mm", "native"]
     assert "-march=armv8-a" in cpu_library.flags_for("aarch64", "armv8")
     assert cpu_library.ARM_LEVELS["dotprod"][1] == ("asimddp",)
     assert "-march=native" in cpu_library.flags_for("aarch64")
