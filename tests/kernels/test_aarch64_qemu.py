@@ -221,6 +221,8 @@ def test_quant_float_within_the_bound_exact_read_back_and_row_invariant(calls, d
             x = _x(rng, max(ms), k, dtype)
             exact, bound = exact_and_bound(x, dequant(fmt, w, dtype), dtype)
             ids = [_quant_call(calls, x[:m], w, fmt, "float") for m in ms]
+            # f32 out (the model's logits): the sums unrounded
+            ids.append(_quant_call(calls, x, w, fmt, "float", np.float32))
             checks.append(("bound", fmt, k, n, ids, exact, bound))
         k, n = 256, 20  # one-hot rows: out[m, n] = w[n, k_m]
         w = make_weight(fmt, n, k, rng)
@@ -231,8 +233,11 @@ def test_quant_float_within_the_bound_exact_read_back_and_row_invariant(calls, d
     got = calls.run()
     for kind, fmt, k, n, ids, want, bound in checks:
         if kind == "bound":
-            full = _ok(got[ids[-1]])[0]
-            for m, i in zip(ms, ids, strict=True):
+            full = _ok(got[ids[-2]])[0]
+            (f32,) = _ok(got[ids[-1]])
+            assert f32.dtype == np.float32
+            np.testing.assert_array_equal(f32.astype(full.dtype), full, err_msg=f"{fmt} {dt}")
+            for m, i in zip(ms, ids[:-1], strict=True):
                 (out,) = _ok(got[i])
                 assert out.dtype == np.dtype(dtype) and out.shape == (m, n)
                 err = np.abs(out.astype(np.float64) - want[:m])
