@@ -12,17 +12,22 @@
 // f32), rounded once to bf16 (nearest even) or kept as f32: an output's operations are the same
 // whatever M, the row tile its row falls in or the thread count (batch invariant).
 
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__aarch64__) && defined(__ARM_NEON)
-#include <arm_neon.h>
-
 namespace {
 
-inline float32x4_t widen_lo(uint16x8_t v) { return vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(v), 16)); }
-inline float32x4_t widen_hi(uint16x8_t v) { return vreinterpretq_f32_u32(vshll_high_n_u16(v, 16)); }
+// bf16 bits -> f32 (exact), lanes 0-3 and 4-7
+inline float32x4_t widen_lo(uint16x8_t v) {
+  return vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(v), 16));
+}
+inline float32x4_t widen_hi(uint16x8_t v) {
+  return vreinterpretq_f32_u32(vshll_high_n_u16(v, 16));
+}
 
 inline uint16_t bf16_bits(float f) {  // nearest even; NaN stays NaN
   uint32_t u;
@@ -56,7 +61,8 @@ void tile(const uint16_t* x, const uint16_t* w, void* out, bool out_f32, int64_t
     const float32x4_t w1[4] = {widen_lo(a.val[1]), widen_hi(a.val[1]), widen_lo(b.val[1]),
                                widen_hi(b.val[1])};
     for (int r = 0; r < R; ++r) {
-      const float x0 = bf16_f32(xr[r * 2 * K2 + 2 * k2]), x1 = bf16_f32(xr[r * 2 * K2 + 2 * k2 + 1]);
+      const float x0 = bf16_f32(xr[r * 2 * K2 + 2 * k2]);
+      const float x1 = bf16_f32(xr[r * 2 * K2 + 2 * k2 + 1]);
       for (int c = 0; c < 4; ++c) acc[r][c] = vfmaq_n_f32(acc[r][c], w0[c], x0);
       for (int c = 0; c < 4; ++c) acc[r][c] = vfmaq_n_f32(acc[r][c], w1[c], x1);
     }
