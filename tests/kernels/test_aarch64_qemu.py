@@ -312,13 +312,16 @@ def test_quant_refuses_bad_calls(calls):
 
 @pytest.mark.parametrize("act", ["float", "int8"])
 def test_moe_rows_are_the_dense_kernels(calls, act):
+    """Each routed expert's rows are the dense kernel's on that expert's weight, bit for bit;
+    padding rows zero. (1, 0, 1, 1): decode-like, each thread takes whole experts on its own;
+    (2, 0, 5, 1): each expert's call splits its work over the pool."""
     rng = np.random.default_rng(4)
     E, n, k = 4, 24, 256
-    sizes, pad = (2, 0, 5, 1), 3
     checks = []
     for fmt in ("Q4_K", "Q8_0", "MXFP4", "BF16") if act == "float" else ("Q4_K", "Q6_K",
                                                                            "Q4_0"):
-        for dt, dtype in DTYPES.items():
+        for (dt, dtype), (sizes, pad) in zip(DTYPES.items(), (((2, 0, 5, 1), 3),
+                                                               ((1, 0, 1, 1), 1))):
             w = np.concatenate([make_weight(fmt, n, k, rng) for _ in range(E)])  # [E * N, RB]
             x = _x(rng, sum(sizes) + pad, k, dtype)
             i = calls.call("JaxbatchMoeMatmul",
@@ -333,15 +336,15 @@ def test_moe_rows_are_the_dense_kernels(calls, act):
                     dense.append((row, size, _quant_call(calls, x[row:row + size],
                                                          w[e * n:(e + 1) * n], fmt, act)))
                 row += size
-            checks.append((fmt, dt, i, dense))
+            checks.append((fmt, dt, i, dense, sum(sizes)))
     got = calls.run()
-    for fmt, dt, i, dense in checks:
+    for fmt, dt, i, dense, used in checks:
         (out,) = _ok(got[i])
         for row, size, j in dense:
             np.testing.assert_array_equal(out[row:row + size].view(np.uint8),
                                           _ok(got[j])[0].view(np.uint8),
                                           err_msg=f"{fmt} {dt} {act} rows {row}..")
-        assert np.all(out[sum(sizes):].astype(np.float32) == 0), "padding rows must be zero"
+        assert np.all(out[used:].astype(np.float32) == 0), "padding rows must be zero"
 
 
 def test_small_matmul_within_the_bound_and_row_invariant(calls):
