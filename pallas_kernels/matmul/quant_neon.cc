@@ -8,10 +8,12 @@
 // this file is tested under qemu-aarch64 (tests/kernels/test_aarch64_qemu.py) against the same
 // references as the x86 paths; its speed has not been measured on ARM hardware.
 //
-// Float mode (x f32, or bf16 widened to f32 exactly): a chunk of output features is dequantised
-// into a per-thread f32 buffer (ggml's dequantize_row_* f32 bits, the gguf package's; for bf16 x
-// each weight then rounded to bf16, nearest even, as the x86 bf16 path does), then R x C register
-// tiles (R <= 4 rows, C <= 4 columns; 1 x 8 for a single row) run over K. Each output has one
+// Float mode (x f32, or bf16 widened to f32 exactly): weights dequantised to f32 (ggml's
+// dequantize_row_* f32 bits, the gguf package's; for bf16 x each weight then rounded to bf16,
+// nearest even, as the x86 bf16 path does). Up to 4 rows (decode): R = M rows x C columns (4;
+// 8 for one row) walk K a block at a time, each block dequantised into L1 and used at once.
+// More rows: a chunk of output features is dequantised into a per-thread buffer once, then
+// R x C register tiles (R <= 4, C <= 4) run over K. Each output has one
 // float32x4 accumulator, FMA over K in order 4 at a time, summed at the end by one fixed pairwise
 // tree (FADDP: (l0 + l1) + (l2 + l3)) and rounded once to the output dtype, so its bits depend
 // neither on M, nor on the tile its row falls in, nor on the thread count. The bound of the
@@ -303,8 +305,56 @@ void float_rows(const Job& j, const float* wb, int64_t m0, int64_t n0, int64_t c
   for (; c < cols; ++c) float_tile<R, 1>(j, wb + c * j.K, m0, n0 + c);
 }
 
+// Few rows (decode, M <= 4): R = M rows x C columns walk K a block at a time, each column's
+// block dequantised into L1 (blk: C blocks) and used at once by every row. An output's
+// operations are float_tile's (one accumulator, FMA over K in order), so its bits are the same.
+template <int R, int C>
+void fused_tile(const Job& j, int64_t n0, float* blk) {
+  const int64_t K = j.K, qk = kBlockWeights[j.fmt], nbytes = kBlockBytes[j.fmt];
+  float32x4_t acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vdupq_n_f32(0.0f);
+  for (int64_t b = 0; b < K / qk; ++b) {
+    for (int c = 0; c < C; ++c) {
+      float* wc = blk + c * qk;
+      dequant_block(j.fmt, j.w + (n0 + c) * j.rb + b * nbytes, wc);
+      if (j.bf16 && j.fmt != kBF16)
+        for (int64_t i = 0; i < qk; i += 4) vst1q_f32(wc + i, round_bf16(vld1q_f32(wc + i)));
+    }
+    const float* x = j.x + b * qk;
+    for (int64_t i = 0; i < qk; i += 4) {
+      float32x4_t wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = vld1q_f32(blk + c * qk + i);
+      for (int r = 0; r < R; ++r) {
+        const float32x4_t xv = vld1q_f32(x + r * K + i);
+        for (int c = 0; c < C; ++c) acc[r][c] = vfmaq_f32(acc[r][c], xv, wv[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(j, r, n0 + c, vaddvq_f32(acc[r][c]));
+}
+
+template <int R>
+void fused_cols(const Job& j, int64_t n0, int64_t cols) {
+  alignas(64) float blk[8 * 256];
+  int64_t c = 0;
+  if constexpr (R == 1)
+    for (; c + 8 <= cols; c += 8) fused_tile<1, 8>(j, n0 + c, blk);
+  for (; c + 4 <= cols; c += 4) fused_tile<R, 4>(j, n0 + c, blk);
+  for (; c < cols; ++c) fused_tile<R, 1>(j, n0 + c, blk);
+}
+
 void float_item(const Job& j, int64_t it) {
   const int64_t n0 = it * j.chunk, cols = std::min(j.chunk, j.N - n0);
+  switch (j.M) {
+    case 1: return fused_cols<1>(j, n0, cols);
+    case 2: return fused_cols<2>(j, n0, cols);
+    case 3: return fused_cols<3>(j, n0, cols);
+    case 4: return fused_cols<4>(j, n0, cols);
+    default: break;
+  }
+  // more rows (prefill): the chunk's columns dequantised once for all of them, then R x C tiles
   float* wb = static_cast<float*>(weight_scratch().get(cols * j.K * sizeof(float)));
   for (int64_t c = 0; c < cols; ++c)
     dequant_row(j.fmt, j.w + (n0 + c) * j.rb, j.K, j.bf16, wb + c * j.K);
