@@ -2,15 +2,18 @@
 use, loaded once a process, each kernel registered as an XLA FFI custom call for the CPU platform.
 
 Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the small
-bf16 matmul), `matmul/quant.cc` with `matmul/quant_int8.cc` (their AVX2 builds:
-`matmul/quant_float_avx2.cc`, `matmul/quant_int8_avx2.cc`) and `matmul/quant_amx.cc` (matmuls
-over GGUF blocks, float and int8 activations; AMX tiles for bf16 rows) and `zeros.cc` (a zeroed KV cache without touching its
-pages); one `.so`, one FFI target each (TARGETS). The build is cached by everything that changes
+bf16 matmul; on aarch64 `matmul/small_bf16_neon.cc`), `matmul/quant.cc` with
+`matmul/quant_int8.cc` (their AVX2 builds: `matmul/quant_float_avx2.cc`,
+`matmul/quant_int8_avx2.cc`), `matmul/quant_amx.cc` and `matmul/quant_panel.cc` (matmuls over
+GGUF blocks, float and int8 activations; AMX tiles and panels for bf16 rows; on aarch64 both
+modes in `matmul/quant_neon.cc`), `matmul/moe.cc` (routed experts through the same modes) and
+`zeros.cc` (a zeroed KV cache without touching its pages); one `.so`, one FFI target each
+(TARGETS). The build is cached by everything that changes
 the binary: the sources (and `ffi_safety.h`, the handlers' shared guard: no C++ exception leaves a
 handler), the compiler's version, the instruction-set level's flags (LEVELS;
-JAXBATCH_CPU_LEVEL=avx2|avx512|native, default native: -march=native), the CPU's instruction set
-flags (so a library built on one CPU model is never loaded on another) and jaxlib's version (the
-FFI headers). `register()` raises `KernelUnavailable` when there is no compiler or the build fails;
+JAXBATCH_CPU_LEVEL=avx2|avx512|native, on aarch64 armv8|dotprod|i8mm|native; default native:
+-march=native), the CPU's instruction set flags (so a library built on one CPU model is never
+loaded on another) and jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when there is no compiler or the build fails;
 callers fall back to jnp and say so.
 
 The sources compile one process each, side by side (os.cpu_count() at a time), then link: on 2
@@ -37,12 +40,14 @@ import jax
 _HERE = os.path.dirname(__file__)
 SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "small_bf16.cc"),
+           os.path.join(_HERE, "matmul", "small_bf16_neon.cc"),
            os.path.join(_HERE, "matmul", "quant.cc"),
            os.path.join(_HERE, "matmul", "quant_int8.cc"),
            os.path.join(_HERE, "matmul", "quant_int8_avx2.cc"),
            os.path.join(_HERE, "matmul", "quant_float_avx2.cc"),
            os.path.join(_HERE, "matmul", "quant_amx.cc"),
            os.path.join(_HERE, "matmul", "quant_panel.cc"),
+           os.path.join(_HERE, "matmul", "quant_neon.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),
            os.path.join(_HERE, "zeros.cc"))
 # included by the sources (every handler's exception guard, ffi_safety.h): part of the build key
@@ -76,7 +81,15 @@ X86_LEVELS: dict[str, tuple[list[str], tuple[str, ...]]] = {
                ("avx512f", "avx512bw", "avx512vl")),
     "native": (["-march=native"], ()),
 }
+# aarch64 (quant_neon.cc, small_bf16_neon.cc; attention's portable f32 path): armv8 is NEON
+# alone (Cortex-A72, Graviton1: the int8 mode's integer dots by SMULL + SADALP); dotprod adds
+# SDOT (ARMv8.2+: Graviton2+, Ampere Altra, Apple M1+), i8mm SMMLA (Graviton3+, Apple M2+);
+# native builds use what the CPU has. The named levels are also what
+# tests/kernels/test_aarch64_qemu.py cross-compiles and runs.
 ARM_LEVELS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "armv8": (["-march=armv8-a"], ()),
+    "dotprod": (["-march=armv8.2-a+dotprod"], ("asimddp",)),
+    "i8mm": (["-march=armv8.2-a+dotprod+i8mm"], ("asimddp", "i8mm")),
     "native": (["-march=native"], ()),
 }
 LEVEL_ENV = "JAXBATCH_CPU_LEVEL"

@@ -3,8 +3,8 @@
   jaxbatch build-kernels [--cache-dir DIR]
 
 The kernels (ragged paged attention, the quantised and small bf16 matmuls) are compiled for the
-CPU they run on (-march=native; JAXBATCH_CPU_LEVEL=avx2|avx512 builds a lesser instruction-set
-level's library instead), once per machine, level and jaxbatch version, into
+CPU they run on (-march=native; JAXBATCH_CPU_LEVEL=avx2|avx512, on aarch64 armv8|dotprod|i8mm, builds
+a lesser instruction-set level's library instead), once per machine, level and jaxbatch version, into
 <cache>/kernels/ (pallas_kernels/cpu_library.py). An engine builds them on first use when they
 are missing; `make install` runs this so that no model's first start pays the build (23-31 s on a
 2-vCPU EPYC VM).

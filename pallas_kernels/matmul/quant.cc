@@ -873,6 +873,10 @@ bool QuantMatmulFloatAvx2(ffi::ThreadPool& pool, const void* x, bool x_bf16, con
                           void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
                           int64_t rb);
 bool QuantMatmulFloatAvx2Built();
+// quant_neon.cc: the float mode on aarch64
+bool QuantMatmulFloatNeon(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
+                          void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
+                          int64_t rb);
 
 // this file's float activation mode over one layer's rows w [N, RB] (false: this build has no
 // path for x's dtype); moe.cc calls it once per routed expert
@@ -897,6 +901,9 @@ bool QuantMatmulFloat(ffi::ThreadPool& pool, const void* x, bool x_bf16, const u
   run<PathBF16>(pool, j, pick<PathBF16>(fmt, M));
   return true;
 #endif
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+  return QuantMatmulFloatNeon(pool, x, x_bf16, w, out, out_f32, fmt, M, N, K, rb);
 #endif
   // quant_float_avx2.cc: x's dtype on AVX2 (false: a build without AVX2, FMA and F16C)
   return QuantMatmulFloatAvx2(pool, x, x_bf16, w, out, out_f32, fmt, M, N, K, rb);
@@ -1026,9 +1033,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchQuantMatmul, QuantMatmul,
                                   .Attr<int64_t>("n"));  // > 0: w is a file, N = n
 
 // 1 when this build has the bf16-x path (AVX512-BF16, or AVX2 with FMA and F16C), the f32-x
-// path (AVX512F, or AVX2 with FMA and F16C)
+// path (AVX512F, or AVX2 with FMA and F16C); both on aarch64 (quant_neon.cc)
 extern "C" int JaxbatchQuantMatmulBf16() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__aarch64__) && defined(__ARM_NEON))
   return 1;
 #else
   return jaxbatch_quant::QuantMatmulFloatAvx2Built() ? 1 : 0;
@@ -1036,7 +1043,7 @@ extern "C" int JaxbatchQuantMatmulBf16() {
 }
 
 extern "C" int JaxbatchQuantMatmulF32() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__aarch64__) && defined(__ARM_NEON))
   return 1;
 #else
   return jaxbatch_quant::QuantMatmulFloatAvx2Built() ? 1 : 0;

@@ -1,4 +1,4 @@
-"""The GGUF-quantised matmul (quant.cc, quant_int8.cc): x @ W^T with W in llama.cpp's GGUF blocks
+"""The GGUF-quantised matmul (quant.cc, quant_int8.cc; on aarch64 quant_neon.cc): x @ W^T with W in llama.cpp's GGUF blocks
 (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4) or plain 16-bit weights (BF16, F16: float mode only); built
 and registered as an XLA FFI custom call by pallas_kernels/cpu_library.py.
 
@@ -55,7 +55,8 @@ def available(x_dtype, act: str = "float") -> bool:
     """The CPU library is registered and this build has the path for x's dtype and `act`: float
     mode bf16 needs AVX512-BF16, f32 AVX512F, or either AVX2 with FMA and F16C
     (quant_float_avx2.cc); int8 mode (either dtype) AVX512-VNNI or AVX2 (with
-    FMA and F16C: quant_int8_avx2.cc, the same bits); amx mode (bf16 only) AMX-BF16 and the OS's
+    FMA and F16C: quant_int8_avx2.cc, the same bits); on aarch64 both modes, either dtype (NEON:
+    quant_neon.cc); amx mode (bf16 only) AMX-BF16 and the OS's
     permission to use the tiles; panel mode (bf16 only) AVX512-BF16."""
     dt = jnp.dtype(x_dtype)
     if act not in ACTS:

@@ -1029,6 +1029,11 @@ bool QuantMatmulInt8Avx2(ffi::ThreadPool& pool, const void* x, bool x_bf16, cons
                          void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
                          int64_t rb);
 
+// quant_neon.cc: the same function on aarch64
+bool QuantMatmulInt8Neon(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
+                         void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
+                         int64_t rb);
+
 // Called by quant.cc's handler (shapes checked there). False: this build has no int8 path.
 bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
                      void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
@@ -1075,6 +1080,8 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
   return true;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   return QuantMatmulInt8Avx2(pool, x, x_bf16, w, out, out_f32, fmt, M, N, K, rb);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+  return QuantMatmulInt8Neon(pool, x, x_bf16, w, out, out_f32, fmt, M, N, K, rb);
 #else
   (void)pool, (void)x, (void)x_bf16, (void)w, (void)out, (void)out_f32, (void)fmt, (void)M,
       (void)N, (void)K, (void)rb;
@@ -1085,7 +1092,7 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
 }  // namespace jaxbatch_quant
 
 // 1 when this build has the int8 activation mode (AVX512-VNNI, BW, VL; or AVX2, FMA, F16C:
-// quant_int8_avx2.cc) and the CPU reports it
+// quant_int8_avx2.cc) and the CPU reports it; on aarch64, NEON (quant_neon.cc)
 extern "C" int JaxbatchQuantMatmulInt8() {
 #if defined(JB_QUANT_INT8)
   __builtin_cpu_init();
@@ -1093,6 +1100,8 @@ extern "C" int JaxbatchQuantMatmulInt8() {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+  return 1;
 #else
   return 0;
 #endif

@@ -18,6 +18,18 @@
 
 namespace ffi = xla::ffi;
 
+// the builds with a small matmul: AVX512-BF16, or aarch64 (small_bf16_neon.cc)
+#if defined(__AVX512BF16__) || (defined(__aarch64__) && defined(__ARM_NEON))
+#define JB_SMALL_MATMUL 1
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(__AVX512BF16__)
+namespace jaxbatch_small {
+void SmallMatmulBlocksNeon(const uint16_t* x, const uint16_t* w, void* out, bool out_f32,
+                           int64_t M, int64_t K2, int64_t N, int64_t lo, int64_t hi);
+}  // namespace jaxbatch_small
+#endif
+
 namespace {
 
 bool is16(ffi::DataType t) { return t == ffi::DataType::U16 || t == ffi::DataType::BF16; }
@@ -125,6 +137,16 @@ void matmul_drain(MatmulJob& j) {
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
+#elif defined(JB_SMALL_MATMUL)
+// aarch64: every row for each claimed chunk of blocks (small_bf16_neon.cc)
+void matmul_drain(MatmulJob& j) {
+  const int64_t chunks = (j.NB + j.chunk - 1) / j.chunk;
+  for (int64_t c = j.next.fetch_add(1); c < chunks; c = j.next.fetch_add(1)) {
+    const int64_t lo = c * j.chunk, hi = std::min(j.NB, lo + j.chunk);
+    jaxbatch_small::SmallMatmulBlocksNeon(j.x, j.w, j.out, j.out_f32, j.M, j.K2, j.N, lo, hi);
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
 #endif
 
 // w is a stack of packed weights [L, N/16, K/2, 32] and `layer` picks one: a layer scan passes
@@ -132,7 +154,7 @@ void matmul_drain(MatmulJob& j) {
 // temporary before the call (a dynamic-slice fusion: 2x the bytes of a decode step).
 ffi::Error SmallMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                               ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out) {
-#if defined(__AVX512BF16__)
+#if defined(JB_SMALL_MATMUL)
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   const bool out_f32 = out->element_type() == ffi::DataType::F32;
   if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || layer.element_count() != 1 ||
@@ -192,7 +214,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchSmallMatmul, SmallMatmul,
 
 // 1 when this build has the small bf16 matmul (the CPU has AVX512-BF16)
 extern "C" int JaxbatchSmallMatmulSupported() {
-#if defined(__AVX512BF16__)
+#if defined(JB_SMALL_MATMUL)
   return 1;
 #else
   return 0;

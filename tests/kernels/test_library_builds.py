@@ -1,7 +1,7 @@
-"""The C++ kernel library builds wherever there is a C++ compiler on x86-64 Linux, and its sources
-compile for aarch64 with the flags the library uses there. The kernel tests skip where it did not
-build (a machine without a compiler runs the jnp paths), so without this test a broken source
-would turn them all into skips and leave the suite green."""
+"""The C++ kernel library builds wherever there is a C++ compiler on x86-64 or aarch64 Linux, and
+its sources compile for aarch64 with the flags the library uses there. The kernel tests skip
+where it did not build (a machine without a compiler runs the jnp paths), so without this test a
+broken source would turn them all into skips and leave the suite green."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pallas_kernels import cpu_library
 def test_the_library_builds_and_registers(tmp_path):
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         pytest.skip("no C++ compiler on this machine: the engine runs its jnp paths")
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"the kernels build for x86-64 only today, this is {platform.machine()}")
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        pytest.skip(f"the kernels build for x86-64 and aarch64, this is {platform.machine()}")
     why = cpu_library.available(str(tmp_path / "kernel-cache"))
     assert why is None, why
     assert cpu_library.registered()
@@ -30,14 +30,15 @@ def test_the_sources_compile_for_aarch64(tmp_path):
     """Every source compiles with aarch64's flags (cpu_library.flags_for), cross-compiled with
     Debian's g++-aarch64-linux-gnu where it is installed: the x86-only -mprefer-vector-width
     once broke the whole library there. -march=native names the build machine's CPU, so the
-    cross build targets armv8.2-a with dotprod, the oldest core the ARM kernels would aim at."""
+    cross build takes the dotprod level's flags (armv8.2-a with dotprod: Graviton2, Apple M1);
+    test_aarch64_qemu.py builds and runs every named aarch64 level."""
     cxx = shutil.which("aarch64-linux-gnu-g++")
     if cxx is None:
         pytest.skip("no aarch64 cross compiler (apt install g++-aarch64-linux-gnu)")
     import jaxlib
 
-    flags = ["-march=armv8.2-a+dotprod" if f == "-march=native" else f
-             for f in cpu_library.flags_for("aarch64")]
+    flags = cpu_library.flags_for("aarch64", "dotprod")
+    assert "-march=armv8.2-a+dotprod" in flags
     assert not any(f.startswith("-mprefer-vector-width") for f in flags)
     include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
 
@@ -81,3 +82,12 @@ def test_cpu_level_chooses_and_refuses(monkeypatch):
             monkeypatch.setenv(cpu_library.LEVEL_ENV, level)
             paths.add(cpu_library.library_path("/nonexistent")[0])
         assert len(paths) == 2
+
+
+def test_aarch64_levels():
+    """aarch64's levels: NEON alone (armv8), SDOT (dotprod: what /proc/cpuinfo calls asimddp),
+    SMMLA (i8mm), native; each with its -march."""
+    assert list(cpu_library.levels("aarch64")) == ["armv8", "dotprod", "i8mm", "native"]
+    assert "-march=armv8-a" in cpu_library.flags_for("aarch64", "armv8")
+    assert cpu_library.ARM_LEVELS["dotprod"][1] == ("asimddp",)
+    assert "-march=native" in cpu_library.flags_for("aarch64")

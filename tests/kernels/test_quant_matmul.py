@@ -90,6 +90,17 @@ def dequant(fmt, w, dtype):
     return wf
 
 
+def exact_and_bound(x, wf, dtype):
+    """x [M, K] @ wf [N, K]^T in float64 (wf: dequant's weights), and the bound of the kernel's
+    error: f32 sums over K within K * 2^-24 * sum|x * w|, then one rounding to x's dtype
+    (2^-8 relative for bf16, 2^-24 for f32)."""
+    u = 2.0**-8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0**-24
+    xf, wf = np.asarray(x, np.float64), np.asarray(wf, np.float64)
+    exact = xf @ wf.T
+    sum_err = xf.shape[1] * 2.0**-24 * (np.abs(xf) @ np.abs(wf).T)
+    return exact, sum_err + u * (np.abs(exact) + sum_err)
+
+
 _mm = jax.jit(quant.quant_matmul, static_argnames=("fmt", "k"))
 
 
@@ -133,21 +144,17 @@ def test_within_the_bound_of_the_exact_product(fmt, dt):
              (512, 48, (4, 9)),
              (2048, 1000, (1, 5, 512)),  # N not a multiple of 16
              (512, 2048, (2, 64))]
-    u = 2.0**-8 if dt == "bf16" else 2.0**-24
     for k, n, ms in cases:
         w = make_weight(fmt, n, k, rng)
-        wf = dequant(fmt, w, dtype).astype(np.float64)
+        wf = dequant(fmt, w, dtype)
         wj = jnp.asarray(w)
         x_all = _x(rng, max(ms), k, dtype)
-        xf_all = x_all.astype(np.float64)
-        exact_all = xf_all @ wf.T
-        mag_all = np.abs(xf_all) @ np.abs(wf).T
+        exact_all, bound_all = exact_and_bound(x_all, wf, dtype)
         for m, got in zip(ms, _calls(x_all, wj, fmt, ms)):
             assert got.dtype == dtype and got.shape == (m, n)
-            sum_err = k * 2.0**-24 * mag_all[:m]
-            bound = sum_err + u * (np.abs(exact_all[:m]) + sum_err)
             err = np.abs(np.asarray(got, np.float64) - exact_all[:m])
-            assert np.all(err <= bound), (fmt, dt, m, k, n, float(np.max(err - bound)))
+            assert np.all(err <= bound_all[:m]), (fmt, dt, m, k, n,
+                                                  float(np.max(err - bound_all[:m])))
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))

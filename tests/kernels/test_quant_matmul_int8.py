@@ -20,6 +20,7 @@ Timing (not a test; the table quoted in quant.cc's header):
 from __future__ import annotations
 
 import os
+import platform
 import threading
 import time
 
@@ -166,8 +167,11 @@ def _x(rng, m, k, dtype):
 
 def test_available_on_avx2_and_up():
     """Every x86 build from the avx2 level up has the int8 mode (AVX512-VNNI, or AVX2 with FMA
-    and F16C: quant_int8_avx2.cc)."""
-    if all(map(cpu_library.cpu_has, ("avx2", "fma", "f16c"))):
+    and F16C: quant_int8_avx2.cc), and every aarch64 build (quant_neon.cc)."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        assert quant.available(jnp.float32, act="int8")
+        assert quant.available(jnp.bfloat16, act="int8")
+    elif all(map(cpu_library.cpu_has, ("avx2", "fma", "f16c"))):
         assert quant.available(jnp.float32, act="int8")
         assert quant.available(jnp.bfloat16, act="int8")
     elif not cpu_library.cpu_has("avx512_vnni"):
