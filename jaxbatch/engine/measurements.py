@@ -28,7 +28,9 @@ log = logging.getLogger("jaxbatch")
 
 
 def device_identity() -> str:
-    """What the matmul speed depends on: the device kind, and on CPU its model and ISA flags."""
+    """What the matmul speed depends on: the device kind, and on CPU its model and ISA flags
+    (x86's `model name` and `flags`; aarch64 Linux names them `CPU implementer` / `CPU part`
+    and `Features`)."""
     dev = jax.devices()[0]
     ident = f"{dev.platform}:{getattr(dev, 'device_kind', '')}"
     if dev.platform == "cpu":
@@ -37,12 +39,17 @@ def device_identity() -> str:
             with open("/proc/cpuinfo") as f:
                 for line in f:
                     key, _, val = line.partition(":")
-                    if key.strip() == "model name" and not model:
+                    key = key.strip()
+                    if key == "model name" and not model:
                         model = val.strip()
-                    elif key.strip() == "flags" and not flags:
+                    elif key in ("CPU implementer", "CPU part") and key not in model:
+                        model += f"{key} {val.strip()} "
+                    elif key == "flags" and not flags:
                         flags = " ".join(sorted(w for w in val.split()
                                                 if "bf16" in w or "amx" in w or "avx512" in w))
-                    if model and flags:
+                    elif key == "Features" and not flags:
+                        flags = " ".join(sorted(val.split()))
+                    if line.startswith("flags") and model and flags:
                         break
         except OSError:
             model = platform.processor()
