@@ -215,21 +215,20 @@ class Runner:
         dtype = llama.value_dtype(params["final_norm"])
         # BF16 rows on the quantised-matmul kernel (routes measured), else the compute dtype's
         # arrays (bf16 on CPU: uint16 bits, as the layers are) for XLA's dot
-        on_kernel = routes is not None
-        store = jnp.uint8 if on_kernel else kv_storage_dtype(dtype)
-        per = 2 if on_kernel else 1  # bytes per bf16 value in BF16 rows
+        store = jnp.uint8 if routes is not None else kv_storage_dtype(dtype)
         shapes = arch.param_shapes()["layers"]
         lora = lora_layers.init_slots(shapes, self.lora_leaves, max_loras, rank, store, routes)
         self.lora_shapes = {leaf: shapes[leaf] for leaf in self.lora_leaves}
         self.lora_rank, self.lora_store = rank, store
-        spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), lora)
-        a_spec = {leaf: jax.ShapeDtypeStruct((s[0], rank, s[1] * per), store)
-                  for leaf, s in self.lora_shapes.items()}
-        b_spec = {leaf: jax.ShapeDtypeStruct((s[0], s[2], rank * per), store)
-                  for leaf, s in self.lora_shapes.items()}
-        scalar = jax.ShapeDtypeStruct((), jnp.int32)
+
+        def spec(tree: Any) -> Any:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+        # what load_lora passes: an adapter's slot as host_slot_weights lays it out
+        one = lora_layers.host_slot_weights({}, self.lora_shapes, self.lora_leaves, rank, store)
         self._set_lora = jax.jit(lora_layers.set_slot, donate_argnums=(0,)).lower(
-            spec, scalar, a_spec, b_spec, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+            spec(lora), jax.ShapeDtypeStruct((), jnp.int32), *spec(one),
+            jax.ShapeDtypeStruct((), jnp.float32)).compile()
         return {**params, "lora": lora}
 
     def load_lora(self, slot: int, weights: dict, scale: float) -> None:

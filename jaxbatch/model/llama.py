@@ -202,7 +202,7 @@ def _mm_lora(x: jax.Array, w: Any, lora: dict | None, rows: lora_layers.LoRARows
     out = _mm(x, w)
     if lora is None or rows is None:
         return out
-    return (out + lora_layers.delta(x, lora["a"], lora["b"], rows).astype(out.dtype))
+    return out + lora_layers.delta(x, lora["a"], lora["b"], rows).astype(out.dtype)
 
 
 def mlp(h: jax.Array, lp: Params, arch: ModelArch, num_valid: jax.Array | None = None,
@@ -287,8 +287,7 @@ def forward(
     # LoRA slots: scanned with the layers, or (BF16 rows on the kernel) whole stacks read by
     # layer index, as the quantised weights are
     lora_kernel = lora is not None and rows is not None and lora_layers.on_kernel(lora)
-    lora_scanned = lora["layers"] if lora is not None and rows is not None \
-        and not lora_kernel else {}
+    lora_scanned = {} if lora is None or rows is None or lora_kernel else lora["layers"]
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry

@@ -257,12 +257,7 @@ class AsyncEngine:
 
     def _resolve(self, fut: asyncio.Future[None], n: int, error: BaseException | None) -> None:
         self._submitted -= n
-        if fut.done():
-            return
-        if error is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(error)
+        _settle(fut, None, error)
 
     def _fail_all(self, error: BaseException) -> None:
         streams = set(self._streams.values())
@@ -387,7 +382,8 @@ class AsyncEngine:
                 self._call(_settle, cmd.done, None, EngineDeadError("the engine has stopped"))
 
 
-def _settle(fut: asyncio.Future[object], result: object, error: BaseException | None) -> None:
+def _settle(fut: asyncio.Future, result: object, error: BaseException | None) -> None:
+    """The future's result or exception, unless it was settled (cancelled) already."""
     if fut.done():
         return
     if error is None:
