@@ -51,7 +51,8 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),
            os.path.join(_HERE, "zeros.cc"))
 # included by the sources (every handler's exception guard, ffi_safety.h): part of the build key
-HEADERS = (os.path.join(_HERE, "ffi_safety.h"),)
+HEADERS = (os.path.join(_HERE, "ffi_safety.h"),
+           os.path.join(_HERE, "matmul", "quant_format_codes.h"))
 
 
 def flags_for(machine: str, level: str = "native") -> list[str]:

@@ -106,24 +106,13 @@
 
 namespace ffi = xla::ffi;
 
-namespace jaxbatch_quant {
-// moe.cc: true while this thread runs routed experts one call per thread (no pool dispatch)
-bool OnOneThread();
-}  // namespace jaxbatch_quant
+#include "quant_format_codes.h"
 
 namespace {
 
 #define JB_INLINE inline __attribute__((always_inline))
 
-// the format codes quant.py passes (its FORMATS order)
-// (BF16 and F16: plain 16-bit weights, in 32-weight "blocks", so that a bf16 / f16 weight is held
-// once, in the layout every step size reads; float activations only)
-enum Format : int64_t {
-  kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kBF16 = 5, kF16 = 6, kMXFP4 = 7,
-  kNumFormats
-};
-constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 256, 256, 256, 32, 32, 32};
-constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 144, 176, 210, 64, 64, 17};
+using namespace jaxbatch_quant;  // Format, block sizes (quant_format_codes.h)
 
 struct Job {
   const void* x;

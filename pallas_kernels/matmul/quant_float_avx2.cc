@@ -58,18 +58,13 @@ namespace ffi = xla::ffi;
 
 #include <immintrin.h>
 
-namespace jaxbatch_quant {
-// moe.cc: true while this thread runs routed experts one call per thread (no pool dispatch)
-bool OnOneThread();
-}  // namespace jaxbatch_quant
+#include "quant_format_codes.h"
 
 namespace {
 
 #define JB_INLINE inline __attribute__((always_inline))
 
-// quant.cc's format codes (quant_formats.FORMATS order)
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kBF16 = 5,
-                        kF16 = 6, kMXFP4 = 7 };
+using namespace jaxbatch_quant;  // Format (quant_format_codes.h)
 
 JB_INLINE float f16(const uint8_t* p) {
   uint16_t h;
