@@ -9,8 +9,8 @@ GGUF blocks, float and int8 activations; AMX tiles and panels for bf16 rows; on 
 modes in `matmul/quant_neon.cc`), `matmul/moe.cc` (routed experts through the same modes) and
 `zeros.cc` (a zeroed KV cache without touching its pages); one `.so`, one FFI target each
 (TARGETS). The build is cached by everything that changes
-the binary: the sources (and `ffi_safety.h`, the handlers' shared guard: no C++ exception leaves a
-handler), the compiler's version, the instruction-set level's flags (LEVELS;
+the binary: the sources (and the headers they share: `ffi_safety.h`, the handlers' guard, no C++
+exception leaves a handler; `matmul/quant_format_codes.h`), the compiler's version, the instruction-set level's flags (LEVELS;
 JAXBATCH_CPU_LEVEL=avx2|avx512|native, on aarch64 armv8|dotprod|i8mm|native; default native:
 -march=native), the CPU's instruction set flags (so a library built on one CPU model is never
 loaded on another) and jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when there is no compiler or the build fails;
@@ -50,7 +50,8 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "quant_neon.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),
            os.path.join(_HERE, "zeros.cc"))
-# included by the sources (every handler's exception guard, ffi_safety.h): part of the build key
+# included by the sources (every handler's exception guard, ffi_safety.h; the quantised matmul's
+# format codes, matmul/quant_format_codes.h): part of the build key
 HEADERS = (os.path.join(_HERE, "ffi_safety.h"),
            os.path.join(_HERE, "matmul", "quant_format_codes.h"))
 
