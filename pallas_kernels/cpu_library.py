@@ -124,6 +124,39 @@ def cpu_level() -> str:
     return level
 
 
+# XLA's own option capping the instructions its generated code uses, per level below native
+# (its dots run YNNPACK, which reads the CPU itself: no option reaches those)
+XLA_MAX_ISA = {"avx2": "AVX2", "avx512": "AVX512_BF16"}
+
+
+def level_below_cpu() -> str | None:
+    """Why this process's kernels run below what the CPU offers (JAXBATCH_CPU_LEVEL names a
+    level and the CPU runs a greater one than it), else None. XLA's dots follow the CPU, not the
+    level (on an AMX Xeon at avx2 its bf16 dots still run AMX), so a speed measured against them
+    is not the lesser CPU's: engine/precision.py then keeps the kernels wherever it would time
+    them against XLA's dots. What a real CPU of that level gets is then at least this (it picks
+    XLA's dot only where that measures faster there)."""
+    level = cpu_level()
+    if level == "native":
+        return None
+    runnable = runnable_levels()
+    greater = [lv for lv in runnable[runnable.index(level) + 1:] if lv != "native"]
+    if not greater and not (level == "avx512" and cpu_has("amx_tile")):
+        return None
+    return (f"{LEVEL_ENV}={level} on a CPU that runs more "
+            f"({', '.join(greater) or 'AMX'}): XLA's dots are not limited by the level")
+
+
+def xla_flags_for_level(level: str, xla_flags: str = "") -> str:
+    """XLA_FLAGS for a process at `level`: `xla_flags` plus --xla_cpu_max_isa for a level below
+    native (XLA_MAX_ISA), so XLA's generated loops (fusions, reductions) keep to the level too.
+    Read when XLA starts, so it is set in a child's environment (scripts/bench_scale.py)."""
+    isa = XLA_MAX_ISA.get(level)
+    if isa is None or "xla_cpu_max_isa" in xla_flags:
+        return xla_flags
+    return f"{xla_flags} --xla_cpu_max_isa={isa}".strip()
+
+
 _PREFIX = "jaxbatch-cpu-"  # the library's file name: _PREFIX, its build key, ".so"
 # FFI target name -> the handler symbol the library exports
 TARGETS = {

@@ -78,6 +78,8 @@ from llamacpp_peer import (  # scripts/ is on sys.path
     warmup_rows,
 )
 
+from pallas_kernels import cpu_library
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WORKLOAD = os.path.join(REPO, "benchmarks", "workloads", "bench64.jsonl")
@@ -145,11 +147,20 @@ def emit(tag: str, obj: dict) -> None:
     print(f"{tag} {json.dumps(obj)}", flush=True)
 
 
+def level_env() -> dict[str, str]:
+    """XLA_FLAGS for a child at JAXBATCH_CPU_LEVEL below native: XLA's generated code capped at
+    the level too (its dots are not: engine/precision.py keeps the kernels there)."""
+    level = os.environ.get(cpu_library.LEVEL_ENV, "").strip().lower()
+    if not level:
+        return {}
+    return {"XLA_FLAGS": cpu_library.xla_flags_for_level(level, os.environ.get("XLA_FLAGS", ""))}
+
+
 def run_child(cmd: list[str], log: str) -> dict:
     """Run one child to its end: its tagged JSON lines, exit code, peak RSS, wall time."""
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "BENCH_T0": repr(t0)})
+                            env={**os.environ, "BENCH_T0": repr(t0), **level_env()})
     tagged: dict[str, list] = {}
     lines = []
     assert proc.stdout is not None

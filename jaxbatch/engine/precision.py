@@ -44,11 +44,25 @@ _ROWS = (64, 256)  # a decode-heavy and a prefill-heavy step (both compute-bound
 class PrecisionChoice:
     dtype: str  # "float32" | "bfloat16"
     gflops: dict[str, float]  # measured matmul rate per dtype on this device
-    source: str  # "measured" | "cache"
+    source: str  # "measured" | "cache" | why nothing was timed
 
     def describe(self) -> str:
         rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in self.gflops.items())
-        return f"compute dtype {self.dtype} ({self.source}: {rates})"
+        return f"compute dtype {self.dtype} ({self.source}{': ' + rates if rates else ''})"
+
+
+def _xla_dots_off_level() -> str | None:
+    """Why XLA's dots are not timed against the kernels in this process (its kernels run a
+    level below the CPU's, which XLA's dots do not keep to: cpu_library.level_below_cpu), else
+    None. The choices below then keep the kernels where they have one."""
+    if jax.default_backend() != "cpu":
+        return None
+    from pallas_kernels import cpu_library
+
+    try:
+        return cpu_library.level_below_cpu()
+    except cpu_library.KernelUnavailable:
+        return None
 
 
 def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 3) -> float:
@@ -92,6 +106,11 @@ def choose_compute_dtype(hidden: int, inner: int, cache_root: str,
     the kernel's decode is a clear win and its prefill rate not clearly below f32's (an AVX2
     machine: its float mode FMAs at f32's rate, and the step reads half the bytes)."""
     kernel = bf16_kernel and _bf16_kernel_available()
+    off_level = _xla_dots_off_level() if kernel else None
+    if off_level:
+        choice = PrecisionChoice("bfloat16", {}, f"the kernel, not timed against XLA: {off_level}")
+        log.info("dtype auto: %s", choice.describe())
+        return choice
     ident = f"{measurement_identity()}|dtype {hidden}x{inner}" + (" kernel" if kernel else "")
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     path = os.path.join(cache_root, "precision", f"{key}.json")
@@ -231,6 +250,11 @@ def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -
     if jax.default_backend() != "cpu" or not small_bf16.available() \
             or inner % 16 or hidden % 2:
         return 0
+    off_level = _xla_dots_off_level()
+    if off_level:
+        log.info("small bf16 matmul: steps of up to %d tokens (not timed against XLA: %s)",
+                 SMALL_MATMUL_ROWS[-1], off_level)
+        return SMALL_MATMUL_ROWS[-1]
     ident = f"{measurement_identity()}|small matmul {hidden}x{inner}x{layers}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:20]
     path = os.path.join(cache_root, "precision", f"small-{key}.json")
@@ -447,6 +471,11 @@ def choose_bf16_route(shapes: set[tuple[int, int]], cache_root: str,
     from pallas_kernels.matmul import quant
 
     if jax.default_backend() != "cpu" or not shapes or not quant.available(jnp.bfloat16):
+        return {}
+    off_level = _xla_dots_off_level()
+    if off_level:
+        log.info("BF16 rows: the kernel at every step size (not timed against XLA: %s)",
+                 off_level)
         return {}
     out: dict[tuple[int, int], int] = {}
     for n, k in sorted(shapes):

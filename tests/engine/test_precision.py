@@ -363,3 +363,26 @@ def test_bf16_route_measurement_runs(tmp_path):
         pytest.skip("no bf16 quantised matmul on this CPU (AVX512-BF16) or no C++ library")
     got = _small_stacks(lambda: precision.choose_bf16_route({(64, 256)}, str(tmp_path)))
     assert got.get((64, 256), 0) in (0, *precision.BF16_XLA_ROWS)
+
+
+def test_a_level_below_the_cpu_keeps_the_kernels_untimed(tmp_path, monkeypatch):
+    """At a JAXBATCH_CPU_LEVEL below what the CPU runs, XLA's dots (which keep to the CPU, not
+    the level) are never timed against the kernels: bf16 on the kernel, the small matmul up to
+    its largest size, BF16 rows on the kernel at every step size."""
+    from pallas_kernels.matmul import small_bf16
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed against XLA's dot at a level below the CPU")
+
+    for name in ("_time_matmuls", "_time_layer_stack", "_time_quant", "_quant_timer"):
+        monkeypatch.setattr(precision, name, no_timing)
+    monkeypatch.setattr(precision, "_xla_dots_off_level", lambda: "avx2 on an AVX-512 CPU")
+    monkeypatch.setattr(precision, "_bf16_kernel_available", lambda: True)
+    monkeypatch.setattr(small_bf16, "available", lambda: True)
+    choice = precision.choose_compute_dtype(64, 128, str(tmp_path), bf16_kernel=True)
+    assert choice.dtype == "bfloat16" and "avx2 on an AVX-512 CPU" in choice.describe()
+    assert precision.choose_small_matmul(64, 128, 2, str(tmp_path)) == \
+        precision.SMALL_MATMUL_ROWS[-1]
+    from pallas_kernels.matmul import quant
+    monkeypatch.setattr(quant, "available", lambda *a, **k: True)
+    assert precision.choose_bf16_route({(512, 2048)}, str(tmp_path)) == {}

@@ -84,6 +84,31 @@ def test_cpu_level_chooses_and_refuses(monkeypatch):
         assert len(paths) == 2
 
 
+def test_level_below_cpu_keeps_xla_out_of_the_choices(monkeypatch):
+    """A level below what the CPU runs is named as such (XLA's dots follow the CPU, not the
+    level: precision keeps the kernels there), on an AVX2-only CPU avx2 is not below it, and
+    the XLA_FLAGS for a child cap XLA's own code at the level without dropping given flags."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the x86 levels")
+    avx512 = "fpu sse2 avx avx2 fma f16c bmi2 avx512f avx512bw avx512vl"
+    monkeypatch.setattr(cpu_library, "_cpu_flags", lambda: avx512)
+    monkeypatch.setenv(cpu_library.LEVEL_ENV, "avx2")
+    assert "runs more (avx512)" in cpu_library.level_below_cpu()
+    monkeypatch.setenv(cpu_library.LEVEL_ENV, "avx512")
+    assert cpu_library.level_below_cpu() is None  # AVX-512 without AMX: the level is the CPU
+    monkeypatch.setattr(cpu_library, "_cpu_flags", lambda: avx512 + " amx_tile")
+    assert "(AMX)" in cpu_library.level_below_cpu()
+    monkeypatch.delenv(cpu_library.LEVEL_ENV)
+    assert cpu_library.level_below_cpu() is None
+    monkeypatch.setattr(cpu_library, "_cpu_flags", lambda: "fpu sse2 avx avx2 fma f16c bmi2")
+    monkeypatch.setenv(cpu_library.LEVEL_ENV, "avx2")
+    assert cpu_library.level_below_cpu() is None
+    assert cpu_library.xla_flags_for_level("avx2", "--a=1") == "--a=1 --xla_cpu_max_isa=AVX2"
+    assert cpu_library.xla_flags_for_level("native", "--a=1") == "--a=1"
+    assert cpu_library.xla_flags_for_level("avx2", "--xla_cpu_max_isa=AVX") == \
+        "--xla_cpu_max_isa=AVX"
+
+
 def test_aarch64_levels():
     """aarch64's levels: NEON alone (armv8), SDOT (dotprod: what /proc/cpuinfo calls asimddp),
     SMMLA (i8mm), native; each with its -march."""
