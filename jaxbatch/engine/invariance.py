@@ -13,8 +13,10 @@ What each part of the step does for it:
   not.
 - the head's logits stay float32 (always, mode or not).
 - attention (the CPU kernel, pallas_kernels/attention/cpu_attention.cc, `invariant`): keys in
-  512-key splits from position 0; every row of every item on the decode rows' path and every key
-  through the vector exp, whatever the item's rows or the step's share of the sequence.
+  512-key splits from position 0; every row of every item on one path (AMX tiles, or the decode
+  rows' AVX512-BF16 dots; at the avx2 level the f32 path with each score and PV sum in one fixed
+  order) and every key through the vector exp, whatever the item's rows or the step's share of
+  the sequence.
 - RMSNorm and the sampler's sums: a fixed pairwise order (model/fixed_order.py); rope and
   activations are elementwise. The sampler's random stream is keyed by (seed, output index) and
   its top-k / top-p cut does not depend on the other rows (engine/sampler.py).
@@ -55,7 +57,7 @@ def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
     if attention != "native":
         return f"it needs the native CPU attention kernel (attention runs as {attention!r})"
     if not cpu_library.has("attention_invariant"):
-        return ("the attention kernel's invariant mode needs AVX512-BF16 (this kernel build: "
+        return ("the attention kernel's invariant mode needs AVX2 and FMA (this kernel build: "
                 f"{cpu_library.cpu_level()} level)")
     if float_linears and dtype != "bfloat16":
         return (f"{dtype} weights run through XLA's dot, whose sums depend on the step's shape "

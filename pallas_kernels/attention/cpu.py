@@ -40,8 +40,10 @@ def ragged_paged_attention_cpu(
     AVX512-BF16 dots on the pages in place, prefill rows AMX tiles, where the CPU has them;
     without AMX, prefill items run the bf16 path in GEMM-like blocks (K gathered transposed,
     V and probabilities packed in pairs) (`use_amx=False`: the f32 path for prefill rows, for
-    tests to compare). `invariant`: bf16 rows of every item on the decode rows' path (one
-    summation order for a query row whatever its chunk: the engine's batch-invariant mode).
+    tests to compare). `invariant`: every bf16 row on one path whatever its item (AMX tiles,
+    or the decode rows' path; without AVX512-BF16 the f32 path with each row's sums in one
+    fixed order): one summation order for a query row whatever its chunk, the engine's
+    batch-invariant mode.
     `sinks` f32 [Hq]: each head's sink logit in the softmax denominator (gpt-oss), applied
     where each row is normalised; absent, the kernel gets an empty array and runs as before.
     Metadata that does not fit the buffers (a page id outside the cache, a kv_len past its page

@@ -15,6 +15,9 @@
 // (run_decode_bf16) and prefill items run on AMX tiles (run_prefill_amx), where the compiler
 // targets them (-march=native) and, for AMX, the OS grants the tile state; without AMX, prefill
 // items run through run_decode_bf16 as wide items (wide_scores, wide_pv: GEMM-like blocks).
+// The batch-invariant mode (`invariant`) sends every bf16 item down one of these whatever its
+// rows (AMX tiles, or the decode rows' AVX512-BF16 path); items neither takes (the avx2 level's
+// every item) run the f32 path with each row's sums in one fixed order (JAXBATCH_INVARIANT_F32).
 //
 // Numerics follow torch's CPU flash attention (what HF's sdpa runs on CPU): keys in splits of
 // `kv_split` (512) from position 0; per split, scores in f32 from exact products, the running
@@ -377,6 +380,66 @@ inline float exp_and_sum_torch(float* x, int64_t n, int64_t a, int64_t j0, int64
   }
   return sum;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same arithmetic on 8 lanes: torch's AVX2 build runs fexp_u20's operations on 8-float
+// vectors (its vector groups are 8 keys, its scalar tail the split's length % 8) and reduces the
+// 8 lane sums by halves (128-, 64-, 32-bit shuffles). Each lane's value is exp_torch16's.
+inline __m256 exp_torch8(__m256 x) {
+  const __m256 t = _mm256_mul_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x3fb8aa3b)));
+  const __m256 f = _mm256_sub_ps(t, _mm256_floor_ps(t));
+  __m256 c = _mm256_fmadd_ps(f, _mm256_set1_ps(-0.079204240219773236f),
+                             _mm256_set1_ps(-0.22433836478672356f));
+  c = _mm256_fmadd_ps(f, c, _mm256_set1_ps(0.30354260500649682f));
+  c = _mm256_fmadd_ps(f, c, _mm256_set1_ps(0.00010703434948458272f));
+  const __m256 bits = _mm256_fmadd_ps(_mm256_set1_ps(8388608.0f), _mm256_sub_ps(t, c),
+                                      _mm256_set1_ps(8388608.0f * 127.0f));
+  __m256 y = _mm256_castsi256_ps(_mm256_cvttps_epi32(bits));
+  const __m256 under =
+      _mm256_cmp_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0xc2aeac50)), _CMP_LT_OS);
+  const __m256 over =
+      _mm256_cmp_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x42b17218)), _CMP_GT_OS);
+  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), under);
+  return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
+}
+
+inline float sum_by_halves(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
+
+// exp_and_sum_torch of the AVX-512 build in groups of 8 keys from the split's start j0 (the
+// batch-invariant mode passes kv_len = j0 + split: every key of the split through the vector
+// exp, in the lane its position gives it, whatever the step's share of the sequence).
+inline float exp_and_sum_torch(float* x, int64_t n, int64_t a, int64_t j0, int64_t kv_len,
+                               int64_t split, float m) {
+  const int64_t vec_end = j0 + std::min(split, kv_len - j0) / 8 * 8;  // first key of the tail
+  const __m256 mv = _mm256_set1_ps(m);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 lanes = _mm256_setzero_ps();
+  // groups wholly before a (a window's start) would add zeros: skipped
+  for (int64_t k0 = j0 + (a - j0) / 8 * 8; k0 < std::min(vec_end, a + n); k0 += 8) {
+    const int64_t i0 = k0 - a;  // x index of the group's first key (-7..-1: window start)
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i0)), lane);
+    const __m256i in = _mm256_and_si256(  // lanes of x[0..n): only these are touched
+        _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(-1)),
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), idx));
+    float* base = x + i0;
+    const __m256 xv = _mm256_blendv_ps(_mm256_set1_ps(kNeg), _mm256_maskload_ps(base, in),
+                                       _mm256_castsi256_ps(in));
+    const __m256 e =
+        _mm256_and_ps(exp_torch8(_mm256_sub_ps(xv, mv)), _mm256_castsi256_ps(in));
+    _mm256_maskstore_ps(base, in, e);
+    lanes = _mm256_add_ps(lanes, e);
+  }
+  float sum = sum_by_halves(lanes);
+  for (int64_t j = std::max<int64_t>(vec_end - a, 0); j < n; ++j) {
+    x[j] = std::exp(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
 #endif
 
 // One score row of a split, in place: scale (and soft cap), mask the keys the query at `qpos`
@@ -416,6 +479,12 @@ inline void softmax_split_row(const Problem& p, float* sr, int64_t n, int64_t a,
       p.round_p ? exp_and_sum_torch(sr, n, a, j0, p.invariant ? j0 + p.kv_split : kv_len,
                                     p.kv_split, m_new)
                 : exp_and_sum(sr, n, m_new);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // the batch-invariant mode's bf16 rows: torch's exp as the AVX-512 build's invariant mode
+  // takes it (8-lane groups, every key of the split through it); else the portable exp
+  const float sum = p.round_p && p.invariant
+                        ? exp_and_sum_torch(sr, n, a, j0, j0 + p.kv_split, p.kv_split, m_new)
+                        : exp_and_sum(sr, n, m_new);
 #else
   const float sum = exp_and_sum(sr, n, m_new);
 #endif
@@ -432,6 +501,108 @@ inline void softmax_split_row(const Problem& p, float* sr, int64_t n, int64_t a,
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
 }
+
+// The batch-invariant mode on run_item (every item of a build without AVX512-BF16, the avx2
+// level's x86-64-v3; with it, the items its bf16 paths do not take: head dims other than 64,
+// 128 and 256, an f32 cache): its f32 sweep (bf16 widened exactly), its softmax, and scores and
+// PV sums whose operations for a row are fixed by the row alone, whatever its item's rows, the
+// split's keys or the key's place in a block. Without the mode, run_item's register tiles sum
+// a score over D one element at a time while its decode rows and leftover keys take dot()'s
+// lanes, so a row's bits depend on which of the two its item sends it down.
+#if defined(__AVX2__) && defined(__FMA__)
+#define JAXBATCH_INVARIANT_F32 1
+
+// Sums of 8 vectors in one: lane L is the sum of v[L]'s lanes, each by dot()'s halves,
+// ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), whichever slot L it sits in.
+inline __m256 sum8(const __m256* v) {
+  __m256 h[4], e[2];
+  for (int i = 0; i < 4; ++i)  // [v[i] lo + hi | v[i + 4] lo + hi]
+    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[i], v[i + 4], 0x20),
+                         _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+  for (int i = 0; i < 2; ++i)  // [pairs of v[2i], v[2i+1] | v[2i+4], v[2i+5]]
+    e[i] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * i], h[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(h[2 * i], h[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_shuffle_ps(e[0], e[1], 0x88), _mm256_shuffle_ps(e[0], e[1], 0xDD));
+}
+
+// s[r * n + j] = q_r . k_j for R score rows of D (q [R, D]) and n keys (key j's row at
+// kh + j * HD): per score, 8 lanes of FMA over D's 8-float chunks in order, sum8, then the
+// D % 8 last products FMA'd in order (dot()'s bits). Blocks of 8 keys, each K block read from
+// L1 by every row; a short last block repeats its last key (lanes are independent).
+template <int kD>
+void scores_fixed_order(const float* q, const float* kh, int64_t HD, int64_t R, int64_t n,
+                        int64_t dim, float* s) {
+  const int64_t D = kD > 0 ? kD : dim, D8 = D / 8 * 8;
+  for (int64_t jb = 0; jb < n; jb += 8) {
+    const int64_t nb = std::min<int64_t>(8, n - jb);
+    const float* kr[8];
+    for (int64_t jj = 0; jj < 8; ++jj) kr[jj] = kh + (jb + std::min(jj, nb - 1)) * HD;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q + r * D;
+      __m256 t[8];
+      for (int jj = 0; jj < 8; ++jj) t[jj] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D8; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qr + d);
+        for (int jj = 0; jj < 8; ++jj)
+          t[jj] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[jj] + d), t[jj]);
+      }
+      float* sr = s + r * n + jb;
+      if (nb == 8 && D8 == D) {
+        _mm256_storeu_ps(sr, sum8(t));
+        continue;
+      }
+      alignas(32) float out[8];
+      _mm256_store_ps(out, sum8(t));
+      for (int64_t jj = 0; jj < nb; ++jj) {
+        for (int64_t d = D8; d < D; ++d) out[jj] = std::fma(qr[d], kr[jj][d], out[jj]);
+        sr[jj] = out[jj];
+      }
+    }
+  }
+}
+
+// acc[rr * D + d] = fma(p_rr[j], v_j[d], acc[rr * D + d]) for the split's keys j in order
+// (p_rr at s + rr * n, v_j at vh + j * HD), kRows rows sharing each V load, D in 16-float
+// blocks held in registers: each accumulator's operations whatever kRows.
+template <int kRows>
+void pv_fixed_order(const float* s, int64_t n, const float* vh, int64_t HD, float* acc,
+                    int64_t D) {
+  const int64_t D8 = D / 8 * 8;
+  for (int64_t d0 = 0; d0 < D8; d0 += 16) {
+    if (d0 + 16 <= D8) {
+      __m256 t[kRows][2];
+      for (int rr = 0; rr < kRows; ++rr)
+        for (int c = 0; c < 2; ++c) t[rr][c] = _mm256_loadu_ps(acc + rr * D + d0 + 8 * c);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 v0 = _mm256_loadu_ps(vh + j * HD + d0);
+        const __m256 v1 = _mm256_loadu_ps(vh + j * HD + d0 + 8);
+        for (int rr = 0; rr < kRows; ++rr) {
+          const __m256 pj = _mm256_broadcast_ss(s + rr * n + j);
+          t[rr][0] = _mm256_fmadd_ps(pj, v0, t[rr][0]);
+          t[rr][1] = _mm256_fmadd_ps(pj, v1, t[rr][1]);
+        }
+      }
+      for (int rr = 0; rr < kRows; ++rr)
+        for (int c = 0; c < 2; ++c) _mm256_storeu_ps(acc + rr * D + d0 + 8 * c, t[rr][c]);
+    } else {  // the last 8 of D8
+      __m256 t[kRows];
+      for (int rr = 0; rr < kRows; ++rr) t[rr] = _mm256_loadu_ps(acc + rr * D + d0);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 v0 = _mm256_loadu_ps(vh + j * HD + d0);
+        for (int rr = 0; rr < kRows; ++rr)
+          t[rr] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + rr * n + j), v0, t[rr]);
+      }
+      for (int rr = 0; rr < kRows; ++rr) _mm256_storeu_ps(acc + rr * D + d0, t[rr]);
+    }
+  }
+  for (int64_t d = D8; d < D; ++d)
+    for (int rr = 0; rr < kRows; ++rr) {
+      float t = acc[rr * D + d];
+      for (int64_t j = 0; j < n; ++j) t = std::fma(s[rr * n + j], vh[j * HD + d], t);
+      acc[rr * D + d] = t;
+    }
+}
+#endif
 
 // One item: `rows` query positions of a sequence, every head, over the visible keys. Per split
 // of the keys, the pages are swept once in order (all KV heads of a token are contiguous) into
@@ -451,10 +622,15 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t R = static_cast<int64_t>(it.rows) * G;  // score rows per KV head
   const int64_t split = p.kv_split;
   const bool decode = R <= kDecodeRows;
+#ifdef JAXBATCH_INVARIANT_F32
+  const bool fixed_order = p.invariant;  // every row's sums in one order (see sum8)
+#else
+  constexpr bool fixed_order = false;
+#endif
   // state per (KV head h, score row r), index h * R + r; score row r = (query row, group head)
   sc.q.resize(Hkv * R * D);
   reset_row_state(sc, Hkv * R, D);
-  if (!decode) sc.kt.resize(D * split);
+  if (!decode && !fixed_order) sc.kt.resize(D * split);
   sc.k.resize(split * HD);
   sc.v.resize(split * HD);
   sc.s.resize(R * split);
@@ -499,6 +675,25 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
       const float* q = &sc.q[h * R * D];
       const float* kh = &sc.k[h * D];  // token j's K for head h at kh + j * HD
       const float* vh = &sc.v[h * D];
+#ifdef JAXBATCH_INVARIANT_F32
+      if (fixed_order) {
+        scores_fixed_order<kD>(q, kh, HD, R, n, D, s);
+        for (int64_t r = 0; r < R; ++r)
+          softmax_split_row(p, s + r * n, n, a, j0, kv_len,
+                            ctx + it.row0 + static_cast<int32_t>(r / G),
+                            sc.m[h * R + r], sc.l[h * R + r], &sc.acc[(h * R + r) * D], D);
+        float* acc = &sc.acc[h * R * D];
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4) pv_fixed_order<4>(s + r * n, n, vh, HD, acc + r * D, D);
+        switch (R - r) {
+          case 1: pv_fixed_order<1>(s + r * n, n, vh, HD, acc + r * D, D); break;
+          case 2: pv_fixed_order<2>(s + r * n, n, vh, HD, acc + r * D, D); break;
+          case 3: pv_fixed_order<3>(s + r * n, n, vh, HD, acc + r * D, D); break;
+          default: break;
+        }
+        continue;
+      }
+#endif
       if (decode) {
         for (int64_t j = 0; j < n; ++j)
           for (int64_t r = 0; r < R; ++r) s[r * n + j] = dot(q + r * D, kh + j * HD, D);
@@ -1443,10 +1638,12 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
 }  // namespace
 
 // 1 when this build has the batch-invariant mode (`invariant`: bf16 rows of every item on the
-// decode rows' AVX512-BF16 path, or all on AMX tiles). Without AVX512-BF16 (the avx2 level) bf16
-// rows run the portable f32 path, whose summation order depends on the item a row falls in.
+// decode rows' AVX512-BF16 path, or all on AMX tiles, where the CPU has them; the rest, and
+// every item without AVX512-BF16 (the avx2 level), through run_item with each row's sums in one
+// order: JAXBATCH_INVARIANT_F32, AVX2 and FMA). Without AVX2 and FMA (aarch64) the portable f32
+// path's summation order depends on the item a row falls in.
 extern "C" int JaxbatchAttentionInvariant() {
-#if defined(__AVX512BF16__)
+#if defined(JAXBATCH_INVARIANT_F32)
   return 1;
 #else
   return 0;
