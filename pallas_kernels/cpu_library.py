@@ -2,7 +2,8 @@
 use, loaded once a process, each kernel registered as an XLA FFI custom call for the CPU platform.
 
 Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf16.cc` (the small
-bf16 matmul; on aarch64 `matmul/small_bf16_neon.cc`), `matmul/quant.cc` with
+bf16 matmul; its AVX2 tiles `matmul/small_bf16_avx2.cc`, on aarch64 `matmul/small_bf16_neon.cc`),
+`matmul/quant.cc` with
 `matmul/quant_int8.cc` (their AVX2 builds: `matmul/quant_float_avx2.cc`,
 `matmul/quant_int8_avx2.cc`), `matmul/quant_amx.cc` and `matmul/quant_panel.cc` (matmuls over
 GGUF blocks, float and int8 activations; AMX tiles and panels for bf16 rows; on aarch64 both
@@ -40,6 +41,7 @@ import jax
 _HERE = os.path.dirname(__file__)
 SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "small_bf16.cc"),
+           os.path.join(_HERE, "matmul", "small_bf16_avx2.cc"),
            os.path.join(_HERE, "matmul", "small_bf16_neon.cc"),
            os.path.join(_HERE, "matmul", "quant.cc"),
            os.path.join(_HERE, "matmul", "quant_int8.cc"),

@@ -63,8 +63,8 @@ def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
         return (f"{dtype} weights run through XLA's dot, whose sums depend on the step's shape "
                 "(the invariant matmul is bfloat16; use dtype bfloat16)")
     if float_linears and not small_bf16.available():
-        return ("bfloat16 weights need the small bf16 matmul (a CPU with AVX512-BF16 and the "
-                "C++ kernel library built)")
+        return ("bfloat16 weights need the small bf16 matmul (a CPU with AVX512-BF16 or AVX2 "
+                "and FMA, and the C++ kernel library built)")
     if quantised and not quant.available(dtype):
         return f"quantised weights need the quantised matmul kernel for {dtype} on this CPU"
     return None

@@ -244,7 +244,7 @@ def choose_small_matmul(hidden: int, inner: int, layers: int, cache_root: str) -
     (pallas_kernels/matmul/small_bf16.py) rather than XLA's dot: the largest of SMALL_MATMUL_ROWS at which
     it (and at every smaller one) measures at least SMALL_MATMUL_MIN_SPEEDUP faster on the
     model's layer shapes (or read from the cache). 0 (never) where the kernel is not available
-    (no AVX512-BF16, or not built) or loses at a decode step."""
+    (neither AVX512-BF16 nor AVX2 with FMA, or not built) or loses at a decode step."""
     from pallas_kernels.matmul import small_bf16
 
     if jax.default_backend() != "cpu" or not small_bf16.available() \

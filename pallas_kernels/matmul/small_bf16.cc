@@ -1,6 +1,7 @@
 // Small bf16 matmul for XLA:CPU as an XLA FFI custom call (registered by
 // pallas_kernels/cpu_library.py, called through small_bf16.py): decode steps and small prefill
-// chunks, on CPUs with AVX512-BF16. Built into the same library as the CPU attention kernel.
+// chunks, on CPUs with AVX512-BF16 (this file's tiles), AVX2 with FMA (small_bf16_avx2.cc) or
+// aarch64 (small_bf16_neon.cc). Built into the same library as the CPU attention kernel.
 
 #include <algorithm>
 #include <atomic>
@@ -18,9 +19,22 @@
 
 namespace ffi = xla::ffi;
 
-// the builds with a small matmul: AVX512-BF16, or aarch64 (small_bf16_neon.cc)
-#if defined(__AVX512BF16__) || (defined(__aarch64__) && defined(__ARM_NEON))
+// the builds with a small matmul: AVX512-BF16, AVX2 with FMA (small_bf16_avx2.cc), or aarch64
+// (small_bf16_neon.cc)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+#define JB_SMALL_AVX2 1
+#endif
+#if defined(__AVX512BF16__) || defined(JB_SMALL_AVX2) || \
+    (defined(__aarch64__) && defined(__ARM_NEON))
 #define JB_SMALL_MATMUL 1
+#endif
+
+#if defined(JB_SMALL_AVX2)
+namespace jaxbatch_small {
+void WidenBf16Avx2(const uint16_t* x, int64_t n, float* out);
+void SmallMatmulBlocksAvx2(const float* x, const uint16_t* w, void* out, bool out_f32,
+                           int64_t M, int64_t K2, int64_t N, int64_t lo, int64_t hi);
+}  // namespace jaxbatch_small
 #endif
 
 #if defined(__aarch64__) && defined(__ARM_NEON) && !defined(__AVX512BF16__)
@@ -55,6 +69,8 @@ struct MatmulJob {
   void* out;  // uint16 bf16 bits, or f32 when out_f32 (the model's head: f32 logits)
   bool out_f32;
   int64_t M, K2, N, NB, chunk;
+  // AVX2: x widened to f32 [M, K] once, before the threads start (small_bf16_avx2.cc)
+  std::unique_ptr<float[]> xf;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
@@ -138,12 +154,18 @@ void matmul_drain(MatmulJob& j) {
   }
 }
 #elif defined(JB_SMALL_MATMUL)
-// aarch64: every row for each claimed chunk of blocks (small_bf16_neon.cc)
+// AVX2 or aarch64: every row for each claimed chunk of blocks (small_bf16_avx2.cc,
+// small_bf16_neon.cc)
 void matmul_drain(MatmulJob& j) {
   const int64_t chunks = (j.NB + j.chunk - 1) / j.chunk;
   for (int64_t c = j.next.fetch_add(1); c < chunks; c = j.next.fetch_add(1)) {
     const int64_t lo = c * j.chunk, hi = std::min(j.NB, lo + j.chunk);
+#if defined(JB_SMALL_AVX2)
+    jaxbatch_small::SmallMatmulBlocksAvx2(j.xf.get(), j.w, j.out, j.out_f32, j.M, j.K2, j.N, lo,
+                                          hi);
+#else
     jaxbatch_small::SmallMatmulBlocksNeon(j.x, j.w, j.out, j.out_f32, j.M, j.K2, j.N, lo, hi);
+#endif
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -180,6 +202,11 @@ ffi::Error SmallMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
   if (j->M < 1 || wd[2] != j->K2 || wd[3] != 32 ||
       od[0] != j->M || od[1] != j->N)
     return ffi::Error::InvalidArgument("small_matmul: bad shapes");
+#if defined(JB_SMALL_AVX2)
+  // M K floats (a std::bad_alloc is an error, ffi_safety.h); the tiles broadcast from them
+  j->xf.reset(new float[j->M * 2 * j->K2]);
+  jaxbatch_small::WidenBf16Avx2(j->x, j->M * 2 * j->K2, j->xf.get());
+#endif
   // claims of 12 blocks (192 columns), fewer where that would leave a thread idle
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   j->chunk = std::max<int64_t>(1, std::min<int64_t>(12, j->NB / (2 * threads)));
@@ -191,7 +218,8 @@ ffi::Error SmallMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
   while (j->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
   return ffi::Error::Success();
 #else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "small_matmul needs AVX512-BF16");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "small_matmul needs AVX512-BF16, AVX2 with FMA, or aarch64");
 #endif
 }
 
@@ -212,7 +240,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxbatchSmallMatmul, SmallMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Ret<ffi::AnyBuffer>());  // out [M, N]
 
-// 1 when this build has the small bf16 matmul (the CPU has AVX512-BF16)
+// 1 when this build has the small bf16 matmul (AVX512-BF16, AVX2 with FMA, or aarch64)
 extern "C" int JaxbatchSmallMatmulSupported() {
 #if defined(JB_SMALL_MATMUL)
   return 1;

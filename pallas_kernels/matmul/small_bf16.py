@@ -1,7 +1,7 @@
 """The small bf16 matmul (small_bf16.cc): decode steps and small prefill chunks on CPUs with
-AVX512-BF16 (and on aarch64: small_bf16_neon.cc), reading weights packed once at load time in
-VDPBF16PS's operand layout; built and registered as an XLA FFI custom call by
-pallas_kernels/cpu_library.py.
+AVX512-BF16, with AVX2 and FMA (small_bf16_avx2.cc) or aarch64 (small_bf16_neon.cc), reading
+weights packed once at load time in VDPBF16PS's operand layout (the same layout on every path);
+built and registered as an XLA FFI custom call by pallas_kernels/cpu_library.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ TARGET = "jaxbatch_small_matmul"
 
 
 def available() -> bool:
-    """The CPU library is registered and has the small bf16 matmul (this CPU has AVX512-BF16, or
-    is aarch64)."""
+    """The CPU library is registered and has the small bf16 matmul (its build has AVX512-BF16,
+    AVX2 with FMA, or is aarch64)."""
     return cpu_library.has("small_matmul")
 
 

@@ -190,7 +190,7 @@ def small_matmul(x, w, layer, out_shape=None) -> jax.Array:
 
 
 def small_cases(rng: np.random.Generator, variants: int) -> list[Case]:
-    if not cpu_library.has("small_matmul"):  # every call: "needs AVX512-BF16"
+    if not cpu_library.has("small_matmul"):  # every call: "needs AVX512-BF16, AVX2 with FMA, ..."
         return []
     bf = lambda a: jax.lax.bitcast_convert_type(jnp.asarray(a, jnp.bfloat16), jnp.uint16)
     x = bf(rng.standard_normal((M, K)))

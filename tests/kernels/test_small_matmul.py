@@ -3,8 +3,10 @@ where XLA's dot repacks the weights every call) against the exact product (float
 bound of f32 sums rounded once to bf16, and against itself: each output row is the same bits
 whatever the number of rows in the call (its sum runs over K in order, one accumulator per
 output). Never bitwise against XLA's dot: XLA:CPU runs bf16 dots through different libraries
-with different summation orders on different CPUs (AMX or not). Skipped on a CPU without
-AVX512-BF16 (the kernel is not built there and the engine never asks for it)."""
+with different summation orders on different CPUs (AMX or not). Run on whichever path the
+library's level builds: AVX512-BF16 (small_bf16.cc) or AVX2 with FMA (small_bf16_avx2.cc; at
+JAXBATCH_CPU_LEVEL=avx2); skipped on a CPU with neither (the kernel is not built there and the
+engine never asks for it)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _built(tmp_path_factory):
     why = cpu_library.available(str(tmp_path_factory.getbasetemp() / "kernel-cache"))
     assert why is None, why
     if not small_bf16.available():
-        pytest.skip("this CPU has no AVX512-BF16: no small matmul")
+        pytest.skip("this build has neither AVX512-BF16 nor AVX2 with FMA: no small matmul")
 
 
 def _exact_bound(x, w_out_in):
