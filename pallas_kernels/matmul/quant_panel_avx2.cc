@@ -328,7 +328,8 @@ void chunk_tile(const Job& j, const float* buf, int64_t pairs, const float* x, i
   for (int64_t i = 0; i < pairs; ++i) {
     for (int half = 0; half < 2; ++half) {  // the pair's even weights, then its odd ones
       __m256 wv[V];
-      for (int v = 0; v < V; ++v) wv[v] = pin(_mm256_load_ps(buf + (v * pairs + i) * 16 + 8 * half));
+      for (int v = 0; v < V; ++v)
+        wv[v] = pin(_mm256_load_ps(buf + (v * pairs + i) * 16 + 8 * half));
       for (int r = 0; r < R; ++r) {
         const __m256 xv = bcast(x + r * ldx + 2 * i + half);
         for (int v = 0; v < V; ++v) acc[r * V + v] = _mm256_fmadd_ps(xv, wv[v], acc[r * V + v]);
