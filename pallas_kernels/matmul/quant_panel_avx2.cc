@@ -37,6 +37,19 @@
 //   wait in f32 (exact).
 // Threads (XLA's intra-op pool) claim chunks of columns (decode) or (column block, row segment)
 // pairs (prefill), as in quant_panel.cc.
+//
+// Measured 2026-12-07 at JAXBATCH_CPU_LEVEL=avx2 on the Intel Xeon with AMX (2 vCPUs shared with
+// other jobs, load average ~5, so rough), against quant_float_avx2.cc's float mode on the same
+// BF16 rows, bf16 x:
+//   one thread, thread CPU time (a C++ harness calling both entry points; weights in L2/L3, best
+//   of 7), GFLOP/s float / panel rows / packed panels: [N x K] = [2048 x 2048] M = 512:
+//   90.6 / 103.6 / 104.7, M = 128: 93.8 / 99.5 / 100.2; [1536 x 576] M = 512: 96.2 / 110.6 /
+//   111.0 (the float mode's 8-lane sums reduced per output; both near two 8-wide FMAs a cycle);
+//   [16384 x 4096] M = 1: 11.2 / 9.2 / 15.7 (packed: one stream per panel), M = 4: 25.1 / 29.0 /
+//   42.6, M = 8: 39.9 / 48.1 / 52.9
+//   2 threads (scripts/time_quant_float.py --fmts BF16, medians of 5, the modes in turn),
+//   [2048 x 2048]: M = 1 0.73 / 0.88 / 0.68 ms, M = 128 16.4 / 17.8 / 18.0 ms: within the
+//   load's noise of each other
 
 #include <algorithm>
 #include <atomic>
