@@ -15,10 +15,10 @@
 // acc = fma(x[2i + 1], w[2i + 1], acc), bf16 widened exactly to f32 (its bits << 16), so each
 // step rounds once (the product of two bf16 is exact in f32), K roundings in all; rounded once
 // to bf16 (nearest even, a NaN kept a NaN) unless the output is f32. The AVX512-BF16 form rounds
-// as VDPBF16PS does (its own order within a pair, denormals flushed), so the two builds' bits
-// differ, as the float mode's AVX2 and AVX-512 bits do; within a build every path below runs
-// exactly the sequence above for every output: neither M, the tile a row falls in, rows or
-// packed panels, the K chunking nor the thread count changes an output's operations.
+// as VDPBF16PS does (its own rounding of a pair's two products, denormals flushed), so the two
+// builds' bits differ, as the float mode's AVX2 and AVX-512 bits do; within a build every path
+// below runs exactly the sequence above for every output: neither M, the tile a row falls in,
+// rows or packed panels, the K chunking nor the thread count changes an output's operations.
 //
 // A pair word (two bf16 weights of one column, k = 2i low, 2i + 1 high) gives its two f32
 // weights by a shift (w[2i] = word << 16) and a mask (w[2i + 1] = word & 0xffff0000), exactly.
