@@ -5,7 +5,8 @@ Sources: `attention/cpu_attention.cc` (ragged paged attention), `matmul/small_bf
 bf16 matmul; its AVX2 tiles `matmul/small_bf16_avx2.cc`, on aarch64 `matmul/small_bf16_neon.cc`),
 `matmul/quant.cc` with
 `matmul/quant_int8.cc` (their AVX2 builds: `matmul/quant_float_avx2.cc`,
-`matmul/quant_int8_avx2.cc`), `matmul/quant_amx.cc` and `matmul/quant_panel.cc` (matmuls over
+`matmul/quant_int8_avx2.cc`), `matmul/quant_amx.cc` and `matmul/quant_panel.cc` (its AVX2 build:
+`matmul/quant_panel_avx2.cc`) (matmuls over
 GGUF blocks, float and int8 activations; AMX tiles and panels for bf16 rows; on aarch64 both
 modes in `matmul/quant_neon.cc`), `matmul/moe.cc` (routed experts through the same modes) and
 `zeros.cc` (a zeroed KV cache without touching its pages); one `.so`, one FFI target each
@@ -49,6 +50,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "quant_float_avx2.cc"),
            os.path.join(_HERE, "matmul", "quant_amx.cc"),
            os.path.join(_HERE, "matmul", "quant_panel.cc"),
+           os.path.join(_HERE, "matmul", "quant_panel_avx2.cc"),
            os.path.join(_HERE, "matmul", "quant_neon.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),
            os.path.join(_HERE, "zeros.cc"))

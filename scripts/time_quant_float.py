@@ -1,4 +1,5 @@
-"""The quantised matmul's float mode against its int8 mode and XLA's dots, at llama-1b's shapes
+"""The quantised matmul's float mode against its int8 mode, its panel mode (BF16 rows: from the
+rows and from packed panels, where the build has it) and XLA's dots, at llama-1b's shapes
 (not a test): medians of repeats, the contenders taking turns within each repeat so that they
 compare under the same load (a shared VM's drifts over seconds). Weight stacks of >= 600 MB, a
 layer per call, so that decode reads its weights from memory.
@@ -63,6 +64,13 @@ def main() -> None:
                         lambda li, x=x, s=stack, f=fmt, k=k: mm(x, s, li, fmt=f, k=k,
                                                                 act="int8"),
                         L, n * rb)
+                if fmt == "BF16" and n % 16 == 0 and quant.available(jnp.bfloat16, "panel"):
+                    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+                    for act, s in (("panel", stack), ("panel_packed", quant.pack_panels(stack))):
+                        runs[f"BF16 {act} bfloat16"] = (
+                            lambda li, x=x, s=s, k=k, act=act: mm(x, s, li, fmt="BF16", k=k,
+                                                                  act=act),
+                            L, n * rb)
             for dt in (jnp.float32, jnp.bfloat16):
                 L = max(2, a.stack_mb * 2**20 // (n * k * jnp.dtype(dt).itemsize)) if m <= 16 \
                     else 2

@@ -392,7 +392,7 @@ def _time_modes(fmt: str, n: int, k: int, modes: tuple[str, ...], rows: int,
 def _quant_modes(fmt: str, n: int) -> tuple[str, ...]:
     """The activation modes the quantised matmul has for this machine, format and N (bf16 x):
     "float" and, for the block formats, "int8" (AVX512-VNNI); for BF16 rows with N a multiple of
-    16 "amx" (AMX-BF16), else "panel" (AVX512-BF16 outer-product tiles)."""
+    16 "amx" (AMX-BF16), else "panel" (outer-product tiles: AVX512-BF16, or AVX2 with FMA)."""
     from pallas_kernels.matmul import quant
 
     if not quant.available(jnp.bfloat16):
@@ -412,8 +412,8 @@ def choose_quant_acts(shapes: set[tuple[str, int, int]], dtype: str, cache_root:
                       ) -> dict[tuple[str, int, int], str]:
     """Per (format, n, k) of the model's quantised (or BF16-row) weights, the quantised matmul's
     activation mode: the other mode ("int8", llama.cpp's scheme, for block formats; "amx", Intel
-    AMX tiles, or "panel", outer-product AVX512-BF16 tiles, for BF16 rows) where it is faster
-    than "float" by the geometric mean of the two step sizes' times (QUANT_ACT_ROWS), else
+    AMX tiles, or "panel", outer-product tiles on AVX512-BF16 or AVX2, for BF16 rows) where it
+    is faster than "float" by the geometric mean of the two step sizes' times (QUANT_ACT_ROWS), else
     "float"; measured once per machine and shape (cached). `rows_only`: shapes whose weights
     cannot be packed into panels (not offered "panel"). Only for bfloat16 compute (already
     rounded activations); float32 keeps "float" (its exactness against float32 references)."""

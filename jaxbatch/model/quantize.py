@@ -82,9 +82,8 @@ class QuantWeight:
     kernel: bool = dataclasses.field(default=False, metadata={"static": True})
     # per part, the kernel's activations: "float" (weights dequantised into the dot), "int8"
     # (x quantised per row to int8 blocks, integer dots: llama.cpp's scheme) or, for BF16 rows,
-    # "amx" (Intel AMX tiles) or "panel" (outer-product AVX512-BF16 tiles); chosen per format
-    # and shape by measurement (engine/precision.py),
-    # never per step size; () = all "float"
+    # "amx" (Intel AMX tiles) or "panel" (outer-product tiles, AVX512-BF16 or AVX2); chosen per
+    # format and shape by measurement (engine/precision.py), never per step size; () = all "float"
     acts: tuple[str, ...] = dataclasses.field(default=(), metadata={"static": True})
     # BF16 parts on the kernel: steps of at least this many rows run XLA's dot on the rows
     # bitcast to bf16 instead (where measured faster: AMX's bf16 dots at prefill sizes, engine/

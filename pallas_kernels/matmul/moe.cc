@@ -16,8 +16,9 @@
 // [E]: how many of x's rows (consecutive, in expert order) each expert has; rows past their sum
 // are padding (the step's unused tokens) and come out zero.
 //
-// Numerics: each expert's rows go through quant.cc's float mode, quant_int8.cc's int8 mode or
-// quant_amx.cc's AMX mode (`act`) exactly as a dense layer's rows do, so a row's bits are those
+// Numerics: each expert's rows go through quant.cc's float mode, quant_int8.cc's int8 mode,
+// quant_amx.cc's AMX mode or the panel mode (quant_panel.cc, quant_panel_avx2.cc on AVX2)
+// (`act`) exactly as a dense layer's rows do, so a row's bits are those
 // of the dense kernel on that expert's weight, whatever the other rows and their experts (batch
 // invariant, like the dense kernels).
 //
@@ -194,7 +195,7 @@ ffi::Error MoeMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   }
   if (!ok)
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      act == 3   ? "moe_matmul: act panel needs AVX512-BF16"
+                      act == 3   ? "moe_matmul: act panel needs AVX512-BF16 or AVX2 with FMA"
                       : act == 2 ? "moe_matmul: act amx needs AMX-BF16 and the OS's permission"
                       : act == 1 ? "moe_matmul: act int8 needs AVX2 (FMA, F16C) or AVX512-VNNI"
                       : bf16     ? "moe_matmul: bf16 x needs AVX512-BF16"

@@ -905,8 +905,8 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
 // quant_amx.cc: the AMX mode for BF16 rows and bf16 x (false: this build or process has none)
 bool QuantMatmulAmx(ffi::ThreadPool& pool, const void* x, const uint8_t* w, void* out,
                     bool out_f32, int64_t M, int64_t N, int64_t K);
-// quant_panel.cc: the panel mode for BF16 rows or packed panels and bf16 x (false: this build
-// has none)
+// quant_panel.cc (AVX512-BF16) or quant_panel_avx2.cc (AVX2 with FMA): the panel mode for BF16
+// rows or packed panels and bf16 x (false: this build has neither)
 bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
                       void* out, bool out_f32, int64_t M, int64_t N, int64_t K);
 }  // namespace jaxbatch_quant
@@ -980,7 +980,8 @@ ffi::Error QuantMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
     if (jaxbatch_quant::QuantMatmulPanel(pool, x.untyped_data(), wl, act == 4,
                                          out->untyped_data(), out_f32, M, N, K))
       return ffi::Error::Success();
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, "quant_matmul: act panel needs AVX512-BF16");
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "quant_matmul: act panel needs AVX512-BF16 or AVX2 with FMA");
   }
   if (act == 1) {
     if (jaxbatch_quant::QuantMatmulInt8(pool, x.untyped_data(), bf16, wl, out->untyped_data(),

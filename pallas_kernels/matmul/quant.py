@@ -16,10 +16,11 @@ call has, nor on tiles or threads):
 - act="amx" (quant_amx.cc; BF16 weights, bf16 x, N a multiple of 16, a CPU with AMX-BF16): Intel
   AMX tiles, the weights' rows read as they are; each output one f32 accumulator over K in 32-k
   steps (TDPBF16PS).
-- act="panel" (quant_panel.cc; BF16 weights, bf16 x, N a multiple of 16, AVX512-BF16): outer-
-  product register tiles, the weights' rows read as they are; each output one f32 accumulator
-  updated once per k pair in K order (VDPBF16PS on 16 outputs at a time): no reduction at the
-  end, so faster than "float" at prefill sizes. act="panel_packed": the same sums from weights
+- act="panel" (quant_panel.cc; BF16 weights, bf16 x, N a multiple of 16, AVX512-BF16, or AVX2
+  with FMA: quant_panel_avx2.cc): outer-product register tiles, the weights' rows read as they
+  are; each output one f32 accumulator updated once per k pair in K order (VDPBF16PS on 16
+  outputs at a time; on AVX2 an FMA per weight on 8 outputs): no reduction at the end, so faster
+  than "float" at prefill sizes. act="panel_packed": the same sums from weights
   already in panels (pack_panels: one stream per 16 outputs, for decode).
 Choose the mode per weight (format, N, K), never per M: each has its own rounding.
 
@@ -57,7 +58,8 @@ def available(x_dtype, act: str = "float") -> bool:
     (quant_float_avx2.cc); int8 mode (either dtype) AVX512-VNNI or AVX2 (with
     FMA and F16C: quant_int8_avx2.cc, the same bits); on aarch64 both modes, either dtype (NEON:
     quant_neon.cc); amx mode (bf16 only) AMX-BF16 and the OS's
-    permission to use the tiles; panel mode (bf16 only) AVX512-BF16."""
+    permission to use the tiles; panel mode (bf16 only) AVX512-BF16, or AVX2 with FMA
+    (quant_panel_avx2.cc)."""
     dt = jnp.dtype(x_dtype)
     if act not in ACTS:
         raise ValueError(f"act must be one of {list(ACTS)}, got {act!r}")

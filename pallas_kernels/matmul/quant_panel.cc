@@ -28,6 +28,9 @@
 // [N / 16][K / 2][16] words (quant.pack_panels, done once at load for stacked weights; act 4).
 // From rows a panel is 16 rows read side by side (16 streams), which read slower at decode than
 // one stream, hence the packed layout wherever the weights are held in memory.
+//
+// Builds without AVX512-BF16 but with AVX2 and FMA run quant_panel_avx2.cc's form instead (the
+// same layouts and paths, FMAs on 8 outputs a ymm, its own rounding sequence).
 
 #include <algorithm>
 #include <atomic>
@@ -321,8 +324,10 @@ Drain pick(int64_t M) {
 namespace jaxbatch_quant {
 // The panel mode over one layer's BF16 weights w (N % 16 == 0, K % 32 == 0): rows [N, K], or
 // with `packed` panels [N / 16][K / 2][16] words (pack_panels in quant.py); false: this build has
-// no AVX512-BF16 (a buffer that cannot be allocated throws std::bad_alloc, ffi_safety.h). moe.cc
-// calls it once per routed expert (rows).
+// neither AVX512-BF16 nor AVX2 with FMA (a buffer that cannot be allocated throws std::bad_alloc,
+// ffi_safety.h). moe.cc calls it once per routed expert (rows). One definition a build: here for
+// AVX512-BF16 and for builds with no panel mode, quant_panel_avx2.cc's for AVX2 with FMA.
+#if defined(__AVX512BF16__) || !(defined(__AVX2__) && defined(__FMA__))
 bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bool packed,
                       void* out, bool out_f32, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__)
@@ -368,11 +373,12 @@ bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bo
   return false;
 #endif
 }
+#endif
 }  // namespace jaxbatch_quant
 
-// 1 when this build has the panel mode (AVX512-BF16)
+// 1 when this build has the panel mode (AVX512-BF16 here, or AVX2 with FMA: quant_panel_avx2.cc)
 extern "C" int JaxbatchQuantMatmulPanel() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
   return 1;
 #else
   return 0;

@@ -158,6 +158,15 @@ def quant_cases(rng: np.random.Generator, variants: int) -> list[Case]:
         cases += [case("good int8", None, act=1),
                   case("good int8 in file", None, act=1, w=file, layer=[units, 0], n=NOUT),
                   case("good int8, 20 rows", None, act=1, x=x20, out_shape=(20, NOUT))]
+    if cpu_library.has("quant_matmul_panel"):  # the panel mode's decode and prefill paths
+        bf = lambda a: jax.lax.bitcast_convert_type(jnp.asarray(a, jnp.bfloat16), jnp.uint16)
+        xb, xb20 = bf(rng.standard_normal((M, K))), bf(rng.standard_normal((20, K)))
+        wb = jnp.asarray(np.asarray(rng.standard_normal((L, NOUT, K)) * 0.1, jnp.bfloat16)
+                         .view(np.uint8))  # BF16 rows [L, N, 2K]; as panels just other values
+        for act, name in ((3, "panel"), (4, "packed panels")):
+            cases += [case(f"good {name}", None, x=xb, w=wb, fmt=5, act=act),
+                      case(f"good {name}, 20 rows", None, x=xb20, w=wb, fmt=5, act=act,
+                           out_shape=(20, NOUT))]
     for _ in range(variants):
         cases.append(case("layer out of range", "layer out of range",
                           layer=[rng.choice([L, int(rng.integers(L, 2**31)), -1, -(2**31)])]))

@@ -48,9 +48,13 @@ ROUTINGS = [((1, 0, 1, 1, 0, 0), 0), ((0, 0, 3, 0, 0, 2), 2), ((9, 1, 0, 17, 0, 
             ((0, 0, 0, 0, 0, 0), 3)]
 
 
-@pytest.mark.parametrize("dt", list(DTYPES))
-@pytest.mark.parametrize("fmt,act", [(f, "float") for f in quant.FORMATS] +
-                         [(f, "int8") for f in quant.INT8_FORMATS] + [("BF16", "panel")])
+_MODES = ([(f, "float") for f in quant.FORMATS] + [(f, "int8") for f in quant.INT8_FORMATS]
+          + [("BF16", "panel")])
+
+
+# the panel mode takes bfloat16 x only (not a CPU's lack: not offered)
+@pytest.mark.parametrize("fmt,act,dt", [(f, a, dt) for f, a in _MODES for dt in DTYPES
+                                        if not (a == "panel" and dt == "f32")])
 def test_routed_rows_match_the_exact_product_and_the_dense_kernel(fmt, act, dt):
     dtype = DTYPES[dt]
     _need(dtype, act)

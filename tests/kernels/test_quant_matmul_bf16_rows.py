@@ -1,20 +1,22 @@
 """The quantised matmul's two modes for BF16 rows beside the float mode, each on its own CPUs:
 "amx" (pallas_kernels/matmul/quant_amx.cc: Intel AMX tiles, TDPBF16PS, one f32 accumulator per
 output over K in 32-k steps) and "panel" (quant_panel.cc: AVX512-BF16 outer-product tiles, one
-f32 accumulator per output updated once per k pair in K order).
+f32 accumulator per output updated once per k pair in K order; quant_panel_avx2.cc on AVX2 with
+FMA: the same accumulator updated by one FMA per weight in K order).
 
 Against exact references: with small-integer bf16 values every product and partial sum is an
 integer below 2^24, so f32 holds it exactly whatever the order and the kernel must equal the
 integer dot bit for bit; on random values the f32 sum is within K * 2^-24 * sum |x w| of the
 float64 dot (at most K roundings: amx K / 2 + 1, one per 32-k step's pair sums and per
-accumulation; panel two per k pair, the VDPBF16PS's two products added in turn; each at most
-2^-24 relative to the running magnitude). Also: each row's bits do not depend on how many rows
-the call has (amx: one group of <= 16 rows, several groups with a zero-padded last one; panel:
-the decode path up to 8 rows, the packed prefill path above, K in chunks past 2048), bf16 output
+accumulation; panel two per k pair, the VDPBF16PS's two products added in turn, or the AVX2
+form's two FMAs; each at most 2^-24 relative to the running magnitude). Also: each row's bits do
+not depend on how many rows the call has (amx: one group of <= 16 rows, several groups with a
+zero-padded last one; panel: the decode path up to 8 rows, the packed prefill path above, K in
+chunks past 2048, 512 on AVX2), bf16 output
 is the f32 output rounded to nearest even, a layer read in place from a "file" equals the
 stacked copy, and bad arguments are refused. Each mode is skipped where the library did not
 build or the CPU (or the OS) lacks it: AMX-BF16 for amx (the AMD EPYC machines have none),
-AVX512-BF16 for panel.
+AVX512-BF16 or AVX2 with FMA for panel.
 
 Timing (not a test; the figures in quant_amx.cc's and quant_panel.cc's headers): each mode
 against the float mode and XLA's own bf16 dot on the same rows, llama-1b's shapes:
@@ -35,7 +37,8 @@ import pytest
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quant
 
-NEEDS = {"amx": "AMX-BF16 (and the OS's permission to use the tiles)", "panel": "AVX512-BF16"}
+NEEDS = {"amx": "AMX-BF16 (and the OS's permission to use the tiles)",
+         "panel": "AVX512-BF16 or AVX2 with FMA"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -173,11 +176,12 @@ def test_pack_panels_layout():
                 np.testing.assert_array_equal(got[p, i, c], rows[0, 16 * p + c, 4 * i:4 * i + 4])
 
 
-@pytest.mark.parametrize("k,n", [(576, 192), (4096, 112), (64, 16)])
+@pytest.mark.parametrize("k,n", [(576, 192), (4096, 112), (64, 16), (64, 1024)])
 def test_packed_panels_are_the_rows_bits(k, n):
     """act "panel_packed" on pack_panels' weights equals "panel" on the rows bit for bit, at every
-    row count (decode paths of 1-8 rows, 1, 2 or 4 panels side by side, the prefill path with K
-    in chunks past 2048); skipped where the CPU has no AVX512-BF16."""
+    row count (decode paths of 1-8 rows, 1, 2 or 4 panels side by side (AVX2: up to 8 half
+    panels, which only claims of 4 panels reach: N = 1024 on a few threads), the prefill path
+    with K in chunks past 2048 (AVX2: 512)); skipped where the build has no panel mode."""
     if not quant.available(jnp.bfloat16, act="panel"):
         pytest.skip(f"this CPU (or the build) gives no {NEEDS['panel']}: no panel quant matmul")
     rng = np.random.default_rng(k + n)
