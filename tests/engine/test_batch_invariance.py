@@ -5,8 +5,8 @@ size or preemption; a seeded sampled request too; and `top_k=1` equals greedy (f
 The bench64 prompts (SmolLM2's token ids) run on a 4-layer random model with SmolLM2's layer
 shapes and vocabulary (random weights put many next tokens within a rounding of each other, so a
 one-ulp difference anywhere in a row's computation shows up as a different token), and on
-SmolLM2 itself in the default preset's shape. Skipped where the invariant kernels cannot run (no AVX512-BF16, or the C++
-library did not build): the engine refuses the mode there, which one test checks.
+SmolLM2 itself in the default preset's shape. Skipped where the invariant kernels cannot run (neither AVX512-BF16 nor AVX2
+with FMA, or the C++ library did not build): the engine refuses the mode there, which one test checks.
 """
 
 from __future__ import annotations
