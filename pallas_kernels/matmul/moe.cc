@@ -198,8 +198,7 @@ ffi::Error MoeMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
                       act == 3   ? "moe_matmul: act panel needs AVX512-BF16 or AVX2 with FMA"
                       : act == 2 ? "moe_matmul: act amx needs AMX-BF16 and the OS's permission"
                       : act == 1 ? "moe_matmul: act int8 needs AVX2 (FMA, F16C) or AVX512-VNNI"
-                      : bf16     ? "moe_matmul: bf16 x needs AVX512-BF16"
-                                 : "moe_matmul: f32 x needs AVX512F");
+                                 : "moe_matmul: act float needs AVX2 with FMA, AVX-512 or aarch64");
   if (row < M) std::memset(ob + row * N * o_elt, 0, (M - row) * N * o_elt);
   return ffi::Error::Success();
 }

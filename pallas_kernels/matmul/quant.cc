@@ -994,8 +994,7 @@ ffi::Error QuantMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
                                        out_f32, fmt, M, N, K, rb))
     return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    bf16 ? "quant_matmul: bf16 x needs AVX512-BF16"
-                         : "quant_matmul: f32 x needs AVX512F");
+                    "quant_matmul: act float needs AVX2 with FMA, AVX-512 or aarch64");
 }
 
 // The handler: no exception leaves it (ffi_safety.h).
