@@ -17,9 +17,11 @@
 #include <cstdlib>
 #include <cstdio>
 #include <exception>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -98,6 +100,30 @@ int64_t ScheduleHelpers(xla::ffi::ThreadPool& pool, int64_t n, const F& task) no
   } catch (...) {
   }
   return t;
+}
+
+// The loop a pooled matmul's threads run (its "drain"): claim items [0, job.items) one at a
+// time (job.next), run work(item) unless a task of the call has failed (the failure kept in
+// job.errors), and count each in job.done whatever happened, so that RunPooled's wait ends.
+// Job: std::atomic<int64_t> next, done; int64_t items; TaskErrors errors.
+template <class Job, class F>
+void DrainItems(Job& job, const F& work) {
+  for (int64_t it = job.next.fetch_add(1); it < job.items; it = job.next.fetch_add(1)) {
+    if (!job.errors.failed()) job.errors.run([&] { work(it); });
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Runs drain(*job) on up to `helpers` pool threads and on the calling thread, waits until
+// job->done counts every item, then rethrows the first error a task met (the handler's error
+// through Guarded). Shared ownership: a helper scheduled late still finds the job alive.
+template <class Job, class Drain>
+void RunPooled(xla::ffi::ThreadPool& pool, int64_t helpers, const std::shared_ptr<Job>& job,
+               Drain drain) {
+  ScheduleHelpers(pool, helpers, [job, drain] { drain(*job); });
+  drain(*job);
+  while (job->done.load(std::memory_order_acquire) < job->items) std::this_thread::yield();
+  job->errors.rethrow();
 }
 
 // The offset in 32-byte units held by words [low, high] (quant_formats.offset_words); -1 for a

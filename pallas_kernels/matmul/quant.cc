@@ -655,16 +655,12 @@ void interleave(const X* x, int64_t M, int64_t K, int64_t vw, X* xi) {
 template <class P, class D, int R>
 void drain_fused(Job& j) {
   constexpr int C = tile_cols<D>(R);
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    if (!j.errors.failed())
-      j.errors.run([&] {
-        const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
-        int64_t n = lo;
-        for (; n + C <= hi; n += C) fused_tile<P, D, R, C>(j, n);
-        for (; n < hi; ++n) fused_tile<P, D, R, 1>(j, n);
-      });
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) {
+    const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
+    int64_t n = lo;
+    for (; n + C <= hi; n += C) fused_tile<P, D, R, C>(j, n);
+    for (; n < hi; ++n) fused_tile<P, D, R, 1>(j, n);
+  });
 }
 
 // Prefill (M > 8): a block of columns dequantised into a per-thread buffer, then 4x4 tiles
@@ -773,10 +769,7 @@ void buffered_item(const Job& j, int64_t it, int64_t nc) {
 template <class P, class D>
 void drain_buffered(Job& j) {
   const int64_t nc = block_cols(j.K, sizeof(typename P::X));
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    if (!j.errors.failed()) j.errors.run([&] { buffered_item<P, D>(j, it, nc); });
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) { buffered_item<P, D>(j, it, nc); });
 }
 
 using Drain = void (*)(Job&);
@@ -844,11 +837,7 @@ void run(ffi::ThreadPool& pool, std::shared_ptr<Job> j, Drain drain) {
     j->segrows = ((j->M + nseg - 1) / nseg + kTileRows - 1) / kTileRows * kTileRows;
     j->items = j->ncb * ((j->M + j->segrows - 1) / j->segrows);
   }
-  jaxbatch_ffi::ScheduleHelpers(pool, std::min<int64_t>(threads, j->items) - 1,
-                                [j, drain] { drain(*j); });
-  drain(*j);
-  while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
-  j->errors.rethrow();
+  jaxbatch_ffi::RunPooled(pool, std::min<int64_t>(threads, j->items) - 1, j, drain);
 }
 
 #endif  // __AVX512F__

@@ -357,16 +357,12 @@ constexpr int row_cols() {
 template <class D, bool RB>
 void drain_row(Job& j) {
   constexpr int C = row_cols<D>();
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    if (!j.errors.failed())
-      j.errors.run([&] {
-        const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
-        int64_t n = lo;
-        for (; n + C <= hi; n += C) row_tile<D, RB, C>(j, n);
-        for (; n < hi; ++n) row_tile<D, RB, 1>(j, n);
-      });
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) {
+    const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
+    int64_t n = lo;
+    for (; n + C <= hi; n += C) row_tile<D, RB, C>(j, n);
+    for (; n < hi; ++n) row_tile<D, RB, 1>(j, n);
+  });
 }
 
 // More rows: a block of columns dequantised into a per-thread buffer, then 4 x 3 register tiles
@@ -486,10 +482,7 @@ void buffered_item(const Job& j, int64_t it, int64_t nc) {
 template <class D, bool RB>
 void drain_buffered(Job& j) {
   const int64_t nc = block_cols(j.K);
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    if (!j.errors.failed()) j.errors.run([&] { buffered_item<D, RB>(j, it, nc); });
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) { buffered_item<D, RB>(j, it, nc); });
 }
 
 using Drain = void (*)(Job&);
@@ -562,11 +555,7 @@ bool QuantMatmulFloatAvx2(ffi::ThreadPool& pool, const void* x, bool x_bf16, con
     j->segrows = ((M + segs - 1) / segs + kTileRows - 1) / kTileRows * kTileRows;
     j->items = j->ncb * ((M + j->segrows - 1) / j->segrows);
   }
-  jaxbatch_ffi::ScheduleHelpers(pool, std::min<int64_t>(threads, j->items) - 1,
-                                [j, drain] { drain(*j); });
-  drain(*j);
-  while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
-  j->errors.rethrow();
+  jaxbatch_ffi::RunPooled(pool, std::min<int64_t>(threads, j->items) - 1, j, drain);
   return true;
 }
 

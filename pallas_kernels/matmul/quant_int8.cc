@@ -950,10 +950,7 @@ void drain(Job& j) {
   }
   while (j.qdone.load(std::memory_order_acquire) < j.M) std::this_thread::yield();
   // phase 2: (column chunk, row segment) items
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    if (!j.errors.failed()) j.errors.run([&] { int8_item<D>(j, it); });
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) { int8_item<D>(j, it); });
 }
 
 using Drain = void (*)(Job&);
@@ -1072,11 +1069,7 @@ bool QuantMatmulInt8(ffi::ThreadPool& pool, const void* x, bool x_bf16, const ui
     j->segrows = ((M + nseg - 1) / nseg + 7) / 8 * 8;
     j->items = j->nchunks * ((M + j->segrows - 1) / j->segrows);
   }
-  jaxbatch_ffi::ScheduleHelpers(pool, std::min<int64_t>(threads, std::max(j->items, M)) - 1,
-                                [j, drain] { drain(*j); });
-  drain(*j);
-  while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
-  j->errors.rethrow();
+  jaxbatch_ffi::RunPooled(pool, std::min<int64_t>(threads, std::max(j->items, M)) - 1, j, drain);
   return true;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   return QuantMatmulInt8Avx2(pool, x, x_bf16, w, out, out_f32, fmt, M, N, K, rb);

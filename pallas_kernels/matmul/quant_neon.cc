@@ -682,10 +682,7 @@ using ItemFn = void (*)(const Job&, int64_t);
 
 template <ItemFn F>
 void drain(Job& j) {
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    if (!j.errors.failed()) j.errors.run([&] { F(j, it); });
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) { F(j, it); });
 }
 
 // split the columns into chunks and run them on the calling thread and the pool's
@@ -696,11 +693,7 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Job>& j) {
   // chunks of 8-64 columns, fewer where that would leave a thread idle
   j->chunk = std::max<int64_t>(8, std::min<int64_t>(64, j->N / (4 * threads) / 8 * 8));
   j->items = (j->N + j->chunk - 1) / j->chunk;
-  jaxbatch_ffi::ScheduleHelpers(pool, std::min<int64_t>(threads, j->items) - 1,
-                                [j] { drain<F>(*j); });
-  drain<F>(*j);
-  while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
-  j->errors.rethrow();
+  jaxbatch_ffi::RunPooled(pool, std::min<int64_t>(threads, j->items) - 1, j, drain<F>);
 }
 
 std::shared_ptr<Job> make_job(const uint8_t* w, void* out, bool x_bf16, bool out_f32,

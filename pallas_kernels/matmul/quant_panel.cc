@@ -189,7 +189,7 @@ void few_rows_packed(const Job& j, int64_t n0) {
 
 template <int R>
 void drain_few(Job& j) {
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) {
     const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
     int64_t n = lo;
     if (j.packed) {
@@ -198,8 +198,7 @@ void drain_few(Job& j) {
       for (; n < hi; n += 16) few_rows_packed<R, 1>(j, n);
     }
     for (; n < hi; n += 16) few_rows_tile<R>(j, n);
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  });
 }
 
 // Prefill: the block's chunk packed as [panel][k pair][16] words (kc / 2 pairs a panel)
@@ -295,10 +294,7 @@ void prefill_item(Job& j, int64_t it) {
 }
 
 void drain_prefill(Job& j) {
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    if (!j.errors.failed()) j.errors.run([&] { prefill_item(j, it); });
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) { prefill_item(j, it); });
 }
 
 using Drain = void (*)(Job&);
@@ -362,10 +358,8 @@ bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bo
   const Drain drain = pick(M);
   const int64_t helpers = std::min<int64_t>(threads, j->items) - 1;
   // a helper that could not be scheduled leaves its share to the others (ffi_safety.h)
-  jaxbatch_ffi::ScheduleHelpers(pool, helpers, [j, drain] { drain(*j); });
-  drain(*j);
-  while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
-  j->errors.rethrow();  // a buffer that could not be allocated: the call's error
+  // a buffer that could not be allocated: the call's error
+  jaxbatch_ffi::RunPooled(pool, helpers, j, drain);
   return true;
 #else
   (void)pool, (void)x, (void)w, (void)packed, (void)out, (void)out_f32, (void)M, (void)N;

@@ -287,14 +287,13 @@ void few_cols(const Job& j, int64_t n, int64_t hi) {
 
 template <int R>
 void drain_few(Job& j) {
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) {
     const int64_t lo = it * j.chunk, hi = std::min(j.N, lo + j.chunk);
     if (j.packed)
       few_cols<R, packed_halves(R), true>(j, lo, hi);
     else
       few_cols<R, row_halves(R), false>(j, lo, hi);
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  });
 }
 
 // ---- prefill (M > 8) ----
@@ -409,10 +408,7 @@ void prefill_item(Job& j, int64_t it) {
 }
 
 void drain_prefill(Job& j) {
-  for (int64_t it = j.next.fetch_add(1); it < j.items; it = j.next.fetch_add(1)) {
-    if (!j.errors.failed()) j.errors.run([&] { prefill_item(j, it); });
-    j.done.fetch_add(1, std::memory_order_release);
-  }
+  jaxbatch_ffi::DrainItems(j, [&](int64_t it) { prefill_item(j, it); });
 }
 
 // the calling thread's: the decode rows widened (the helpers read them until the call returns)
@@ -477,10 +473,8 @@ bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bo
   const Drain drain = pick(M);
   const int64_t helpers = std::min<int64_t>(threads, j->items) - 1;
   // a helper that could not be scheduled leaves its share to the others (ffi_safety.h)
-  jaxbatch_ffi::ScheduleHelpers(pool, helpers, [j, drain] { drain(*j); });
-  drain(*j);
-  while (j->done.load(std::memory_order_acquire) < j->items) std::this_thread::yield();
-  j->errors.rethrow();  // a buffer that could not be allocated: the call's error
+  // a buffer that could not be allocated: the call's error
+  jaxbatch_ffi::RunPooled(pool, helpers, j, drain);
   return true;
 }
 }  // namespace jaxbatch_quant
