@@ -46,6 +46,7 @@
 #endif
 
 #include "../ffi_safety.h"
+#include "quant_panel_plan.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -338,23 +339,7 @@ bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bo
   j->packed = packed;
   const int64_t threads =
       jaxbatch_quant::OnOneThread() ? 1 : std::max<int64_t>(1, pool.num_threads());
-  if (M <= kFewRows) {
-    const int64_t panels = N / 16;
-    // claims of up to 4 panels, fewer where that would leave a thread idle
-    j->chunk = 16 * std::max<int64_t>(1, std::min<int64_t>(4, panels / (4 * threads)));
-    j->items = (N + j->chunk - 1) / j->chunk;
-  } else {
-    j->ncb = (N + kBlockCols - 1) / kBlockCols;
-    // rows in segments whose x chunk stays in L2 beside the packed chunk (~384 KB); more
-    // segments where there are too few column blocks for the threads
-    const int64_t kc = std::min(K, kChunkK);
-    const int64_t by_cache = std::max<int64_t>(16, (384 << 10) / (kc * 2 + kBlockCols * 4));
-    const int64_t want = 2 * threads;
-    const int64_t by_threads = j->ncb >= want ? M : (M * j->ncb + want - 1) / want;
-    const int64_t rows = std::max<int64_t>(kTileRows, std::min(by_cache, by_threads));
-    j->segrows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-    j->items = j->ncb * ((M + j->segrows - 1) / j->segrows);
-  }
+  PlanPanelItems(*j, {kFewRows, kBlockCols, kChunkK, kTileRows, 2}, threads);  // x read as bf16
   const Drain drain = pick(M);
   const int64_t helpers = std::min<int64_t>(threads, j->items) - 1;
   // a helper that could not be scheduled leaves its share to the others (ffi_safety.h)

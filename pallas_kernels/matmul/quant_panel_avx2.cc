@@ -59,6 +59,7 @@
 #include <thread>
 
 #include "../ffi_safety.h"
+#include "quant_panel_plan.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -450,26 +451,13 @@ bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bo
   j->out_f32 = out_f32;
   j->packed = packed;
   const int64_t threads = OnOneThread() ? 1 : std::max<int64_t>(1, pool.num_threads());
-  if (M <= kFewRows) {
+  if (M <= kFewRows) {  // decode: x widened once, by the calling thread
     float* xf = static_cast<float*>(x_scratch().get(M * K * sizeof(float)));
     widen(j->x, M * K, xf);
     j->xf = xf;
-    const int64_t panels = N / 16;
-    // claims of up to 4 panels, fewer where that would leave a thread idle
-    j->chunk = 16 * std::max<int64_t>(1, std::min<int64_t>(4, panels / (4 * threads)));
-    j->items = (N + j->chunk - 1) / j->chunk;
-  } else {
-    j->ncb = (N + kBlockCols - 1) / kBlockCols;
-    // rows in segments whose widened x chunk stays in L2 beside the unpacked chunk (~384 KB);
-    // more segments where there are too few column blocks for the threads
-    const int64_t kc = std::min(K, kChunkK);
-    const int64_t by_cache = std::max<int64_t>(16, (384 << 10) / (kc * 4 + kBlockHalves * 32));
-    const int64_t want = 2 * threads;
-    const int64_t by_threads = j->ncb >= want ? M : (M * j->ncb + want - 1) / want;
-    const int64_t rows = std::max<int64_t>(kTileRows, std::min(by_cache, by_threads));
-    j->segrows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-    j->items = j->ncb * ((M + j->segrows - 1) / j->segrows);
   }
+  // prefill's x chunk is widened to f32 beside the block's f32 chunk
+  PlanPanelItems(*j, {kFewRows, kBlockCols, kChunkK, kTileRows, 4}, threads);
   const Drain drain = pick(M);
   const int64_t helpers = std::min<int64_t>(threads, j->items) - 1;
   // a helper that could not be scheduled leaves its share to the others (ffi_safety.h)
