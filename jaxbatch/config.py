@@ -202,7 +202,7 @@ class PlannerConfig:
     # tensor parallelism: the all-reduce rate (GB/s per device) the analytic cost prices the
     # collectives with; None: measured on the mesh at start (jaxbatch plan: a nominal 10)
     collective_gbps: float | None = None
-    # live re-planning (engine/replan.py): every replan_interval_steps, the shapes of the last
+    # live re-planning (planner/live.py): every replan_interval_steps, the shapes of the last
     # replan_window_steps steps are re-planned with the step-time model fitted on the executed
     # steps; a set predicted >= replan_min_gain cheaper is compiled in the background, swapped in
     # between two steps, and saved in the cache dir for the next start
@@ -236,13 +236,13 @@ class RunnerConfig:
     seed: int = 0
     compile_guard: bool = False  # raise if anything compiles after warm-up
     # every row's numbers computed in an order that does not depend on the other rows of its step
-    # (the same request gives the same tokens alone or in any batch; engine/invariance.py).
+    # (the same request gives the same tokens alone or in any batch; tuning/invariance.py).
     # True: an error where this engine cannot promise it; "auto" (the default): on where it can
     # and the start-up measurement finds it no slower than the default mode on this model's
-    # step shapes (engine/invariance_cost.py), else off, logged with why; False: off
+    # step shapes (tuning/invariance_cost.py), else off, logged with why; False: off
     batch_invariant: bool | str = "auto"
     progress: bool = True
-    # tensor parallelism over this many devices per engine (engine/sharding.py); data-parallel
+    # tensor parallelism over this many devices per engine (executor/sharding.py); data-parallel
     # replicas: that many engines, each on its own tensor_parallel_size devices (engine/replicas)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -269,7 +269,7 @@ SPEC_METHODS = ("ngram", "draft_model")
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` JSON (engine/speculation.py): proposals checked in the
+    """vLLM's `--speculative-config` JSON (spec_decode/speculation.py): proposals checked in the
     ordinary step. ngram: the request's own prompt and output (prompt_lookup_min..max tokens
     matched); draft_model: a smaller model with the same vocabulary (`model`). `adaptive`
     (jaxbatch's): each step picks how many proposals each request verifies, 0..
@@ -322,7 +322,7 @@ class SpeculationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-    """LoRA adapters served beside the base model (model/lora.py, engine/lora.py), as vLLM's
+    """LoRA adapters served beside the base model (lora/adapters.py, lora/runtime.py), as vLLM's
     flags: `enable_lora`; `max_loras` adapters in one step (fixed device slots: loading one into
     a slot never compiles); `max_lora_rank` the largest rank a slot holds (smaller ranks are
     zero-padded, exactly); `lora_modules` adapters loaded at start, {name: path} (a PEFT

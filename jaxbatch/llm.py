@@ -12,7 +12,7 @@ from jaxbatch.core.prompts import Prompt, render_chat
 from jaxbatch.core.request import LoRARequest, NewRequest
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.engine.engine import Engine
-from jaxbatch.engine.replicas import ReplicaRouter
+from jaxbatch.executor.replicas import ReplicaRouter
 
 
 class LLM:
@@ -25,7 +25,7 @@ class LLM:
             cfg = config.replace(**({"model": model} if model else {}), **kwargs)
         else:
             cfg = config_from_sources(config, model=model, **kwargs)
-        # data_parallel_size > 1: a ReplicaRouter over that many engines (engine/replicas.py)
+        # data_parallel_size > 1: a ReplicaRouter over that many engines (executor/replicas.py)
         self.engine = Engine.from_config(cfg) if cfg.runner.data_parallel_size == 1 \
             else ReplicaRouter.from_config(cfg)
         self._counter = 0

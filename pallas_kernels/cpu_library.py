@@ -139,7 +139,7 @@ def level_below_cpu() -> str | None:
     """Why this process's kernels run below what the CPU offers (JAXBATCH_CPU_LEVEL names a
     level and the CPU runs a greater one than it), else None. XLA's dots follow the CPU, not the
     level (on an AMX Xeon at avx2 its bf16 dots still run AMX), so a speed measured against them
-    is not the lesser CPU's: engine/precision.py then keeps the kernels wherever it would time
+    is not the lesser CPU's: tuning/precision.py then keeps the kernels wherever it would time
     them against XLA's dots. What a real CPU of that level gets is then at least this (it picks
     XLA's dot only where that measures faster there)."""
     level = cpu_level()
@@ -243,7 +243,7 @@ def library_path(cache_dir: str, extra_flags: tuple[str, ...] = ()) -> tuple[str
 
 def content_hash() -> str:
     """The kernels this process runs, as a hash, for the caches of their measured speed
-    (engine/precision.py, engine/calibration.py: a changed kernel is measured again by itself):
+    (tuning/precision.py, tuning/calibration.py: a changed kernel is measured again by itself):
     the registered library's build key (its sources, flags, the compiler's version, the CPU's
     flags, jaxlib's version); with none registered (not a CPU, no compiler, not built yet) the
     hash of the sources and the level's flags alone."""

@@ -63,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--invariant", action="store_true",
-                    help="the batch-invariant mode's kernel (engine/invariance.py)")
+                    help="the batch-invariant mode's kernel (tuning/invariance.py)")
     ap.add_argument("--cache-dir", default=cache_dir(),
                     help="where the kernel library is built (default: the engine's cache, "
                          "$JAXBATCH_CACHE or ~/.cache/jaxbatch)")

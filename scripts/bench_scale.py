@@ -149,7 +149,7 @@ def emit(tag: str, obj: dict) -> None:
 
 def level_env() -> dict[str, str]:
     """XLA_FLAGS for a child at JAXBATCH_CPU_LEVEL below native: XLA's generated code capped at
-    the level too (its dots are not: engine/precision.py keeps the kernels there)."""
+    the level too (its dots are not: tuning/precision.py keeps the kernels there)."""
     level = os.environ.get(cpu_library.LEVEL_ENV, "").strip().lower()
     if not level:
         return {}

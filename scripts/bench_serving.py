@@ -132,7 +132,7 @@ _COUNTERS = re.compile(
     rb"^[A-Za-z_]\w*?[:_](prefix_cache_queries|prefix_cache_hits|spec_decode_num_drafts|"
     rb"spec_decode_num_draft_tokens|spec_decode_num_accepted_tokens)(?:_total)?"
     rb"(?:\{[^}]*\})?\s+(\S+)\s*$", re.M)
-# jaxbatch's live re-planning (engine/replan.py): bucket sets swapped in, last predicted gain
+# jaxbatch's live re-planning (planner/live.py): bucket sets swapped in, last predicted gain
 _REPLAN = re.compile(rb"^jaxbatch_(replans|replan_predicted_gain)\s+(\S+)\s*$", re.M)
 
 

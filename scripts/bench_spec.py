@@ -140,7 +140,7 @@ def llama_cmd(args: argparse.Namespace, spec_args: str, port: int, slots: int,
 # ---- tokens per chunk ------------------------------------------------------------------------
 def load_tokenizer(path: str | None):
     """The served model's tokenizer: a GGUF file, an HF directory, or (None) jaxbatch's
-    built-in SmolLM2 (as jaxbatch.model.gguf reads it, without importing jax here)."""
+    built-in SmolLM2 (as jaxbatch.model.gguf.reader reads it, without importing jax here)."""
     from transformers import AutoTokenizer
 
     if path is None:

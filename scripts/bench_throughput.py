@@ -197,7 +197,7 @@ def main() -> None:
     p.add_argument("--batch-invariant", default="auto",
                    help="comma list of auto,off,on: run jaxbatch once per setting of "
                         "batch_invariant (on: every row's numbers independent of its batch; "
-                        "auto, the default: on where measured no slower; engine/invariance.py) "
+                        "auto, the default: on where measured no slower; tuning/invariance.py) "
                         "and print each one's steady throughput against the first's")
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-python", default=None)

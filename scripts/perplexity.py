@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.engine.runner import kv_storage_dtype
-from jaxbatch.model import llama
+from jaxbatch.model.archs import llama
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.model.quantize import weight_bytes
+from jaxbatch.worker.runner import kv_storage_dtype
 from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
 )

@@ -30,7 +30,7 @@ def profile_engine(engine: Any, prompts: list, params: list, steps: int = 30,
 
     from jaxbatch.core.request import NewRequest
     from jaxbatch.engine import compile_guard
-    from jaxbatch.engine.runner import packed_step_fn, plain_greedy
+    from jaxbatch.worker.runner import packed_step_fn, plain_greedy
 
     runner = engine.runner
     recorded: list[tuple[Any, Any]] = []

@@ -19,7 +19,12 @@ DEVICE_LIBS = {"jax", "jaxlib", "flax", "orbax"}
 # host-only: every module under these packages, and these modules
 HOST_ONLY_PACKAGES = ("jaxbatch.core", "jaxbatch.planner", "jaxbatch.api")
 HOST_ONLY_MODULES = ("jaxbatch.config", "jaxbatch.batch.files",
-                     "jaxbatch.batch.records", "jaxbatch.engine.client")
+                     "jaxbatch.batch.records", "jaxbatch.engine.client", "jaxbatch.lora",
+                     "jaxbatch.lora.slots", "jaxbatch.spec_decode.ngram",
+                     "jaxbatch.planner.live")
+MAX_MODULES_PER_FOLDER = 15
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 100
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -91,7 +96,7 @@ def eager_graph():
 def test_graph_is_read_from_the_source(graph):
     """A guard against a vacuous pass: the parser sees the engine's real imports."""
     assert "jaxbatch.core.scheduler" in graph["jaxbatch.engine.engine"][0]
-    assert "jax" in graph["jaxbatch.engine.runner"][1]
+    assert "jax" in graph["jaxbatch.worker.runner"][1]
     assert len(graph) > 40
 
 
@@ -108,6 +113,34 @@ def test_type_checking_imports_are_in_the_graph(tmp_path):
 def test_top_level_holds_at_most_five_modules():
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 5, top
+
+
+def test_no_folder_holds_more_than_fifteen_modules():
+    """A package per role: a folder past fifteen modules is several rooms in one."""
+    crowded = {}
+    for d in [PKG, *(p for p in PKG.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+        mods = [p.name for p in d.glob("*.py") if p.name != "__init__.py"]
+        if len(mods) > MAX_MODULES_PER_FOLDER:
+            crowded[str(d.relative_to(PKG.parent))] = len(mods)
+    assert not crowded, crowded
+
+
+def test_files_and_functions_stay_short():
+    """No product module over 500 lines, no function over 100 (split where a name explains the
+    part)."""
+    long_files, long_funcs = {}, {}
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        rel = str(path.relative_to(PKG.parent))
+        if text.count("\n") > MAX_FILE_LINES:
+            long_files[rel] = text.count("\n")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long_funcs[f"{rel}:{node.name}"] = n
+    assert not long_files, long_files
+    assert not long_funcs, long_funcs
 
 
 def test_no_import_cycles(graph):

@@ -2,7 +2,7 @@
 
 The property: a parser either returns a ParsedRequest whose SamplingParams and prompts the
 engine can represent (written into numpy int32/float32/uint32 step inputs exactly as
-jaxbatch.engine.step_inputs does, within RequestLimits and the context), or raises ApiError
+jaxbatch.worker.step_inputs does, within RequestLimits and the context), or raises ApiError
 400/404 with a `param`, OpenAI's shape, a short valid-Unicode message and no Python repr; never
 any other exception. Bodies are arbitrary JSON-ish values, and near-valid bodies with hostile
 values (int32/int64 edges, 400-digit integers, NaN/inf, lone surrogates, deep nesting, long

@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                         "configs/smollm2-cpu.yaml) and print how much the answers copy")
     args = p.parse_args(argv)
     from jaxbatch.config import cache_dir
-    from jaxbatch.model.gguf import load_gguf_tokenizer
+    from jaxbatch.model.gguf.reader import load_gguf_tokenizer
     from jaxbatch.model.registry import builtin_model_path
 
     tok = load_gguf_tokenizer(args.gguf or builtin_model_path("smollm2-135m-instruct",

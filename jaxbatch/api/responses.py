@@ -226,7 +226,7 @@ def models_response(names: Sequence[str], max_model_len: int | None = None,
                     created: int | None = None,
                     determinism: dict[str, Any] | None = None,
                     lora_modules: dict[str, str] | None = None) -> dict[str, Any]:
-    """`determinism`: whether the engine runs batch invariant and why (engine/invariance.py),
+    """`determinism`: whether the engine runs batch invariant and why (tuning/invariance.py),
     an extra field beside vLLM's. `lora_modules`: the LoRA adapters served, {name: path}, each
     listed as vLLM lists one (`root` its path, `parent` the base model's first name)."""
     created = created or int(time.time())

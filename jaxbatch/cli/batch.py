@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace, config: EngineConfig, engine: EngineClient | 
     from jaxbatch.batch.job import BatchJob
 
     if engine is None and args.ray:
-        from jaxbatch.engine.ray_replicas import RayReplicas
+        from jaxbatch.executor.ray_replicas import RayReplicas
 
         replicas = RayReplicas(config, args.ray, args.ray_replicas, args.ray_cpus_per_replica)
         try:  # the actors go with the job: their CPUs are the cluster's
@@ -178,7 +178,7 @@ def _run(args: argparse.Namespace, config: EngineConfig, engine: EngineClient | 
         finally:
             replicas.close()
     if engine is None:
-        from jaxbatch.engine.replicas import build_engine
+        from jaxbatch.executor.replicas import build_engine
 
         engine = build_engine(config)  # data_parallel_size > 1: a ReplicaRouter
     names = args.served_model_name or [engine.config.model.model]

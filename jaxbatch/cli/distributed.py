@@ -1,4 +1,4 @@
-"""`jaxbatch serve` across several hosts (engine/multihost.py): the flags, and what each process
+"""`jaxbatch serve` across several hosts (executor/multihost.py): the flags, and what each process
 does with them. Every process runs the same command with its own --process-id; process 0 serves
 HTTP and schedules, the others run the same compiled steps on their devices until it stops."""
 
@@ -33,7 +33,7 @@ def start(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
     """Initialise jax.distributed (before anything else touches jax) and return the config
     for one engine over every process's devices (tensor_parallel_size: all of them, unless
     given); SystemExit for a config a multi-host engine cannot run."""
-    from jaxbatch.engine import multihost
+    from jaxbatch.executor import multihost
 
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     import jax
@@ -55,7 +55,7 @@ def is_leader(args: argparse.Namespace) -> bool:
 def follow(config: EngineConfig) -> int:
     """A follower process: build its share of the engine, run the leader's steps, exit 0 when
     the leader stops."""
-    from jaxbatch.engine import multihost
+    from jaxbatch.executor import multihost
 
     multihost.run_follower(config)
     return 0
@@ -63,6 +63,6 @@ def follow(config: EngineConfig) -> int:
 
 def finish() -> None:
     """The leader, once its server has stopped: release the followers."""
-    from jaxbatch.engine import multihost
+    from jaxbatch.executor import multihost
 
     multihost.stop_followers()

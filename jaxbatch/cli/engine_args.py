@@ -70,7 +70,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'{\"name\": ..., \"path\": ...}'")
     g.add_argument("--live-replan", action=argparse.BooleanOptionalAction, default=None,
                    help="learn the bucket set from the traffic: compile a cheaper set in the "
-                        "background and swap it in between steps (engine/replan.py)")
+                        "background and swap it in between steps (planner/live.py)")
 
 
 def engine_config_from_args(args: argparse.Namespace, prog: str = "jaxbatch") -> EngineConfig:

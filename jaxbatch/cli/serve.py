@@ -161,7 +161,7 @@ def _raise_fd_limit(max_connections: int) -> None:
 
 
 def _default_engine(args: argparse.Namespace) -> EngineClient:
-    from jaxbatch.engine.replicas import ReplicaRouter, build_engine
+    from jaxbatch.executor.replicas import ReplicaRouter, build_engine
 
     engine = build_engine(engine_config_from_args(args))
     for e in engine.replicas if isinstance(engine, ReplicaRouter) else [engine]:

@@ -38,7 +38,7 @@ class MatcherError(Exception):
     """One sequence's grammar failed while the step's mask was made (its matcher could not be
     built or replayed, or computing its mask failed or left it in llguidance's error state).
     `row`: the sequence's index in the step's sequences; the engine fails that request alone,
-    as it does a RowError (engine/step_inputs.py), and builds the step without it."""
+    as it does a RowError (worker/step_inputs.py), and builds the step without it."""
 
     def __init__(self, row: int, cause: BaseException) -> None:
         super().__init__(f"sequence {row}: {type(cause).__name__}: {cause}")
@@ -186,7 +186,7 @@ class GrammarMatchers:
         """i32[num_rows, words]: the logit row of each sequence that samples, of requests with
         a grammar, the tokens its grammar allows next; every other row all ones. Steps without a
         constrained row share one read-only array per row count. (A sequence takes
-        num_logit_rows rows; constrained ones never speculate: engine/speculation.py.)
+        num_logit_rows rows; constrained ones never speculate: spec_decode/speculation.py.)
         MatcherError names the first sequence whose grammar failed."""
         todo: list[tuple[llguidance.LLMatcher, int]] = []
         which: list[int] = []  # todo[k] is sequence which[k]'s

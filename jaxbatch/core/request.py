@@ -51,7 +51,7 @@ class Request:
     num_cached_tokens: int = 0
     prefix_cache_key: str = ""
     # LoRA: the adapter's name (None: the base model) and the device slot it holds while it runs
-    # (core/lora_slots.py; 0: none)
+    # (lora/slots.py; 0: none)
     lora_name: str | None = None
     lora_slot: int = 0
     page_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)

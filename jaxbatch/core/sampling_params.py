@@ -21,7 +21,7 @@ MAX_LOGPROBS = 20  # top-n logprobs are computed for a static n on device; reque
 MAX_N = 128  # choices per prompt (OpenAI's limit); each runs as its own sequence
 # While min_tokens is not reached, stop_token_ids and the model's EOS ids are banned. Up to
 # MAX_BANNED_IDS of them ride in a small per-row array of the plain sampler; a row with more
-# bans them through the dense bias of the adjusted sampler (engine/sampler.py): no limit.
+# bans them through the dense bias of the adjusted sampler (worker/sampler.py): no limit.
 MAX_BANNED_IDS = 8
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty / frequency_penalty: [-2, 2]

@@ -34,7 +34,7 @@ takes seats for all its choices at admission (max_num_seqs counts them), compute
 its last token, and then, in `update`, the other choices fork off it into `running`, sharing its
 pages; the device page copies that takes are handed to the engine (`take_page_copies`).
 
-LoRA (with `lora_slots`, core/lora_slots.py): a request with an adapter is admitted only when
+LoRA (with `lora_slots`, lora/slots.py): a request with an adapter is admitted only when
 its adapter has or can get a device slot; one that cannot waits while the requests behind it
 that can run are admitted. Running requests hold their slot until they finish or are preempted.
 """
@@ -48,8 +48,8 @@ from collections.abc import Mapping
 from jaxbatch.config import SchedulerConfig
 from jaxbatch.core import parallel_sampling
 from jaxbatch.core.kv_pages import PageAllocator, extend_page_hashes
-from jaxbatch.core.lora_slots import LoRASlots
 from jaxbatch.core.request import Request, RequestStatus
+from jaxbatch.lora.slots import LoRASlots
 
 
 @dataclasses.dataclass
@@ -57,7 +57,7 @@ class ScheduledSeq:
     request: Request
     start: int  # num_computed_tokens when scheduled: position of the first new token
     num_new_tokens: int  # the planner may trim the last prefill chunk (never below 1)
-    # speculative decoding (engine/speculation.py): proposed tokens after the request's last
+    # speculative decoding (spec_decode/speculation.py): proposed tokens after the request's last
     # one, run in this step (they are the last len(spec_token_ids) of num_new_tokens) and
     # verified against the logits of every row from the last known token on
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -291,7 +291,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def add_speculation(self, seq: ScheduledSeq, proposals: list[int]) -> bool:
-        """Run `proposals` after the decode `seq` in this step (engine/speculation.py): their
+        """Run `proposals` after the decode `seq` in this step (spec_decode/speculation.py): their
         KV slots come from free pages only (speculation never preempts or evicts a request);
         False, and no change, when the pages are short."""
         assert seq.samples and not seq.spec_token_ids and seq.num_new_tokens == 1, seq

@@ -5,7 +5,7 @@ name vLLM uses since 0.10; older vLLM called it `guided_decoding`) goes on
 `SamplingParams.structured_outputs`; exactly one of its fields is set. `to_grammar()` turns it
 into llguidance's grammar text, which `jaxbatch.core.grammar` compiles against the model's
 tokenizer into one matcher per request. Which tokens may come next is then a bitmask over the
-vocabulary, applied to the logits inside the compiled step (engine/sampler.py).
+vocabulary, applied to the logits inside the compiled step (worker/sampler.py).
 
 Grammars: `json` a JSON schema (dict or its JSON text; llguidance's JSON-schema subset, see
 https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md), `json_object` any JSON

@@ -1,3 +1,4 @@
-"""The device side: the synchronous Engine (schedule -> plan -> run -> sample -> outputs), its
-runner (one AOT executable per bucket, the KV cache), step inputs, sampler, attention backend
-choice and compile guard. `EngineClient` (client.py, jax-free) is what front ends may call."""
+"""The host loop: the synchronous Engine (schedule -> plan -> run -> sample -> outputs), request
+isolation, prompt logprobs, the compile guard and KV-cache events. `EngineClient` (client.py,
+jax-free) is what front ends may call. The device step is worker/, start-up measurement
+tuning/, devices and replicas executor/, speculation spec_decode/."""

@@ -29,17 +29,17 @@ class EngineStats:
     kv_pages_cached: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    # live re-planning (engine/replan.py): sets swapped in, and the predicted saving of the last
+    # live re-planning (planner/live.py): sets swapped in, and the predicted saving of the last
     # set it looked at (0 when off or nothing better was found)
     replans: int = 0
     replan_predicted_gain: float = 0.0
-    # speculative decoding (engine/speculation.py), vLLM's counters: sequences that verified
+    # speculative decoding (spec_decode/speculation.py), vLLM's counters: sequences that verified
     # proposals in a step, proposals verified, proposals accepted, accepted by position
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
-    # data-parallel replicas (engine/replicas.py): each replica's own stats; these are summed
+    # data-parallel replicas (executor/replicas.py): each replica's own stats; these are summed
     replicas: tuple[EngineStats, ...] = ()
 
     @property

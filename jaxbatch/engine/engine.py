@@ -4,7 +4,7 @@ step(): schedule -> plan -> run (one compiled step per sub-step) -> update -> de
 -> RequestOutputs for every request that advanced or finished.
 
 `Engine.from_config(config)` loads the model, resolves max_model_len once, builds the parts
-(runner and its KV cache, page allocator, scheduler, planner) and warms up (engine/startup.py);
+(runner and its KV cache, page allocator, scheduler, planner) and warms up (tuning/startup.py);
 `Engine(...)` takes the parts as they are, so tests can hand it fakes.
 """
 
@@ -29,18 +29,19 @@ from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from jaxbatch.engine import compile_guard, isolation, prompt_logprobs, startup
+from jaxbatch.engine import compile_guard, isolation, prompt_logprobs
 from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.kv_events import ZmqEventPublisher, open_publisher
 from jaxbatch.engine.kv_events import release as release_publisher
-from jaxbatch.engine.lora import LoRAAdapters
-from jaxbatch.engine.precision import PrecisionChoice
-from jaxbatch.engine.replan import BackgroundReplan
-from jaxbatch.engine.runner import Runner
-from jaxbatch.engine.speculation import Speculator
-from jaxbatch.engine.step_inputs import RowError, StepInputs, build_step_inputs
+from jaxbatch.lora.runtime import LoRAAdapters
 from jaxbatch.model.loader import LoadedModel
 from jaxbatch.planner import StepPlanner, StepTrace, SubStep
+from jaxbatch.planner.live import BackgroundReplan
+from jaxbatch.spec_decode.speculation import Speculator
+from jaxbatch.tuning import startup
+from jaxbatch.tuning.precision import PrecisionChoice
+from jaxbatch.worker.runner import Runner
+from jaxbatch.worker.step_inputs import RowError, StepInputs, build_step_inputs
 
 log = logging.getLogger("jaxbatch")
 
@@ -49,7 +50,7 @@ class Engine:
     def __init__(self, config: EngineConfig, model: LoadedModel, runner: Runner,
                  scheduler: Scheduler, planner: StepPlanner, draft: Any = None) -> None:
         """The parts, already built; `config.model.max_model_len` must be resolved. `draft`:
-        the draft_model speculation's DraftProposer (engine/draft.py)."""
+        the draft_model speculation's DraftProposer (spec_decode/draft.py)."""
         if config.model.max_model_len is None:
             raise ValueError("Engine needs a resolved max_model_len (use Engine.from_config)")
         compile_guard.install()
@@ -76,11 +77,11 @@ class Engine:
         self.compiles_at_warmup = compile_guard.unplanned_count()
         # structured output: one llguidance matcher per constrained request (core/grammar.py)
         self.grammars = GrammarMatchers(self.tokenizer, runner.arch.vocab_size, self.eos_token_ids)
-        self.replan: BackgroundReplan | None = None  # live re-planning (engine/replan.py)
+        self.replan: BackgroundReplan | None = None  # live re-planning (planner/live.py)
         # time.monotonic() when the last step left nothing to run, None while there is work:
-        # live re-planning compiles in such lulls (engine/replan.py); read from its thread
+        # live re-planning compiles in such lulls (planner/live.py); read from its thread
         self.idle_since: float | None = None
-        # speculative decoding (engine/speculation.py); None: off
+        # speculative decoding (spec_decode/speculation.py); None: off
         spec = config.speculation.speculative_config
         if spec is not None and spec.method == "draft_model" and draft is None:
             raise ValueError("speculative_config: the draft model is built by Engine.from_config")
@@ -89,7 +90,7 @@ class Engine:
         # KV-cache events for routers (engine/kv_events.py); None: off
         self.kv_events: ZmqEventPublisher | None = None
         self.data_parallel_rank: int | None = None
-        # LoRA adapters (engine/lora.py); None: enable_lora off
+        # LoRA adapters (lora/runtime.py); None: enable_lora off
         slots = scheduler.lora_slots
         self.lora: LoRAAdapters | None = None if slots is None else LoRAAdapters(slots, runner)
 
@@ -143,7 +144,7 @@ class Engine:
 
     def cached_prefix_pages(self, hashes: Sequence[bytes]) -> int:
         """How many leading pages of a prompt's hash chain this engine's prefix cache holds
-        (the data-parallel router's prefix-aware routing, engine/replicas.py)."""
+        (the data-parallel router's prefix-aware routing, executor/replicas.py)."""
         return len(self.pages.match(hashes))
 
     def add_request(self, request_id: str | None, prompt: Prompt,
@@ -155,13 +156,13 @@ class Engine:
     # ---- LoRA adapters ---------------------------------------------------------------------
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Read a LoRA adapter (a PEFT directory or a GGUF LoRA file) and serve it as `name`;
-        ValueError (model/lora.py's LoRALoadError among them) saying why it cannot be."""
-        from jaxbatch.model.lora import load_adapter
+        ValueError (lora/adapters.py's LoRALoadError among them) saying why it cannot be."""
+        from jaxbatch.lora.adapters import load_adapter
 
         self.add_lora(load_adapter(name, path, self.arch, self.config.lora.max_lora_rank))
 
     def add_lora(self, adapter: Any) -> None:
-        """Serve an adapter read by model/lora.py (host memory only until a request uses it)."""
+        """Serve an adapter read by lora/adapters.py (host memory only until a request uses it)."""
         self._lora_adapters().add(adapter)
 
     def remove_lora(self, name: str, check_only: bool = False) -> None:

@@ -4,7 +4,7 @@ The engine's per-request host work runs guarded, so that an exception there fini
 request alone with finish_reason "error" and `RequestOutput.error` set (the server answers it
 as a 500 or an SSE error event, a batch job as an error line), frees its KV pages and lets the
 step go on for the others:
-- building the step: a row's data that does not fit (RowError, engine/step_inputs.py) or its
+- building the step: a row's data that does not fit (RowError, worker/step_inputs.py) or its
   grammar's matcher or mask failing (MatcherError, core/grammar.py) drops that row;
 - after sampling: stop checks, detokenisation and the grammar's advance (Engine._advance);
 - the final text: a detokeniser that raises leaves the output without text (`final_output`),

@@ -22,8 +22,8 @@ import numpy as np
 from jaxbatch.core.outputs import Logprob
 from jaxbatch.core.sampling_params import MAX_LOGPROBS
 from jaxbatch.core.scheduler import ScheduledSeq
-from jaxbatch.model import llama
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.archs import llama
 from jaxbatch.model.fixed_order import row_log_softmax
 
 

@@ -1,12 +1,12 @@
 """The architecture of a supported decoder-only model, read from a Hugging Face config.
 
-One forward (model/llama.py) covers every family; this record says which of its options a model
+One forward (model/archs/llama.py) covers every family; this record says which of its options a model
 uses. Families: Llama 2/3 (incl. `llama3` rope scaling), SmolLM2 (tied embeddings), Mistral,
 Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Gemma 2 and Gemma 3 text (sandwich norms,
 (1 + w) RMSNorm, GeGLU, scaled embeddings, soft-capping, interleaved sliding/global layers, a
 local rope base), Phi-3 (fused qkv / gate_up, split at load), Mixtral, Qwen2-MoE and Qwen3-MoE
-(routed experts, model/moe.py), gpt-oss (attention sinks, q/k/v/o biases, alternating sliding
-and full layers, YaRN rope, biased router and experts with a clamped SwiGLU; model/gpt_oss.py).
+(routed experts, model/archs/moe.py), gpt-oss (attention sinks, q/k/v/o biases, alternating sliding
+and full layers, YaRN rope, biased router and experts with a clamped SwiGLU; model/archs/gpt_oss.py).
 Frozen, hashable: it is a static argument of the jitted step.
 """
 
@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxbatch.model import rope as rope_freqs
+from jaxbatch.model.archs import rope as rope_freqs
 
 # HF `architectures` class -> the model_type its config carries. Loading refuses anything else,
 # naming it (see `check_supported`).
@@ -97,13 +97,13 @@ class ModelArch:
     attn_soft_cap: float | None = None  # cap * tanh(scores / cap) before the softmax
     final_soft_cap: float | None = None  # the same on the logits
     query_pre_attn_scalar: float | None = None  # softmax scale scalar**-0.5 instead of D**-0.5
-    # routed experts (0: a dense MLP); see model/moe.py
+    # routed experts (0: a dense MLP); see model/archs/moe.py
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert
-    # gpt-oss (model/gpt_oss.py)
+    # gpt-oss (model/archs/gpt_oss.py)
     o_bias: bool = False  # the output projection carries a bias
     attention_sinks: bool = False  # a learned logit per head in each softmax denominator
     router_bias: bool = False  # router logits = h @ router + bias
@@ -212,7 +212,7 @@ class ModelArch:
 
     def inv_freq(self, local: bool = False):
         """Rotary inverse frequencies [head_dim/2], float32 numpy (scaling applied, each step in
-        float32 as transformers takes it: model/rope.py); `local`: those of the sliding layers
+        float32 as transformers takes it: model/archs/rope.py); `local`: those of the sliding layers
         when they have their own rope (`two_ropes`)."""
         theta, scaling = self.rope_theta, self.rope_scaling
         if local and self.local_rope_theta is not None:

@@ -1,5 +1,5 @@
 """Sums over the last axis in one fixed order, whatever the other axes' sizes: the same row gives
-the same bits in a step of 1 row or 512 (batch invariance, engine/invariance.py).
+the same bits in a step of 1 row or 512 (batch invariance, tuning/invariance.py).
 
 XLA:CPU's reduce picks its loop order and vectorisation by the shape of the whole array: a
 SmolLM2 RMSNorm row of 576 values, the same bits in, came out 1 bf16 ulp apart in a 3-row and a

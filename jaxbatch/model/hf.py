@@ -10,8 +10,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.model import gpt_oss
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.archs import gpt_oss
 from jaxbatch.model.quantize import RawBlocks
 from jaxbatch.model.stack_files import StackFiles
 from jaxbatch.model.weights import KEEPABLE, LazyTensors, WeightLoadError, assemble_params

@@ -9,7 +9,7 @@ the HF tensor each leaf is read from:
   * MoE models store one tensor per expert (`experts.{e}`), stacked here on an expert axis;
   * gpt-oss stores each layer's experts fused ([E, H, 2I], gate and up interleaved): its table
     names them as llama.cpp splits them (per expert gate / up / down, biases per layer), and
-    the checkpoint is read through that split (model/gpt_oss.py), so one table serves the HF
+    the checkpoint is read through that split (model/archs/gpt_oss.py), so one table serves the HF
     directory and the GGUF file.
 """
 

@@ -120,7 +120,7 @@ def load_arch(model: str, cache_dir: str | None = None) -> ModelArch:
     if os.path.isdir(model):
         return ModelArch.from_hf_config(load_hf_config(model))
     if model.endswith(".gguf") and os.path.isfile(model):
-        from jaxbatch.model.gguf import TensorIndex, open_gguf
+        from jaxbatch.model.gguf.reader import TensorIndex, open_gguf
 
         entry = param_cache.entry_dir(cache_dir, param_cache.cache_key(model, "float32",
                                                                        kind="hf"))
@@ -165,7 +165,7 @@ def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch,
     """-> (arch, params, tokenizer, from_cache). A file with weights in kept formats loads them
     from the file every time (mmap'd, no conversion) and caches only its HF config and
     tokenizer; other files are dequantised once into the orbax param cache."""
-    from jaxbatch.model.gguf import TensorIndex, has_kept_blocks, load_gguf, open_gguf
+    from jaxbatch.model.gguf.reader import TensorIndex, has_kept_blocks, load_gguf, open_gguf
 
     # the file's HF config, tokenizer and tensor table (whatever the dtype): parsing its
     # metadata takes seconds, which a restart skips
@@ -203,7 +203,7 @@ def _stack_files(cache_dir: str, source: str) -> StackFiles | None:
 
 
 def _gguf_config_and_tokenizer(path: str, reader: Any) -> tuple[Any, Any]:
-    from jaxbatch.model.gguf import load_gguf_config, load_gguf_tokenizer, reuse_reader
+    from jaxbatch.model.gguf.reader import load_gguf_config, load_gguf_tokenizer, reuse_reader
 
     with reuse_reader(path, reader):  # one parse of the metadata, not three
         return load_gguf_config(path, reader), load_gguf_tokenizer(path, reader)
@@ -242,7 +242,7 @@ def _hf_writer(cfg: Any, tok: Any, index: dict | None = None) -> Any:
 def _saved_index(path: str, entry: str) -> Any:
     """The GGUF's tensor table saved in its cache entry, over the mapped file; None if absent
     or unusable (then the file is parsed)."""
-    from jaxbatch.model.gguf import TensorIndex
+    from jaxbatch.model.gguf.reader import TensorIndex
 
     try:
         with open(os.path.join(param_cache.hf_dir(entry), _INDEX)) as f:

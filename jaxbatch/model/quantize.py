@@ -3,7 +3,7 @@
 A `QuantWeight` is a linear weight [..., in, out] held as GGUF blocks (pallas_kernels/matmul/
 quant_formats.py: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K): uint8 [..., out, row_bytes], one row of blocks
 along `in` per output feature, the bits per weight of the format (4.5 for Q4_K, 8.5 for Q8_0).
-A GGUF file's tensors of those types load this way (model/gguf.py), and `quantization: int8`
+A GGUF file's tensors of those types load this way (model/gguf/reader.py), and `quantization: int8`
 quantises a float checkpoint's linear weights to Q8_0 blocks (one f16 scale per 32 inputs).
 
 Layers of one leaf may come in different formats (a Q4_K_M file keeps about half the layers'
@@ -83,7 +83,7 @@ class QuantWeight:
     # per part, the kernel's activations: "float" (weights dequantised into the dot), "int8"
     # (x quantised per row to int8 blocks, integer dots: llama.cpp's scheme) or, for BF16 rows,
     # "amx" (Intel AMX tiles) or "panel" (outer-product tiles, AVX512-BF16 or AVX2); chosen per
-    # format and shape by measurement (engine/precision.py), never per step size; () = all "float"
+    # format and shape by measurement (tuning/precision.py), never per step size; () = all "float"
     acts: tuple[str, ...] = dataclasses.field(default=(), metadata={"static": True})
     # BF16 parts on the kernel: steps of at least this many rows run XLA's dot on the rows
     # bitcast to bf16 instead (where measured faster: AMX's bf16 dots at prefill sizes, engine/

@@ -11,7 +11,7 @@ Which step shapes (buckets) to compile, and how each scheduled batch runs in the
   compare.py   `jaxbatch plan`: planners side by side on a workload or a trace
 
 The engine calls `make_planner(config, arch)` once, compiles `planner.buckets`, then
-`planner.calibrate(...)` with each bucket's measured seconds (engine/calibration.py: saved by an
+`planner.calibrate(...)` with each bucket's measured seconds (tuning/calibration.py: saved by an
 earlier start, else timed), and per step `planner.plan(batch)` and `planner.predict(bucket)`. With live re-planning, `workload_histogram(config, arch)` is the prior
 the re-planner blends into the traffic it sees (replan.py).
 """

@@ -241,7 +241,7 @@ class Hardware:
 @dataclasses.dataclass(frozen=True)
 class CollectiveBytes:
     """What tensor parallelism over tp devices adds to a step (Megatron layout, see
-    engine/sharding.py), in bytes each device moves (ring algorithms: an all-reduce of B bytes
+    executor/sharding.py), in bytes each device moves (ring algorithms: an all-reduce of B bytes
     moves 2 (tp-1)/tp B, an all-gather (tp-1)/tp B)."""
 
     per_token: float  # 2 all-reduces of the hidden state per layer: after o and after down

@@ -94,7 +94,7 @@ def moe_calibrated(analytic: MoeCost, times: dict[tuple[int, int], float], fit: 
                    ) -> tuple[dict[tuple[int, int], float], MoeCost]:
     """Measured bucket times of an MoE model, with the routed experts' reads added.
 
-    Calibration times all-padding steps, whose tokens route to no expert (model/moe.py), so
+    Calibration times all-padding steps, whose tokens route to no expert (model/archs/moe.py), so
     the measured seconds hold everything but the experts. Their bytes are priced at the rate the
     measurement shows the machine reads weights: the analytic per-expert seconds scaled by
     measured / analytic fixed step cost (`fit`: the affine fit of `times`)."""

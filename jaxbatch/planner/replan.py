@@ -8,7 +8,7 @@ histogram at least `min_gain` cheaper than the current set. Both sets are priced
 cost: the step-time model fitted on the engine's executed steps (step_time.py), whose per-bucket
 intercepts are what real steps in each bucket cost beyond their attention work; buckets never
 run are priced by the affine fit over those intercepts (monotone, as the DP needs). The engine
-(engine/replan.py) compiles a proposal in the background and swaps it in between two steps.
+(planner/live.py) compiles a proposal in the background and swaps it in between two steps.
 
 Everything here is decided from copies the engine hands over, so `propose` may run on another
 thread than the one stepping the engine.

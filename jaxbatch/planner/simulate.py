@@ -122,7 +122,7 @@ def simulate(lengths: Lengths, config: SchedulerConfig, max_model_len: int, page
     planner, else its own shape's) to advance the clock. `spec_tokens` > 0: speculative decoding,
     every decode row verifies that many proposals where the step has room (token budget, rows)
     and half of them are accepted (a prior: the engine chooses per step from measured costs and
-    acceptance, engine/speculation.py; live re-planning learns the real shapes)."""
+    acceptance, spec_decode/speculation.py; live re-planning learns the real shapes)."""
     if arrivals is not None and (cost is None or len(arrivals) != len(lengths)):
         raise ValueError("arrivals need a cost model and one time per request")
     lengths = clip_lengths(lengths, max_model_len)

@@ -102,7 +102,7 @@ class StepPlanner:
     def step_cost(self, tokens: np.ndarray, count: np.ndarray) -> np.ndarray:
         """Vectorised c(fit(t, s)): the predicted seconds of a step of t tokens in s rows padded
         to its bucket (measured, once calibrated); inf where no bucket holds it (speculative
-        decoding prices its extra rows with it: engine/speculation.py)."""
+        decoding prices its extra rows with it: spec_decode/speculation.py)."""
         return self._fit_cost_of(np.asarray(tokens), np.asarray(count))
 
     def _fit_cost_of(self, tokens: np.ndarray, count: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ from aiohttp import web
 from jaxbatch.api import protocol as protocol
 from jaxbatch.api.protocol import ApiError
 from jaxbatch.engine.client import EngineClient
-from jaxbatch.server import lora_admin
+from jaxbatch.lora import admin as lora_admin
 from jaxbatch.server.async_engine import AsyncEngine
 from jaxbatch.server.connections import LimitedTCPSite
 from jaxbatch.server.generate import chat_completions, completions

@@ -140,7 +140,7 @@ class ServerMetrics:
                                  "re-planning's last look, swapped in or below its threshold "
                                  "(fraction of the recent steps' time; negative: the current "
                                  "set is cheaper)", registry=r)
-        # data-parallel replicas (engine/replicas.py): the engine gauges are their sums
+        # data-parallel replicas (executor/replicas.py): the engine gauges are their sums
         self.replica_waiting = Gauge(p + "replica_num_requests_waiting",
                                      "requests waiting in one replica", ["replica"], registry=r)
         self.replica_running = Gauge(p + "replica_num_requests_running",

@@ -43,7 +43,7 @@ class EngineReplica:
     def __init__(self, engine_kwargs: dict[str, Any], served_model_name: str | None = None
                  ) -> None:
         from jaxbatch.config import EngineConfig
-        from jaxbatch.engine.replicas import build_engine
+        from jaxbatch.executor.replicas import build_engine
         from jaxbatch.server.app import Server
 
         engine = build_engine(EngineConfig.from_flat(**engine_kwargs))

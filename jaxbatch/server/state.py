@@ -47,7 +47,7 @@ class ServerState:
     parse_pool: concurrent.futures.ThreadPoolExecutor | None = None
     draining: bool = False
     # /v1/models' account of the engine's numerics: whether a request's tokens are independent
-    # of its batch, and why (engine/invariance.py InvarianceChoice.describe())
+    # of its batch, and why (tuning/invariance.py InvarianceChoice.describe())
     determinism: dict | None = None
     # --reasoning-parser (api/reasoning.py): chat answers' reasoning as reasoning_content
     reasoning_parser: str | None = None

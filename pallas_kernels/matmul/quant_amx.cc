@@ -36,7 +36,7 @@
 //   [512, 2048]   M = 64: 0.28 / 0.93 / 0.56; 256: 0.90 / 2.86 / 0.72; 512: 1.18 / 5.26 / 1.07
 // One row reads the weights at the float mode's rate (~24 GB/s); from 8 rows on the tiles win,
 // 2.8x at 16 rows, and XLA's dot only on the smallest shape at 256+ rows (the BF16 route,
-// engine/precision.py, times that per shape).
+// tuning/precision.py, times that per shape).
 
 #include <algorithm>
 #include <atomic>

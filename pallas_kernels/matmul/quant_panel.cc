@@ -21,7 +21,7 @@
 // words), and runs register tiles of rows x panels over it, K in chunks whose accumulators wait
 // in f32 between chunks (exact). Neither M, the tile a row falls in, the layout, the chunking
 // nor the thread count changes an output's operations. This is a different sequence from the
-// float mode's, so a weight runs one mode for every M (engine/precision.py chooses per shape by
+// float mode's, so a weight runs one mode for every M (tuning/precision.py chooses per shape by
 // measurement).
 //
 // Layouts: w [N, K] bf16 rows (the BF16 format: K * 2 bytes a row; act 3), or packed panels

@@ -257,7 +257,7 @@ def smol_shaped_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_kill9_then_resume_in_bf16_equals_a_fresh_run(smol_shaped_dir, tmp_path):
     """The same in bfloat16, where a request's tokens would depend on its batch: the job runs
-    batch invariant (engine/invariance.py), so the resumed job's texts equal an uninterrupted
+    batch invariant (tuning/invariance.py), so the resumed job's texts equal an uninterrupted
     run's, every one. (With --no-batch-invariant the resumed job's results
     differed from the fresh run's on this model, on an AMD Zen 5.)"""
     from jaxbatch import LLM

@@ -1,4 +1,4 @@
-"""`jaxbatch batch --ray ADDRESS` (engine/ray_replicas.py) on a local Ray cluster of two nodes
+"""`jaxbatch batch --ray ADDRESS` (executor/ray_replicas.py) on a local Ray cluster of two nodes
 that the test starts on this machine (a head and a worker, one CPU each): one engine per node,
 the job's results written by the driver. The texts equal one machine's (batch-invariant mode:
 a line's tokens do not depend on which engine or batch it ran in), every line once; then one
@@ -75,8 +75,8 @@ def test_two_nodes_give_one_machines_texts(cluster, model_dir, one_machine, tmp_
 
 def test_a_killed_worker_loses_and_duplicates_nothing(cluster, model_dir, one_machine,
                                                       tmp_path, monkeypatch):
-    from jaxbatch.engine import ray_replicas
-    from jaxbatch.engine.ray_replicas import RayReplicas
+    from jaxbatch.executor import ray_replicas
+    from jaxbatch.executor.ray_replicas import RayReplicas
 
     inp, want = one_machine
     config = config_from_sources(TINY_CONFIG, model=model_dir, **OPTIONS)

@@ -100,7 +100,7 @@ def test_stop_token_ids_must_be_int32_token_ids(ids):
 
 def test_any_number_of_stop_token_ids_with_min_tokens():
     """They are banned until min_tokens is reached, beyond the plain width through a dense bias
-    (engine/sampler.py): nothing to refuse, nothing cut."""
+    (worker/sampler.py): nothing to refuse, nothing cut."""
     many = list(range(10 * MAX_BANNED_IDS))
     assert SamplingParams(min_tokens=1, stop_token_ids=many).stop_token_ids == tuple(many)
     SamplingParams(min_tokens=1, ignore_eos=True, stop_token_ids=[5] * 70)

@@ -36,7 +36,7 @@ def check_exact(llm, hf_model, prompts, max_tokens):
 
 
 ENGINE = dict(max_model_len=512, seed=0, compile_guard=True, progress=False)
-# every exactness test also runs with n-gram speculation (engine/speculation.py): the same
+# every exactness test also runs with n-gram speculation (spec_decode/speculation.py): the same
 # tokens; proposals from 1-grams up, so the tiny models' repetitive output gets drafts
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}

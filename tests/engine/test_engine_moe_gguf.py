@@ -15,7 +15,7 @@ import transformers
 from gguf import GGMLQuantizationType as QT
 
 from jaxbatch import LLM
-from jaxbatch.model.gguf import load_gguf_config
+from jaxbatch.model.gguf.reader import load_gguf_config
 from jaxbatch.model.quantize import QuantWeight
 from tests.engine.test_engine_exact import ENGINE, check_exact, prompts_of
 from tests.helpers.gguf_moe_files import write_moe_gguf

@@ -14,9 +14,9 @@ import pytest
 from jaxbatch import LLM, SamplingParams
 from jaxbatch.cli import main as cli_main
 from jaxbatch.config import CacheConfig
-from jaxbatch.engine.attention import attention_fn
-from jaxbatch.engine.runner import Runner, kv_storage_dtype, num_kv_pages
 from jaxbatch.model.loader import load_model
+from jaxbatch.worker.attention import attention_fn
+from jaxbatch.worker.runner import Runner, kv_storage_dtype, num_kv_pages
 from tests.helpers import TINY_CONFIG
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -97,7 +97,7 @@ def test_auto_attention_is_the_native_kernel_on_cpu(tmp_path, monkeypatch):
     """On a CPU machine with a C++ compiler (every CI machine), auto runs the native kernel;
     without one it falls back to the jnp reference instead of failing, and an explicit native
     is a clear error."""
-    from jaxbatch.engine import attention
+    from jaxbatch.worker import attention
     from pallas_kernels import cpu_library
 
     assert attention.resolve_backend("auto", str(tmp_path)) == "native"

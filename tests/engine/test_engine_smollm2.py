@@ -52,7 +52,7 @@ def test_top_k_1_equals_greedy(prompts):
     rounded to bf16 the top two tied on one of two of these prompts (dtype auto: bf16 here).
     Prefix caching off: with it, the later runs skip the cached prompts, so their rows fall in
     other step sizes, which may run other matmuls (an AMX CPU's XLA dot from 64 rows: see
-    engine/precision.py choose_bf16_route) and round differently."""
+    tuning/precision.py choose_bf16_route) and round differently."""
     llm = LLM("smollm2-135m-instruct", dtype="auto", max_num_batched_tokens=64, max_num_seqs=8,
               max_model_len=512, planner="fixed:[(8,8),(64,8)]", progress=False,
               enable_prefix_caching=False)

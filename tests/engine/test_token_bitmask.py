@@ -17,7 +17,7 @@ from jaxbatch.core.request import Request
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledSeq
 from jaxbatch.core.structured_outputs import StructuredOutputsParams
-from jaxbatch.engine.sampler import SamplingInputs, apply_token_bitmask, sample
+from jaxbatch.worker.sampler import SamplingInputs, apply_token_bitmask, sample
 
 
 @pytest.mark.parametrize("V", [64, 100, 49152])

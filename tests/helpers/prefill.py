@@ -8,7 +8,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.model import llama
+from jaxbatch.model.archs import llama
 from pallas_kernels.attention.reference import ragged_paged_attention_reference
 
 PAGE = 4

@@ -1,4 +1,4 @@
-"""The CPU attention kernel's batch-invariant mode (`invariant=True`, engine/invariance.py): a
+"""The CPU attention kernel's batch-invariant mode (`invariant=True`, tuning/invariance.py): a
 query row's output bits do not depend on how its step ran it: alone as a decode row, in a prefill
 chunk of any length and start, split into items of any size, or beside other sequences. Checked
 bitwise on a bf16 cache (the engine's bf16 model), with pages of 16 (a 16-key block read in

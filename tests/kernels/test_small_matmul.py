@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbatch.model import llama
+from jaxbatch.model.archs import llama
 from jaxbatch.model.loader import load_model
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import small_bf16

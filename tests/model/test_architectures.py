@@ -17,12 +17,12 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from jaxbatch.model import llama
 from jaxbatch.model.arch import (
     SUPPORTED_ARCHITECTURES,
     ModelArch,
     UnsupportedArchitectureError,
 )
+from jaxbatch.model.archs import llama
 from jaxbatch.model.hf import load_hf_dir
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.weights import WeightLoadError

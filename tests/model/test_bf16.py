@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxbatch.model import llama
+from jaxbatch.model.archs import llama
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
 from tests.helpers.prefill import prefill_logits

@@ -16,8 +16,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as QT
 
-from jaxbatch.model import gguf as model_gguf
-from jaxbatch.model import llama
+from jaxbatch.model.archs import llama
+from jaxbatch.model.gguf.reader import reader as model_gguf
 from jaxbatch.model.quantize import QuantWeight
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quant
@@ -64,7 +64,7 @@ def _model(kind: str, path: str, hidden: int = 64, width: int = 32, seed: int = 
 
 def _transformers_logits(path: str, cfg) -> np.ndarray:
     """transformers' GGUF loader's model, given the config with the MoE metadata it does not map
-    (model/gguf_moe.py: the experts' width, Mixtral's experts)."""
+    (model/gguf/moe_config.py: the experts' width, Mixtral's experts)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), config=cfg,
         dtype=torch.float32).eval()

@@ -15,8 +15,8 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from jaxbatch.model import llama
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.archs import llama
 from jaxbatch.model.hf import load_hf_dir
 from jaxbatch.model.weights import WeightLoadError
 from pallas_kernels import cpu_library
@@ -201,7 +201,7 @@ def test_gguf_matches_transformers(tmp_path, qtype, kept):
     its config read from the metadata (head dim, expert width, window, YaRN) and its logits
     equal transformers' float32 model on the same weights, the experts dequantised from the
     file by the gguf package, within 1e-4 of the largest (as the other MoE GGUFs)."""
-    from jaxbatch.model import gguf as model_gguf
+    from jaxbatch.model.gguf.reader import reader as model_gguf
     from jaxbatch.model.quantize import QuantWeight
     from tests.helpers.gguf_moe_files import gpt_oss_reference_dir, write_gpt_oss_gguf
     from tests.helpers.prefill import prefill_logits

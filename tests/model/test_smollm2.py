@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxbatch.model import llama
+from jaxbatch.model.archs import llama
 from jaxbatch.model.loader import LoadedModel, load_model
 from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference as rpa,

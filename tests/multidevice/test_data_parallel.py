@@ -1,4 +1,4 @@
-"""Data-parallel replicas (engine/replicas.py) on 4 forced CPU devices: two engines of
+"""Data-parallel replicas (executor/replicas.py) on 4 forced CPU devices: two engines of
 tensor_parallel_size 2, each on its own two devices, behind one router. Greedy output equals the
 single-device engine's (and HF's); requests are spread over both replicas; an abort reaches the
 replica that runs the request and the others finish unchanged."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from jaxbatch import LLM, SamplingParams
 from jaxbatch.core.request import NewRequest
-from jaxbatch.engine.replicas import ReplicaRouter
+from jaxbatch.executor.replicas import ReplicaRouter
 from tests.helpers.hf_reference import hf_greedy
 from tests.multidevice.test_tensor_parallel import ENGINE, MAX_TOKENS, greedy, prompts
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine/sharding.py) on 4 forced CPU devices: greedy output through the
+"""Tensor parallelism (executor/sharding.py) on 4 forced CPU devices: greedy output through the
 whole engine identical to the single-device engine (and to HF), token for token, for tp 2 and 4,
 with KV heads split (K >= tp) and duplicated (K < tp), the reference attention and the Pallas
 kernel (interpret mode) under shard_map; every bucket compiled at warm-up with its shardings."""

@@ -1,7 +1,7 @@
 """LoRA adapters through the server as vLLM users drive them: the adapter chosen by the request's
 `model`, listed in /v1/models, loaded and unloaded while serving (POST /v1/load_lora_adapter,
 /v1/unload_lora_adapter), each answer equal to the engine's own for that adapter (which
-tests/engine/test_lora.py checks against HF + PEFT), no compile after warm-up."""
+tests/lora/test_lora_engine.py checks against HF + PEFT), no compile after warm-up."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import transformers
 from jaxbatch import SamplingParams
 from jaxbatch.config import config_from_sources
 from jaxbatch.engine.engine import Engine
-from tests.engine.test_lora import make_adapter
 from tests.helpers import TINY_CONFIG
+from tests.lora.test_lora_engine import make_adapter
 from tests.server.support import ServerThread
 
 NAME = "tiny"

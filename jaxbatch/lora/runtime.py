@@ -1,0 +1,69 @@
+"""The engine's LoRA adapters: which are loaded (by name), and writing them into device slots.
+
+Loading an adapter (`add`) only reads it into host memory (lora/adapters.py); it reaches a device
+slot when the scheduler admits a request that uses it (lora/slots.py), written by the
+runner's compiled slot writer before that step runs (`write_pending`), so serving never
+compiles for it. An adapter is unloaded only while no unfinished request uses it: nothing that
+was accepted loses its adapter half-way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+
+from jaxbatch.core.request import Request
+from jaxbatch.lora.adapters import LoRAAdapter
+from jaxbatch.lora.slots import LoRASlots
+
+log = logging.getLogger("jaxbatch")
+
+
+class LoRAAdapters:
+    def __init__(self, slots: LoRASlots, runner) -> None:
+        self.slots = slots
+        self.runner = runner
+        self.by_name: dict[str, LoRAAdapter] = {}
+        self.keys: dict[str, str] = {}  # name -> key of this load (also its prefix-cache key)
+        self._by_key: dict[str, LoRAAdapter] = {}
+        self._loads = itertools.count(1)
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        if adapter.name in self.by_name:
+            raise ValueError(f"The lora adapter '{adapter.name}' has already been loaded.")
+        key = f"lora:{adapter.name}:{next(self._loads)}"
+        self.by_name[adapter.name] = adapter
+        self.keys[adapter.name] = key
+        self._by_key[key] = adapter
+        log.info("LoRA adapter %r loaded from %s (rank %d, %s)", adapter.name, adapter.path,
+                 adapter.rank, ", ".join(adapter.modules))
+
+    def remove(self, name: str, unfinished: Iterable[Request], check_only: bool = False) -> None:
+        """Unload `name`; ValueError when it is unknown or unfinished requests still use it."""
+        if name not in self.by_name:
+            raise ValueError(f"The lora adapter '{name}' cannot be found.")
+        key = self.keys[name]
+        users = sum(1 for r in unfinished if r.lora_name is not None
+                    and r.prefix_cache_key == key)
+        if users:
+            raise ValueError(f"The lora adapter '{name}' is in use by {users} unfinished "
+                             f"request(s); unload it when they have finished.")
+        if check_only:
+            return
+        del self.by_name[name], self.keys[name], self._by_key[key]
+        self.slots.retire(key)
+        log.info("LoRA adapter %r unloaded", name)
+
+    def key(self, name: str) -> str:
+        """The key requests of `name` carry; ValueError for an adapter not loaded."""
+        if name not in self.keys:
+            raise ValueError(f"The lora adapter '{name}' cannot be found (loaded: "
+                             f"{sorted(self.keys) or 'none'}).")
+        return self.keys[name]
+
+    def write_pending(self) -> None:
+        """Write the adapters the last schedule placed into slots (before its step runs)."""
+        for slot, key in self.slots.take_loads():
+            adapter = self._by_key[key]
+            self.runner.load_lora(slot, adapter.weights, adapter.scale)

@@ -1,0 +1,499 @@
+"""Llama-family forward as pure functions over a params pytree.
+
+The forward works on a *flattened* token batch: token ids [T] and positions [T] from any mix of
+prefill chunks and decodes, plus paged-attention metadata. Layers are stacked on a leading axis and
+run with `lax.scan` so compile time does not grow with depth; the KV cache rides in the scan
+carry (measured faster than passing it as scan inputs) and each layer addresses its slab through
+offset page ids, so no per-layer copy of the cache is made.
+
+Every supported family runs through this one forward; `ModelArch` switches its options: q/k
+norms (Qwen3, Gemma 3), Gemma's (1 + w) norms after attention and around the MLP, scaled
+embeddings and soft-capping, GeGLU, routed experts (model/archs/moe.py), gpt-oss's attention sinks
+(passed to the attention function) and output bias. Layers that differ by kind
+(Gemma's sliding and global layers) stay in the one scan: each layer's window and rope table are
+scanned inputs (data), so compile time stays flat in depth and in the pattern's period.
+
+Letter legend: T tokens, S sequences, H hidden, N heads, K kv heads, D head dim, I mlp, V vocab,
+L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.lora import layers as lora_layers
+from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.archs import moe
+from jaxbatch.model.fixed_order import row_sum
+from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight, quant_matmul
+from pallas_kernels.matmul import small_bf16
+
+Params = dict
+AttentionFn = Callable[..., jax.Array]
+# HF activation name -> jax; gelu_pytorch_tanh is GeGLU's tanh approximation (Gemma)
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionInputs:
+    slot_mapping: jax.Array | np.ndarray  # i32[T]   flat KV slot (page * page_size + offset) of each token
+    kv_lens: jax.Array | np.ndarray  # i32[S]        history length of each sequence, new tokens included
+    page_indices: jax.Array | np.ndarray  # i32[S, W] pages of each sequence
+    cu_q_lens: jax.Array | np.ndarray  # i32[S+1]     prefix sums of new tokens per sequence
+    num_seqs: jax.Array | np.ndarray  # i32[1]        real sequences (the rest are padding)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedWeight:
+    """A bf16 linear weight packed for the small bf16 matmul (pallas_kernels/matmul/small_bf16.py), which
+    steps of at most `max_rows` tokens run (the engine measures up to where it beats XLA's dot:
+    on a CPU without AMX, XLA:CPU repacks the [out, in] weight on every call)."""
+
+    w: jax.Array  # [..., out/16, in/2, 32] uint16
+    max_rows: int = dataclasses.field(metadata={"static": True})
+    # inside the layer scan: `w` is the whole [L, ...] stack (not scanned: a sliced stack is
+    # copied into a temporary for the kernel every layer) and this i32 scalar picks the layer
+    layer: jax.Array | None = None
+
+    def takes(self, x: jax.Array) -> bool:
+        return x.dtype == jnp.bfloat16 and x.shape[0] <= self.max_rows
+
+    def __call__(self, x: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:
+        return small_bf16.small_matmul(x, self.w, self.layer, out_dtype=out_dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class OutInWeight:
+    """A linear weight stored as [..., out, in], its transpose: `_mm` dots over its last axis.
+    The layout XLA:CPU's bf16 dots (YNNPACK on AMX) run fastest: on 30 layers of SmolLM2's
+    matmuls, [in, out] -> [out, in] took 29.2 -> 22.8 ms at 3 rows, 37.0 -> 33.7 at 64 and
+    105.9 -> 102.0 at 512 (with [in, out] a quarter of the step went to repacking the weights,
+    `ynn::interleave2_x16`); the head as [V, H] 2.6 -> 1.9 ms at 3 rows, 4.8 -> 3.9 at 64."""
+
+    wt: jax.Array  # [..., out, in]
+    packed: PackedWeight | None = None  # the same weight for the small bf16 matmul
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # the weight's own [..., in, out]
+        return (*self.wt.shape[:-2], self.wt.shape[-1], self.wt.shape[-2])
+
+
+def init_kv_cache(arch: ModelArch, num_pages: int, page_size: int, dtype,
+                  zeros: Callable[[tuple[int, ...], Any], jax.Array] = jnp.zeros
+                  ) -> dict[str, jax.Array]:
+    """K and V [L, pages, page_size, Hkv, D] in `dtype` (uint16: bf16 values stored as bits),
+    zero-filled by `zeros(shape, dtype)`."""
+    shape = (arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
+    return {"k": zeros(shape, dtype), "v": zeros(shape, dtype)}
+
+
+def _kv_encode(x: jax.Array, store_dtype) -> jax.Array:
+    """New K/V as the cache stores them. A uint16 cache holds bf16 bit patterns: XLA:CPU
+    float-normalises a bf16 scatter (it converted the whole cache to f32 and back per layer:
+    6.9 s per 30-layer step) but scatters 16-bit integers in place (0.11 ms). The attention
+    functions bitcast the blocks they gather (bitcasting the whole carried cache copied it)."""
+    if jnp.dtype(store_dtype) == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(store_dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """RMSNorm over the last axis. Llama rounds the normalised x to x's dtype, then scales by w;
+    Gemma (`plus_one`) scales by (1 + w) in float32, then rounds (as HF does each)."""
+    xf = x.astype(jnp.float32)
+    # the mean in a fixed order (model/fixed_order.py): XLA's reduce differed by the row count
+    mean_sq = row_sum(xf * xf, keepdims=True) / np.float32(x.shape[-1])
+    xf = xf * jax.lax.rsqrt(mean_sq + eps)
+    if plus_one:
+        return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return w * xf.astype(x.dtype)
+
+
+def rope_tables(arch: ModelArch, positions: jax.Array,
+                local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, D] in float32, laid out as HF's rotate_half expects (halves repeated);
+    `local`: the sliding layers' own rope (Gemma 3). YaRN's attention factor multiplies both
+    in float32, as HF does before rounding them to the compute dtype."""
+    inv = jnp.asarray(arch.inv_freq(local).astype(np.float32))
+    freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    factor = arch.rope_attention_factor(local)
+    if factor != 1.0:
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    return cos, sin
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, N, D]. In x's dtype, as HF does: the f32 tables rounded to x's dtype, each product
+    and the sum rounded (in bf16 bitwise HF's q/k; computing in f32 and rounding once differed
+    in a quarter of the values)."""
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c, s = cos.astype(x.dtype), sin.astype(x.dtype)
+    return x * c[:, None, :] + rot * s[:, None, :]
+
+
+def store_bf16_as_bits(params: Params) -> Params:
+    """Every bf16 leaf as uint16 bit patterns (how XLA:CPU should hold bf16 weights). XLA:CPU
+    float-normalises a bf16 dynamic-slice: slicing the stacked layer weights inside the scan made
+    it convert every weight to f32 once per step (hoisted out of the loop) and back to bf16 per
+    layer, ~130 ms per SmolLM2 step whatever the batch. Slicing uint16 and bitcasting the slice
+    costs nothing; `values` undoes it where a weight is used."""
+    return jax.tree.map(
+        lambda w: jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == jnp.bfloat16 else w,
+        params)
+
+
+def values(w: jax.Array) -> jax.Array:
+    """A stored weight as values (uint16 holds bf16 bits; see store_bf16_as_bits)."""
+    return jax.lax.bitcast_convert_type(w, jnp.bfloat16) if w.dtype == jnp.uint16 else w
+
+
+def value_dtype(w: jax.Array):
+    return jnp.dtype(jnp.bfloat16) if w.dtype == jnp.uint16 else w.dtype
+
+
+def _mm(x: jax.Array, w: jax.Array | QuantWeight | OutInWeight) -> jax.Array:
+    """x @ w accumulated in float32, rounded to x's dtype: what torch does for a bf16 matmul, and
+    what XLA:CPU runs fast (a bf16 x bf16 -> bf16 dot took 91 GFLOP/s at M=64 on an AMX Xeon;
+    the same dot with f32 accumulation 428, f32 x f32 131). Bitwise x @ w for f32. A quantised
+    weight (GGUF blocks, `quantization: int8`) is dequantised inside the dot (model/quantize.py)."""
+    if isinstance(w, QuantWeight):
+        return quant_matmul(x, w)
+    if isinstance(w, OutInWeight):
+        if w.packed is not None and w.packed.takes(x):
+            return w.packed(x)  # the same sums, rounded the same (bitwise)
+        return jax.lax.dot_general(x, w.wt, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _layer_inputs(arch: ModelArch) -> dict[str, jax.Array]:
+    """Per-layer data scanned with the weights: the window of each layer when sliding and
+    global layers mix (NO_WINDOW for a global one), and which rope table it uses when the
+    sliding layers have their own (Gemma 3)."""
+    extra: dict[str, jax.Array] = {}
+    if arch.mixed_windows:
+        extra["window"] = jnp.asarray(arch.layer_windows, jnp.int32)
+    if arch.two_ropes:
+        extra["local_rope"] = jnp.asarray(arch.sliding_layers, jnp.int32)
+    return extra
+
+
+def _mm_lora(x: jax.Array, w: Any, lora: dict | None, rows: lora_layers.LoRARows | None
+             ) -> jax.Array:
+    """`_mm`, plus each token's LoRA adapter (lora/layers.py) where `lora` holds this
+    linear's slots ({"a", "b"} of one layer, as values): base + scale * B (A x), rounded to x's
+    dtype as PEFT adds it to the base layer's output."""
+    out = _mm(x, w)
+    if lora is None or rows is None:
+        return out
+    return out + lora_layers.delta(x, lora["a"], lora["b"], rows).astype(out.dtype)
+
+
+def mlp(h: jax.Array, lp: Params, arch: ModelArch, num_valid: jax.Array | None = None,
+        experts_fn: Callable[..., jax.Array] = moe.experts_mlp,
+        lora: dict | None = None, rows: lora_layers.LoRARows | None = None) -> jax.Array:
+    """h [T, H] -> [T, H]: the gated MLP (SwiGLU / GeGLU), or the routed experts (plus
+    Qwen2-MoE's gated shared expert, held in the dense w_* leaves); `num_valid`: the step's
+    real tokens (the routed experts skip the padding). `experts_fn`: moe.experts_mlp's
+    signature (tensor parallelism passes it run per device over its own experts). `lora`,
+    `rows`: this layer's LoRA slots and the step's token rows (None: no adapters)."""
+    act = ACTIVATIONS[arch.hidden_act]
+    ad = lora or {}
+
+    def dense() -> jax.Array:
+        # the activation in f32, rounded once, as torch's bf16 kernels do (bf16 silu differed
+        # from HF's in 40% of the values)
+        g = _mm_lora(h, lp["w_gate"], ad.get("w_gate"), rows)
+        u = _mm_lora(h, lp["w_up"], ad.get("w_up"), rows)
+        return _mm_lora(act(g.astype(jnp.float32)).astype(g.dtype) * u, lp["w_down"],
+                        ad.get("w_down"), rows)
+
+    if not arch.num_experts:
+        return dense()
+    out = experts_fn(h, lp, arch, act, num_valid)
+    if arch.shared_expert_intermediate_size:
+        out = out + moe.shared_expert_gate(h, lp["shared_gate"]) * dense()
+    return out
+
+
+def forward(
+    params: Params,
+    kv_cache: dict[str, jax.Array],
+    token_ids: jax.Array,
+    positions: jax.Array,
+    attn: AttentionInputs,
+    *,
+    arch: ModelArch,
+    attention_fn: AttentionFn,
+    experts_fn: Callable[..., jax.Array] = moe.experts_mlp,
+    lora_ids: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Returns hidden states [T, H] (before the final norm) and the updated KV cache.
+
+    The matmuls run in the weights' dtype (the loader converted them to the compute dtype) with
+    f32 accumulation (`_mm`); the KV cache may be stored in another dtype (see `_kv_encode`).
+    With LoRA slots in params["lora"] (lora/layers.py), `lora_ids` i32[T] is each token's
+    adapter slot (0: the base model).
+    """
+    L, N_pages, P, K, D = kv_cache["k"].shape
+    N, T = arch.num_heads, token_ids.shape[0]
+    embed = params["embed"]
+    if isinstance(embed, QuantWeight):  # the step's rows, dequantised in the compute dtype
+        x = embed.rows(token_ids).astype(value_dtype(params["final_norm"]))
+    else:
+        x = values(embed[token_ids])  # [T, H]
+    if arch.scale_embeddings:  # HF: sqrt(H) as a float32 tensor cast to the weights' dtype
+        x = x * jnp.asarray(np.float32(math.sqrt(arch.hidden_size))).astype(x.dtype)
+    cos, sin = rope_tables(arch, positions)
+    if arch.two_ropes:  # [2, T, D]: global, local
+        cos_l, sin_l = rope_tables(arch, positions, local=True)
+        cos, sin = jnp.stack([cos, cos_l]), jnp.stack([sin, sin_l])
+    sm_scale = arch.sm_scale
+    store = kv_cache["k"].dtype
+    eps, gemma = arch.rms_norm_eps, arch.gemma_norms
+
+    def norm(v: jax.Array, w: jax.Array) -> jax.Array:
+        return rms_norm(v, w, eps, plus_one=gemma)
+
+    # the small-matmul packs stay out of the scanned inputs: the kernel takes each whole stack
+    # and the layer index (slicing them in the scan copied every layer's weights, ~2x the bytes
+    # of a decode step)
+    layers = params["layers"]
+    packs = {name: w.packed for name, w in layers.items()
+             if isinstance(w, OutInWeight) and w.packed is not None}  # whole [L, ...] stacks
+    # quantised weights likewise: the kernel (or the jnp path) takes the stack and the index
+    quants = {name: w for name, w in layers.items() if isinstance(w, QuantWeight)}
+    scanned = {name: dataclasses.replace(w, packed=None) if name in packs else w
+               for name, w in layers.items() if name not in quants}
+    lora = params.get("lora")
+    rows = lora_layers.step_rows(lora, lora_ids) if lora is not None and lora_ids is not None \
+        else None
+    # LoRA slots: scanned with the layers, or (BF16 rows on the kernel) whole stacks read by
+    # layer index, as the quantised weights are
+    lora_kernel = lora is not None and rows is not None and lora_layers.on_kernel(lora)
+    lora_scanned = {} if lora is None or rows is None or lora_kernel else lora["layers"]
+
+    def layer(carry, xs):
+        x, k_cache, v_cache = carry
+        lp, li, extra, ad = xs
+        lp = jax.tree.map(values, lp)
+        ad = lora_layers.layer_slots(lora, li) if lora_kernel else jax.tree.map(values, ad)
+        for name, pack in packs.items():
+            lp[name] = dataclasses.replace(lp[name], packed=dataclasses.replace(pack, layer=li))
+        for name, qw in quants.items():
+            lp[name] = dataclasses.replace(qw, layer=li)
+        h = norm(x, lp["attn_norm"])
+        q = _mm_lora(h, lp["wq"], ad.get("wq"), rows)
+        k = _mm_lora(h, lp["wk"], ad.get("wk"), rows)
+        v = _mm_lora(h, lp["wv"], ad.get("wv"), rows)
+        if arch.attention_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        q, k, v = q.reshape(T, N, D), k.reshape(T, K, D), v.reshape(T, K, D)
+        if arch.qk_norm:  # per head, before rope (Qwen3, Gemma 3)
+            q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
+        c, s = cos, sin
+        if arch.two_ropes:
+            c, s = cos[extra["local_rope"]], sin[extra["local_rope"]]
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        # Write this layer's new K/V into its slab of the cache, which is carried as
+        # [L*N_pages, P, K, D]: no reshape of the carry inside the loop, so XLA keeps the update
+        # in place for every T (a flat-slot reshape made T=1 copy the whole cache per layer).
+        page = li * N_pages + attn.slot_mapping // P
+        offset = attn.slot_mapping % P
+        k_cache = k_cache.at[page, offset].set(_kv_encode(k, store))
+        v_cache = v_cache.at[page, offset].set(_kv_encode(v, store))
+        # gpt-oss's sink logits [N] only where the model has them: the other families call
+        # every backend as before
+        sinks = {"sinks": lp["sinks"].astype(jnp.float32)} if arch.attention_sinks else {}
+        o = attention_fn(
+            q,
+            k_cache,
+            v_cache,
+            attn.kv_lens,
+            attn.page_indices + li * N_pages,
+            attn.cu_q_lens,
+            attn.num_seqs,
+            sm_scale=sm_scale,
+            soft_cap=arch.attn_soft_cap,
+            # a traced i32 scalar when sliding and global layers mix, else static
+            sliding_window=extra["window"] if arch.mixed_windows else arch.sliding_window,
+            **sinks,
+        )
+        o = _mm_lora(o.reshape(T, N * D).astype(x.dtype), lp["wo"], ad.get("wo"), rows)
+        if arch.o_bias:
+            o = o + lp["bo"]
+        if gemma:
+            o = norm(o, lp["post_attn_norm"])
+        x = x + o
+        m = mlp(norm(x, lp["mlp_norm"]), lp, arch, num_valid, experts_fn, ad, rows)
+        if gemma:
+            m = norm(m, lp["post_mlp_norm"])
+        x = x + m
+        return (x, k_cache, v_cache), None
+
+    # the step's real tokens come first; padding tokens route to no expert (model/archs/moe.py)
+    num_valid = jnp.asarray(attn.cu_q_lens)[jnp.asarray(attn.num_seqs).reshape(-1)[0]] \
+        if arch.num_experts else None
+    idx = jnp.arange(arch.num_layers, dtype=jnp.int32)
+    flat = (L * N_pages, P, K, D)
+    (x, k_cache, v_cache), _ = jax.lax.scan(
+        layer, (x, kv_cache["k"].reshape(flat), kv_cache["v"].reshape(flat)),
+        (scanned, idx, _layer_inputs(arch), lora_scanned),
+    )
+    shape = kv_cache["k"].shape
+    return x, {"k": k_cache.reshape(shape), "v": v_cache.reshape(shape)}
+
+
+def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax.Array:
+    """hidden [S, H] (rows that sample) -> float32 logits [S, V] (the matmul reads hidden's dtype,
+    sums and returns float32).
+    The head is `lm_head` [H, V] when present ([V, H] as an `OutInWeight` on CPU in bf16; tensor
+    parallelism adds one to a tied model, executor/sharding.py), else the embedding dotted over
+    its last axis. Gemma's final soft cap applies last."""
+    h = rms_norm(hidden, values(params["final_norm"]).astype(hidden.dtype), arch.rms_norm_eps,
+                 plus_one=arch.gemma_norms)
+    head = params.get("lm_head")
+    packed = params.get("head_packed")  # the head for the small matmul (as_run_on_cpu)
+    embed = params["embed"]
+    if packed is not None and packed.takes(h):
+        logits = packed(h, out_dtype=jnp.float32)
+    elif isinstance(head, QuantWeight):
+        logits = quant_matmul(h, head, out_dtype=jnp.float32)
+    elif head is None and isinstance(embed, QuantWeight):  # tied: the embedding's rows [V, H]
+        logits = quant_matmul(h, embed, out_dtype=jnp.float32)
+    elif isinstance(head, OutInWeight):
+        logits = jax.lax.dot_general(h, values(head.wt).astype(hidden.dtype),
+                                     (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    elif head is not None:
+        w = values(head).astype(hidden.dtype)
+        logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
+    else:
+        w = values(params["embed"]).astype(hidden.dtype)
+        logits = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+    # the f32 sums stay f32 (not rounded to bf16 as HF's bf16 head returns them): a bf16 rounding
+    # ties the top logits at bf16's resolution (0.0625 at |logit| ~ 16), so top_k=1 kept two
+    # tokens where greedy chose one, and logprobs lost resolution
+    if arch.final_soft_cap is not None:
+        cap = float(arch.final_soft_cap)
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
+
+
+def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
+                  small_matmul_rows: int = 0,
+                  quant_acts: Callable[[str, int, int], str] | None = None,
+                  bf16_xla_rows: Callable[[int, int], int] | None = None) -> Params:
+    """The params in the forms XLA:CPU runs fastest. bf16: the scanned layer weights held as
+    uint16 bits (`store_bf16_as_bits`), and with `out_in` the linear weights and an untied
+    head stored [out, in] (`OutInWeight`); a tied head is the embedding itself, dotted over its
+    last axis. The embedding and head stay bf16 (neither is sliced in the scan; as bits the
+    head was bitcast into a fresh 56 MB copy every step, 12.8 ms of a 3-row SmolLM2 step).
+    With `small_matmul_rows` (the engine's measured choice, tuning/precision.py) every linear
+    weight and the head also get a copy packed for the small bf16 matmul that steps of at most
+    that many tokens run (`PackedWeight`; the packed copies double the weights' memory).
+    Unchanged on other backends and in float32. The runner (`out_in` off under tensor
+    parallelism, whose shardings are laid out for [in, out]) and the scripts that run the
+    forward directly use this."""
+    if jax.default_backend() != "cpu":
+        return params
+    params = _quant_on_kernel(params, quant_acts, bf16_xla_rows)
+    if value_dtype(params["final_norm"]) != jnp.bfloat16:
+        return params
+    layers = dict(params["layers"])
+    if out_in:
+        for name in LINEAR_WEIGHTS:
+            w = layers.get(name)
+            if w is not None and not isinstance(w, QuantWeight):
+                wt = jnp.swapaxes(w, -1, -2)
+                layers[name] = OutInWeight(wt, _packed(wt, small_matmul_rows))
+    out = {**params, "layers": store_bf16_as_bits(layers)}
+    head = params.get("lm_head")
+    if out_in and head is not None and not isinstance(head, QuantWeight):
+        out["lm_head"] = OutInWeight(jnp.array(head.T))
+    tied = params["embed"]
+    head_wt = (None if isinstance(tied, QuantWeight) else tied) if head is None else (
+        None if isinstance(head, QuantWeight) else head.T)
+    head_packed = _packed(head_wt, small_matmul_rows) if out_in and head_wt is not None else None
+    if head_packed is not None:
+        out["head_packed"] = head_packed
+    return out
+
+
+def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None = None,
+                     bf16_xla_rows: Callable[[int, int], int] | None = None) -> Params:
+    """Quantised weights run through the CPU kernel where it is built for the compute dtype
+    (pallas_kernels/matmul/quant.py), else through the jnp path (dequantise, then dot).
+    `acts(fmt, n, k)`: the kernel's activation mode for a weight of that format and shape
+    (default "float"); `bf16_xla_rows(n, k)`: from how many rows a stacked BF16 weight's steps
+    run XLA's dot instead (0, the default: never)."""
+    from pallas_kernels.matmul import quant
+
+    dtype = value_dtype(params["final_norm"])
+    # a build with the int8 mode and no float mode for the compute dtype (none on x86 since the
+    # avx2 level has quant_float_avx2.cc), bfloat16 compute: block-format weights (Q8_0, Q4_0,
+    # K-quants, MXFP4) run the int8 mode, as llama.cpp's AVX2 build computes them; BF16 / F16 rows
+    # stay on the jnp path, and float32 keeps its exact dequantised dots (dtype auto, timing
+    # XLA's dots alone there, picks float32)
+    int8_only = not quant.available(dtype)
+    if int8_only and not (dtype == jnp.bfloat16 and quant.available(dtype, act="int8")):
+        return params
+
+    def on_kernel(w: QuantWeight) -> QuantWeight:
+        if int8_only:
+            if not all(f in quant.INT8_FORMATS for f in w.fmts):
+                return w
+            return dataclasses.replace(w, kernel=True, acts=("int8",) * len(w.fmts))
+        modes = tuple(acts(f, w.n, w.k) for f in w.fmts) if acts is not None else ()
+        xla_rows = bf16_xla_rows(w.n, w.k) if bf16_xla_rows is not None and w.stacked \
+            and "BF16" in w.fmts else 0
+        # BF16 rows in panel mode, held in memory and never bitcast for XLA's dot: packed into
+        # panels once here (one stream per 16 outputs at decode; same bits as from the rows)
+        parts = list(w.parts)
+        if w.stacked and w.offsets is None and not w.experts and xla_rows == 0:
+            for i, mode in enumerate(modes):
+                if mode == "panel":
+                    parts[i] = quant.pack_panels(parts[i])
+                    modes = (*modes[:i], "panel_packed", *modes[i + 1:])
+        return dataclasses.replace(w, parts=tuple(parts), kernel=True, acts=modes,
+                                   xla_from_rows=xla_rows)
+
+    return jax.tree.map(lambda w: on_kernel(w) if isinstance(w, QuantWeight) else w, params,
+                        is_leaf=lambda w: isinstance(w, QuantWeight))
+
+
+def _packed(wt: jax.Array, max_rows: int) -> PackedWeight | None:
+    if max_rows <= 0 or not small_bf16.can_pack(wt):
+        return None
+    return PackedWeight(small_bf16.pack(wt), max_rows)
+
+
+def one_sequence_inputs(num_tokens: int, page_size: int) -> tuple[int, AttentionInputs]:
+    """One sequence of `num_tokens` prefilled at once on pages 1..n (page 0 is the dummy page):
+    the cache pages it needs and its attention inputs. For scripts and tests that run the
+    forward directly on a single sequence."""
+    T, P = num_tokens, page_size
+    num_pages = -(-T // P) + 1
+    pages = np.arange(1, num_pages)
+    slots = pages[np.arange(T) // P] * P + np.arange(T) % P
+    return num_pages, AttentionInputs(
+        jnp.asarray(slots, jnp.int32), jnp.asarray([T], jnp.int32),
+        jnp.asarray(pages[None], jnp.int32), jnp.asarray([0, T], jnp.int32),
+        jnp.asarray([1], jnp.int32))
