@@ -229,10 +229,7 @@ def library_path(cache_dir: str, extra_flags: tuple[str, ...] = ()) -> tuple[str
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{cxx} --version failed: {e}") from e
     include = os.path.join(os.path.dirname(jaxlib.__file__), "include")
-    sources = []
-    for path in (*SOURCES, *HEADERS):
-        with open(path, "rb") as f:
-            sources.append(f.read())
+    sources = [_read_source(path) for path in (*SOURCES, *HEADERS)]
     flags = [*flags_for(platform.machine(), cpu_level()), *extra_flags]
     key = hashlib.sha256(b"\0".join([
         *sources, version.encode(), _cpu_flags().encode(), jaxlib.__version__.encode(),
@@ -260,9 +257,21 @@ def content_hash() -> str:
 def _sources_hash(flags: str) -> str:
     digest = hashlib.sha256(flags.encode())
     for path in (*SOURCES, *HEADERS):
-        with open(path, "rb") as f:
-            digest.update(b"\0" + f.read())
+        digest.update(b"\0" + _read_source(path))
     return digest.hexdigest()[:16]
+
+
+def _read_source(path: str) -> bytes:
+    """A kernel source or header; one missing means an incomplete install, said as such (the
+    build and the measurement caches' hash both read every one)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise KernelUnavailable(
+            f"the CPU kernels' source {os.path.relpath(path, _HERE)} is missing from "
+            f"{_HERE}: this install of jaxbatch is incomplete (reinstall it; package data "
+            "must include every file cpu_library.SOURCES and HEADERS name)") from None
 
 
 def _run(cmd: list[str]) -> None:
