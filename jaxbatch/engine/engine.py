@@ -68,6 +68,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer | None] = {}
         self._pending: list[RequestOutput] = []
+        self._in_step: list[Request] | None = None  # the running step's requests
         self._ids = itertools.count()
         self._rng = random.Random(config.runner.seed)
         self.last_finished: deque[Request] = deque(maxlen=1000)  # recent finished (tests, metrics)
@@ -261,15 +262,30 @@ class Engine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. An exception anywhere in it fails that step's requests alone (engine/
+        isolation.py, `recover`): the engine goes on with the rest and the next request."""
         outputs, self._pending = self._pending, []
+        self._in_step = None
+        try:
+            self._step(outputs)
+        except compile_guard.RecompileError:
+            raise  # a configured hard stop (compile_guard: true), not a failure to absorb
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            isolation.recover(self, e, self._in_step, outputs)
+            self._publish_kv_events()
+            self._note_idle()
+        return outputs
+
+    def _step(self, outputs: list[RequestOutput]) -> None:
         batch = self.scheduler.schedule()
+        self._in_step = [s.request for s in batch.seqs]
         if self.replan is not None:
             self.replan.tick(self)  # between steps: swap in a learned set, or look for one
         if not batch.seqs:
             self._publish_kv_events()
             self._check_guard()
             self._note_idle()
-            return outputs
+            return
         t_sched = time.time()
         for s in batch.seqs:  # its queue time ends here (arrival -> first scheduled)
             if s.request.first_scheduled_time is None:
@@ -287,7 +303,7 @@ class Engine:
             host = self._build_inputs(sub, outputs)
             if host is None:
                 continue
-            out = self.runner.execute(host, sub.bucket)  # a device failure breaks the engine
+            out = self.runner.execute(host, sub.bucket)  # a failure: isolation.recover
             targets = prompt_logprobs.prompt_targets(sub.seqs, sub.bucket.num_tokens)
             if targets is not None:  # some row asked for its prompt's logprobs
                 prompt_logprobs.collect(sub.seqs, self.runner.prompt_logprobs(targets))
@@ -316,7 +332,6 @@ class Engine:
         self._publish_kv_events()
         self._check_guard()
         self._note_idle()
-        return outputs
 
     def _publish_kv_events(self) -> None:
         """Hand the step's prefix-cache changes to the publisher (it sends them on its thread)."""

@@ -9,7 +9,14 @@ step go on for the others:
 - after sampling: stop checks, detokenisation and the grammar's advance (Engine._advance);
 - the final text: a detokeniser that raises leaves the output without text (`final_output`),
   aborted requests' too.
-The compiled step itself is not guarded: a device failure is no request's fault.
+Anything else in a step that raises (the compiled step, an FFI kernel's error included; the
+scheduler; speculation's proposals and verification; prompt logprobs; LoRA slot writes; live
+re-planning) fails the requests of that step, with `error` naming the cause (`recover`): which
+of them caused it cannot be known from the host, and their progress in the step is lost. When
+the failed step had donated the KV cache (a failure inside the compiled step), the cache is
+gone: a fresh one is made, the prefix cache forgotten, and every other running request is
+preempted to recompute from its tokens, so no output depends on lost KV. The engine then
+serves the rest and the next requests; only a stray compile under `compile_guard` stops it.
 Grammars are also compiled when a request is added (a ValueError, the server's 400), so most
 bad schemas never reach a step.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from jaxbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxbatch.core.request import Request
@@ -43,3 +51,33 @@ def final_output(req: Request, make: Callable[[], RequestOutput]) -> RequestOutp
         log.error("request %s: its final text could not be made: %s: %s", req.request_id,
                   type(e).__name__, e)
         return bare_output(req)
+
+
+class StepFailed(RuntimeError):
+    """A request's step failed outside its own path (the cause is chained)."""
+
+
+def recover(engine: Any, cause: Exception, in_step: list[Request] | None,
+            outputs: list[RequestOutput]) -> None:
+    """After `cause` broke a step of `engine` (engine.Engine): fail the step's requests
+    (`in_step`; every unfinished one when scheduling itself failed), rebuild the KV cache if the
+    step consumed it, and leave the engine ready for its next step."""
+    log.error("an engine step failed; failing its requests and going on: %s: %s",
+              type(cause).__name__, cause, exc_info=cause)
+    sched = engine.scheduler
+    suspects = list(in_step) if in_step is not None else [*sched.running, *sched.waiting]
+    error = StepFailed(f"the engine step running this request failed: "
+                       f"{type(cause).__name__}: {cause}")
+    error.__cause__ = cause
+    for req in suspects:
+        if engine.requests.get(req.request_id) is req and not req.status.finished:
+            engine._fail(req, error, outputs)
+    if engine.runner.cache_lost():
+        log.error("the failed step consumed the KV cache: a new cache, the prefix cache "
+                  "forgotten, %d running request(s) recomputed", len(sched.running))
+        for req in list(sched.running):
+            sched.preempt(req)
+        engine.pages.reset_prefix_cache()
+        engine.runner.reset_cache()
+    if engine.speculator is not None:
+        engine.speculator.recover(engine.requests)

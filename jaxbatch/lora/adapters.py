@@ -144,7 +144,7 @@ def _load_peft(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
 
 # ---- GGUF ------------------------------------------------------------------------------------
 def _load_gguf(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
-    from jaxbatch.model.gguf.reader import reader as gguf_model
+    from jaxbatch.model.gguf import reader as gguf_model
 
     try:
         reader = gguf_model.open_gguf(path)

@@ -53,9 +53,11 @@ class ReplanTarget(Protocol):
     that this module does not import the engine that imports it)."""
 
     planner: StepPlanner
-    runner: BucketCompiler
     trace: StepTrace
     idle_since: float | None  # time.monotonic() when the engine last ran out of work, or None
+
+    @property
+    def runner(self) -> BucketCompiler: ...
 
 
 LULL_S = 0.5  # seconds with nothing to run before a background compile starts

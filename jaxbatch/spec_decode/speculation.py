@@ -226,6 +226,22 @@ class Speculator:
         self._overall.add(a, k)
         return toks
 
+    def recover(self, live: dict) -> None:
+        """After a failed step: drop what belongs to requests no longer in `live` (request id ->
+        Request), and with a draft model whose cache the failure consumed, its every shadow
+        (their KV is gone; proposals start again from the target's tokens)."""
+        draft_lost = self.draft is not None and self.draft.draft.runner.cache_lost()
+        for rid in [*self._ngrams, *self._acceptance]:
+            if rid not in live:
+                self.forget(rid)
+        if self.draft is not None:
+            for rid in list(self.draft._shadows):
+                if draft_lost or rid not in live:
+                    self.draft.forget(rid)
+            if draft_lost:
+                self.draft.pages.reset_prefix_cache()
+                self.draft.draft.runner.reset_cache()
+
     def forget(self, request_id: str) -> None:
         self._ngrams.pop(request_id, None)
         self._acceptance.pop(request_id, None)

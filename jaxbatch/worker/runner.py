@@ -172,7 +172,8 @@ class Runner:
         step = functools.partial(packed_step_fn, arch=arch, attention_fn=attention_fn,
                                  experts_fn=experts_fn)
         if self.placement is None:
-            self.kv_cache = init_cache(zeros=kv_zeros or jnp.zeros)
+            self._new_cache: Callable[[], Any] = functools.partial(
+                init_cache, zeros=kv_zeros or jnp.zeros)
             self._jitted = jax.jit(step, donate_argnums=(1,), static_argnums=(3,))
             # The sampler is compiled per sequence count only (it does not depend on T):
             # separating it from the step halves the per-bucket compile time (sorting and RNG
@@ -182,7 +183,7 @@ class Runner:
         else:
             pl = self.placement
             cache_s = {"k": pl.cache, "v": pl.cache}
-            self.kv_cache = jax.jit(init_cache, out_shardings=cache_s)()  # never whole on one
+            self._new_cache = jax.jit(init_cache, out_shardings=cache_s)  # never whole on one
             self._jitted = jax.jit(step, donate_argnums=(1,), static_argnums=(3,),
                                    in_shardings=(pl.params, cache_s, pl.replicated),
                                    out_shardings=(cache_s, pl.replicated, pl.replicated,
@@ -191,6 +192,7 @@ class Runner:
                                           out_shardings=pl.replicated)
             self._adjust_jitted = jax.jit(adjust_logits, in_shardings=pl.replicated,
                                           out_shardings=pl.replicated)
+        self.kv_cache = self._new_cache()
         # multi-host: on process 0, a multihost.Leader (set by the engine) that announces every
         # device operation to the other processes before it runs
         self.leader: Any = None
@@ -346,6 +348,14 @@ class Runner:
                 if i < len(todo):
                     bar.update(1)
         return steps, samplers
+
+    def cache_lost(self) -> bool:
+        """Whether a failed step consumed the KV cache (donated to it, never given back)."""
+        return any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache))
+
+    def reset_cache(self) -> None:
+        """A fresh zeroed KV cache of the same shape and placement, after `cache_lost`."""
+        self.kv_cache = self._new_cache()
 
     def compile_buckets_planned(self, buckets: list[Bucket]) -> tuple[dict, dict]:
         """compile_buckets on a thread of its own (live re-planning), its compiles counted as
