@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbatch.model.archs import llama
+from jaxbatch.model.archs import cpu_layout, llama
 from jaxbatch.model.loader import LoadedModel, load_model
 from jaxbatch.model.quantize import weight_bytes
 from jaxbatch.worker.runner import kv_storage_dtype
@@ -69,13 +69,13 @@ def engine_params(model: LoadedModel, q8act: bool = False) -> dict:
     if jax.default_backend() == "cpu":
         cpu_library.available(cache_dir())
     if not q8act:
-        return llama.as_run_on_cpu(model.params, model.arch)
+        return cpu_layout.as_run_on_cpu(model.params, model.arch)
     from pallas_kernels.matmul import quant
 
     dtype = model.params["final_norm"].dtype
     if not quant.available(dtype, act="int8"):
         raise SystemExit("q8act: this CPU has no int8 quantised matmul (AVX512-VNNI)")
-    return llama.as_run_on_cpu(model.params, model.arch, quant_acts=lambda f, n, k: (
+    return cpu_layout.as_run_on_cpu(model.params, model.arch, quant_acts=lambda f, n, k: (
         "float" if f in quant.FLOAT_FORMATS else "int8"))
 
 

@@ -78,7 +78,7 @@ class QuantWeight:
     stacked: bool = dataclasses.field(metadata={"static": True})
     # > 0: a layer's weight is this many experts' [in, out] weights, rows uint8 [E * n, RB]
     experts: int = dataclasses.field(default=0, metadata={"static": True})
-    # run through the CPU kernel (set by llama.as_run_on_cpu where it is built), else jnp
+    # run through the CPU kernel (set by cpu_layout.as_run_on_cpu where it is built), else jnp
     kernel: bool = dataclasses.field(default=False, metadata={"static": True})
     # per part, the kernel's activations: "float" (weights dequantised into the dot), "int8"
     # (x quantised per row to int8 blocks, integer dots: llama.cpp's scheme) or, for BF16 rows,

@@ -64,6 +64,16 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         self.model_name = model_name
+        self._vllm_metrics(r, model_name, max_model_len, num_speculative_tokens)
+        self._own_metrics(r, model_name)
+        # engine totals at the last step: the counters add what each step added
+        self._last: dict[str, int] = {}
+        self._last_pos: tuple[int, ...] = ()
+        self._last_token: dict[str, float] = {}  # request id -> when its last tokens left
+
+    def _vllm_metrics(self, r: CollectorRegistry, model_name: str, max_model_len: int,
+                      num_speculative_tokens: int) -> None:
+        """vLLM's names, labels and buckets (so its dashboards and autoscalers read ours)."""
         lab = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -121,7 +131,8 @@ class ServerMetrics:
         for j in range(num_speculative_tokens):
             self.spec_accepted_pos.labels(model_name, str(j))
 
-        # ---- jaxbatch's own: no vLLM equivalent
+    def _own_metrics(self, r: CollectorRegistry, model_name: str) -> None:
+        """jaxbatch's own: no vLLM equivalent."""
         p = "jaxbatch_"
         self.requests = Counter(p + "requests", "HTTP requests by route and status code",
                                 ["route", "status"], registry=r)
@@ -158,11 +169,6 @@ class ServerMetrics:
                                            registry=r)
         self.info = Gauge(p + "model_info", "served model", ["model_name"], registry=r)
         self.info.labels(model_name=model_name).set(1)
-
-        # engine totals at the last step: the counters add what each step added
-        self._last: dict[str, int] = {}
-        self._last_pos: tuple[int, ...] = ()
-        self._last_token: dict[str, float] = {}  # request id -> when its last tokens left
 
     # ---- event loop ---------------------------------------------------------------------------
     def observe_request(self, route: str, status: int) -> None:

@@ -95,20 +95,11 @@ def _lora_routes(config: EngineConfig, arch: Any, root: str, on_cpu: bool
     return {s: (by_shape.get(s, "float"), xla_rows.get(s, 0)) for s in shapes}
 
 
-def build_parts(config: EngineConfig, model: LoadedModel | None,
-                devices: Sequence[Any] | None, keep_loaded_params: bool,
-                from_config: Callable[..., Any]) -> EngineParts:
-    """Engine.from_config's work (its arguments; `from_config` builds a draft model's engine)."""
-    compile_guard.install()
-    if config.lora.enable_lora and (config.runner.tensor_parallel_size > 1
-                                    or jax.process_count() > 1):
-        raise ValueError("LoRA adapters run on one device of one host: enable_lora with "
-                         "tensor parallelism or several hosts is not supported")
-    root = cache_dir(config.model.cache_dir)
-    compile_guard.enable_persistent_cache(root)
-    on_cpu = jax.default_backend() == "cpu"
-    if on_cpu:  # g++ (where not built at install) runs while Python parses the metadata
-        cpu_library.build_in_background(root)
+def _load_in_dtype(config: EngineConfig, model: LoadedModel | None, root: str, on_cpu: bool
+                   ) -> tuple[EngineConfig, LoadedModel, PrecisionChoice | None]:
+    """The compute dtype (`auto`: measured before the weights are read, so they are read
+    once), the model loaded or converted to it and quantised as configured, and max_model_len
+    resolved from the model."""
     precision: PrecisionChoice | None = None
     if config.model.dtype == "auto":  # decided before the weights are read (one copy)
         arch = model.arch if model is not None else load_arch(config.model.model, root)
@@ -135,14 +126,27 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
     config = dataclasses.replace(
         config, model=config.model.resolve_max_model_len(model.arch.max_position_embeddings))
     assert config.model.max_model_len is not None
-    mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
+    return config, model, precision
+
+
+@dataclasses.dataclass(frozen=True)
+class _Routes:
+    """Which kernel runs which matmul, as measured at start-up, and the invariance decision."""
+
+    small_rows: int
+    quant_acts: dict
+    bf16_xla_rows: dict
+    invariance: Any
+
+
+def _measured_routes(model: LoadedModel, config: EngineConfig, root: str, mesh: Any,
+                     backend: str) -> _Routes:
     arch = model.arch
     # float bf16 linears on one CPU device: steps up to the size where the small matmul beats
     # XLA's dot (tuning/precision.py); not when all are quantised or BF16 rows (quant kernel)
     linears = [isinstance(w, QuantWeight) for name, w in model.params["layers"].items()
                if name in LINEAR_WEIGHTS]
     float_linears, quantised = not all(linears), any(linears)
-    backend = resolve_backend(config.runner.attention_backend, root)  # builds the kernels
     # the default mode's routes, as measured: the small matmul's row limit for float bf16
     # linears; GGUF / int8 weights' activation mode per format and shape; for BF16 rows the
     # step size from which XLA's dot measures faster
@@ -172,10 +176,34 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
             config.lora.enable_lora),
         functools.partial(_invariance_cost, model, config, quant_acts, bf16_xla_rows,
                           small_rows if float_linears else None, root))
-    invariant = invariance_choice.on
-    if invariant:  # one kernel for every step (tuning/invariance.py)
+    if invariance_choice.on:  # one kernel for every step (tuning/invariance.py)
         small_rows = invariance.ALL_ROWS if float_linears else 0
         bf16_xla_rows = {}
+    return _Routes(small_rows, quant_acts, bf16_xla_rows, invariance_choice)
+
+
+def build_parts(config: EngineConfig, model: LoadedModel | None,
+                devices: Sequence[Any] | None, keep_loaded_params: bool,
+                from_config: Callable[..., Any]) -> EngineParts:
+    """Engine.from_config's work (its arguments; `from_config` builds a draft model's engine)."""
+    compile_guard.install()
+    if config.lora.enable_lora and (config.runner.tensor_parallel_size > 1
+                                    or jax.process_count() > 1):
+        raise ValueError("LoRA adapters run on one device of one host: enable_lora with "
+                         "tensor parallelism or several hosts is not supported")
+    root = cache_dir(config.model.cache_dir)
+    compile_guard.enable_persistent_cache(root)
+    on_cpu = jax.default_backend() == "cpu"
+    if on_cpu:  # g++ (where not built at install) runs while Python parses the metadata
+        cpu_library.build_in_background(root)
+    config, model, precision = _load_in_dtype(config, model, root, on_cpu)
+    assert config.model.max_model_len is not None
+    mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
+    backend = resolve_backend(config.runner.attention_backend, root)  # builds the kernels
+    routes = _measured_routes(model, config, root, mesh, backend)
+    invariant, small_rows = routes.invariance.on, routes.small_rows
+    quant_acts, bf16_xla_rows, invariance_choice = (routes.quant_acts, routes.bf16_xla_rows,
+                                                    routes.invariance)
     attention = attention_fn(backend, root, batch_invariant=invariant)
     runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                     attention, mesh, small_matmul_rows=small_rows, quant_acts=quant_acts,

@@ -35,7 +35,7 @@ from jaxbatch.engine import compile_guard
 from jaxbatch.engine.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs_fn
 from jaxbatch.executor import sharding
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.archs import llama
+from jaxbatch.model.archs import cpu_layout, llama
 from jaxbatch.planner import Bucket
 from jaxbatch.worker import packed_inputs
 from jaxbatch.worker.packed_inputs import ModelInputs
@@ -114,7 +114,7 @@ class Runner:
                  lora_routes: dict[tuple[int, int], tuple[str, int]] | None = None) -> None:
         """`mesh`: a "tp" mesh (executor/sharding.py) to run on, else the default device.
         `small_matmul_rows`: bf16 weights also packed for the small-matmul kernel, which steps
-        of at most that many tokens run (llama.as_run_on_cpu; the engine measures up to where
+        of at most that many tokens run (cpu_layout.as_run_on_cpu; the engine measures up to where
         it pays, tuning/precision.py); 0: XLA's dot for every step. `quant_acts`: the quantised
         matmul's activation mode per (format, N, K); `bf16_xla_rows`: per (N, K) of BF16-row
         weights, from how many rows a step runs XLA's dot rather than the kernel (absent: never;
@@ -140,10 +140,10 @@ class Runner:
         self.quant_acts = {f"{f} {n}x{k}": a for (f, n, k), a in sorted(acts.items())}
         routes = bf16_xla_rows or {}
         self.bf16_xla_rows = {f"{n}x{k}": r for (n, k), r in sorted(routes.items())}
-        params = llama.as_run_on_cpu(params, arch, out_in=one_device,
-                                     small_matmul_rows=self.small_matmul_rows,
-                                     quant_acts=lambda f, n, k: acts.get((f, n, k), "float"),
-                                     bf16_xla_rows=lambda n, k: routes.get((n, k), 0))
+        params = cpu_layout.as_run_on_cpu(params, arch, out_in=one_device,
+                                          small_matmul_rows=self.small_matmul_rows,
+                                          quant_acts=lambda f, n, k: acts.get((f, n, k), "float"),
+                                          bf16_xla_rows=lambda n, k: routes.get((n, k), 0))
         if self.placement is not None:  # shardings of the params as run (kernel forms)
             if lora_slots is not None:
                 raise ValueError("LoRA adapters run on one device: enable_lora with "
@@ -171,6 +171,25 @@ class Runner:
                                        self.cache_dtype)
         step = functools.partial(packed_step_fn, arch=arch, attention_fn=attention_fn,
                                  experts_fn=experts_fn)
+        self._jit(step, init_cache, kv_zeros)
+        self.kv_cache = self._new_cache()
+        # multi-host: on process 0, a multihost.Leader (set by the engine) that announces every
+        # device operation to the other processes before it runs
+        self.leader: Any = None
+        # the engine's decision (tuning/invariance.py), part of the calibration key
+        self.batch_invariant = False
+        self.invariance: Any = None  # the engine's InvarianceChoice: what and why (logged, /v1/models)
+        self.executables: dict[Bucket, jax.stages.Compiled] = {}
+        # (S, False): the sampler for S rows (logits, sampling inputs, raw logits); (S, True):
+        # adjust_logits for S rows, run before it in steps with LogitsAdjustments (sampler.py)
+        self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._page_copy: jax.stages.Compiled | None = None  # compiled with the buckets
+        self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
+        self._hidden: Any = None  # the last step's hidden states [T, H], on the device
+
+    def _jit(self, step: Callable, init_cache: Callable, kv_zeros: Callable | None) -> None:
+        """The step (KV cache donated), the samplers and the cache's maker, jitted for one
+        device or with the placement's shardings."""
         if self.placement is None:
             self._new_cache: Callable[[], Any] = functools.partial(
                 init_cache, zeros=kv_zeros or jnp.zeros)
@@ -192,20 +211,6 @@ class Runner:
                                           out_shardings=pl.replicated)
             self._adjust_jitted = jax.jit(adjust_logits, in_shardings=pl.replicated,
                                           out_shardings=pl.replicated)
-        self.kv_cache = self._new_cache()
-        # multi-host: on process 0, a multihost.Leader (set by the engine) that announces every
-        # device operation to the other processes before it runs
-        self.leader: Any = None
-        # the engine's decision (tuning/invariance.py), part of the calibration key
-        self.batch_invariant = False
-        self.invariance: Any = None  # the engine's InvarianceChoice: what and why (logged, /v1/models)
-        self.executables: dict[Bucket, jax.stages.Compiled] = {}
-        # (S, False): the sampler for S rows (logits, sampling inputs, raw logits); (S, True):
-        # adjust_logits for S rows, run before it in steps with LogitsAdjustments (sampler.py)
-        self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
-        self._page_copy: jax.stages.Compiled | None = None  # compiled with the buckets
-        self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
-        self._hidden: Any = None  # the last step's hidden states [T, H], on the device
 
     def _with_lora_slots(self, params: Any, arch: ModelArch, max_loras: int, rank: int,
                          routes: dict[tuple[int, int], tuple[str, int]] | None) -> Any:

@@ -14,7 +14,7 @@ import pytest
 import transformers
 from gguf import GGMLQuantizationType as QT
 
-from jaxbatch.model.archs import llama
+from jaxbatch.model.archs import cpu_layout
 from jaxbatch.model.gguf import reader as model_gguf
 from jaxbatch.model.quantize import QuantWeight
 from pallas_kernels import cpu_library
@@ -46,7 +46,7 @@ def test_block_weights_run_the_int8_mode(tmp_path, monkeypatch, fmt):
                                            tie_word_embeddings=True))
     path = gguf_files.write_gguf(str(tmp_path / "m.gguf"), model, qtype=lambda n, w: QT[fmt])
     arch, params, _ = model_gguf.load_gguf(path, jnp.bfloat16)
-    on_cpu = llama.as_run_on_cpu(params, arch)
+    on_cpu = cpu_layout.as_run_on_cpu(params, arch)
     kept = [w for w in on_cpu["layers"].values() if isinstance(w, QuantWeight)]
     assert kept and all(w.kernel and w.acts == ("int8",) * len(w.fmts) for w in kept)
     a = prefill_logits(arch, params, IDS, jnp.uint16)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbatch.model.archs import llama
+from jaxbatch.model.archs import cpu_layout
 from jaxbatch.model.loader import load_model
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import small_bf16
@@ -142,10 +142,10 @@ def test_model_logits_with_and_without(tmp_path, kind):
     make_tiny_model(kind, str(tmp_path / kind))
     m = load_model(str(tmp_path / kind), "bfloat16")
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), m.params)
-    plain = llama.as_run_on_cpu(params, m.arch)
-    packed = llama.as_run_on_cpu(params, m.arch, small_matmul_rows=16)
+    plain = cpu_layout.as_run_on_cpu(params, m.arch)
+    packed = cpu_layout.as_run_on_cpu(params, m.arch, small_matmul_rows=16)
     assert packed["layers"]["wq"].packed.max_rows == 16 and "head_packed" in packed
-    wide = llama.as_run_on_cpu(params, m.arch, small_matmul_rows=64)
+    wide = cpu_layout.as_run_on_cpu(params, m.arch, small_matmul_rows=64)
     ids = np.random.RandomState(3).randint(3, 256, size=12)  # 12 tokens: the kernel in both
     a = prefill_logits(m.arch, plain, ids, jnp.uint16)
     b = prefill_logits(m.arch, packed, ids, jnp.uint16)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxbatch.model.archs import llama
+from jaxbatch.model.archs import cpu_layout
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight
 from tests.helpers.prefill import prefill_logits
@@ -24,7 +24,7 @@ from tests.helpers.tiny_models import make_tiny_model
 def bf16_logits(arch, params, ids) -> np.ndarray:
     """The engine's CPU bf16 path (the runner's `as_run_on_cpu` form: uint16-held layers,
     [out, in] linear weights, the head from the bf16 embedding), a uint16 cache, bf16 compute."""
-    return prefill_logits(arch, llama.as_run_on_cpu(jax_bf16(params), arch), ids, jnp.uint16)
+    return prefill_logits(arch, cpu_layout.as_run_on_cpu(jax_bf16(params), arch), ids, jnp.uint16)
 
 
 def jax_bf16(params):
@@ -94,7 +94,7 @@ def test_tiny_bf16_rows_match_hf_bf16(tmp_path, kind, on_kernel, stored):
     held = [m.params["embed"], *(m.params["layers"][n] for n in LINEAR_WEIGHTS)]
     held += [m.params["lm_head"]] if "lm_head" in m.params else []
     assert all(isinstance(w, QuantWeight) and w.fmts == ("BF16",) for w in held)
-    params = llama.as_run_on_cpu(m.params, m.arch) if on_kernel else m.params
+    params = cpu_layout.as_run_on_cpu(m.params, m.arch) if on_kernel else m.params
     kernel = [w.kernel for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(
         w, QuantWeight)) if isinstance(w, QuantWeight)]
     assert all(kernel) if on_kernel else not any(kernel)

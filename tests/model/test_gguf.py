@@ -17,7 +17,7 @@ import transformers
 from gguf import GGMLQuantizationType as QT
 
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.archs import llama
+from jaxbatch.model.archs import cpu_layout
 from jaxbatch.model.gguf import reader as model_gguf
 from jaxbatch.model.quantize import QuantWeight, RawBlocks
 from jaxbatch.model.weights import WeightLoadError
@@ -154,7 +154,7 @@ def test_k_quant_gguf_matches_transformers_gguf_loader(tmp_path, mix):
     cpu_library.available(str(tmp_path / "kernels"))
     if not quant.available(jnp.float32):
         pytest.skip("the quantised matmul kernel is not built on this CPU")
-    on_cpu = llama.as_run_on_cpu(params, arch)
+    on_cpu = cpu_layout.as_run_on_cpu(params, arch)
     kept = [w for w in on_cpu["layers"].values() if isinstance(w, QuantWeight)]
     assert kept and all(w.kernel for w in kept)
     _assert_close(prefill_logits(arch, on_cpu, IDS, jnp.float32), ref)
@@ -180,7 +180,7 @@ def test_mxfp4_gguf_matches_transformers_gguf_loader(tmp_path):
     cpu_library.available(str(tmp_path / "kernels"))
     if not quant.available(jnp.float32):
         pytest.skip("the quantised matmul kernel is not built on this CPU")
-    on_cpu = llama.as_run_on_cpu(params, arch)
+    on_cpu = cpu_layout.as_run_on_cpu(params, arch)
     assert all(w.kernel for w in on_cpu["layers"].values() if isinstance(w, QuantWeight))
     _assert_close(prefill_logits(arch, on_cpu, IDS, jnp.float32), ref)
 
@@ -197,7 +197,7 @@ def test_bf16_kernel_and_jnp_paths_agree(tmp_path, fmt):
     if not quant.available(jnp.bfloat16):
         pytest.skip("the bf16 quantised matmul needs AVX512-BF16 (not on this CPU)")
     a = prefill_logits(arch, params, IDS, jnp.uint16)
-    b = prefill_logits(arch, llama.as_run_on_cpu(params, arch), IDS, jnp.uint16)
+    b = prefill_logits(arch, cpu_layout.as_run_on_cpu(params, arch), IDS, jnp.uint16)
     np.testing.assert_allclose(b, a, atol=0.05 * np.abs(a).max())
 
 
@@ -232,8 +232,8 @@ def test_layers_read_in_place_from_the_file(tmp_path, compute):
     if not quant.available(dtype):
         pytest.skip(f"the quantised matmul kernel for {compute} is not built on this CPU")
     np.testing.assert_array_equal(
-        prefill_logits(arch, llama.as_run_on_cpu(mapped, arch), IDS, out),
-        prefill_logits(arch, llama.as_run_on_cpu(stacked, arch), IDS, out))
+        prefill_logits(arch, cpu_layout.as_run_on_cpu(mapped, arch), IDS, out),
+        prefill_logits(arch, cpu_layout.as_run_on_cpu(stacked, arch), IDS, out))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as QT
 
-from jaxbatch.model.archs import llama
+from jaxbatch.model.archs import cpu_layout
 from jaxbatch.model.gguf import reader as model_gguf
 from jaxbatch.model.quantize import QuantWeight
 from pallas_kernels import cpu_library
@@ -151,7 +151,7 @@ def test_moe_gguf_matches_transformers_gguf_loader(tmp_path, kind, qtype, hidden
     cpu_library.available(str(tmp_path / "kernels"))
     if not quant.available(jnp.float32):
         pytest.skip("the quantised matmul kernel for float32 is not built on this CPU")
-    on_cpu = llama.as_run_on_cpu(params, arch)
+    on_cpu = cpu_layout.as_run_on_cpu(params, arch)
     if qtype != QT.F32:
         assert on_cpu["layers"]["experts_gate"].kernel
     _close(prefill_logits(arch, on_cpu, IDS, jnp.float32), ref)
@@ -176,8 +176,8 @@ def test_experts_read_in_place_from_the_file(tmp_path):
     if not quant.available(jnp.float32):
         pytest.skip("the quantised matmul kernel for float32 is not built on this CPU")
     np.testing.assert_array_equal(
-        prefill_logits(arch, llama.as_run_on_cpu(mapped, arch), IDS, jnp.float32),
-        prefill_logits(arch, llama.as_run_on_cpu(stacked, arch), IDS, jnp.float32))
+        prefill_logits(arch, cpu_layout.as_run_on_cpu(mapped, arch), IDS, jnp.float32),
+        prefill_logits(arch, cpu_layout.as_run_on_cpu(stacked, arch), IDS, jnp.float32))
 
 
 def test_dequantised_experts_held_as_bf16_rows(tmp_path):
@@ -205,7 +205,7 @@ def test_dequantised_experts_held_as_bf16_rows(tmp_path):
     cpu_library.available(str(tmp_path / "kernels"))
     if not quant.available(jnp.bfloat16):
         pytest.skip("the quantised matmul kernel for bfloat16 is not built on this CPU")
-    on_cpu = llama.as_run_on_cpu(rows, arch)
+    on_cpu = cpu_layout.as_run_on_cpu(rows, arch)
     assert on_cpu["layers"]["experts_gate"].kernel
     ref = _transformers_logits(path, cfg)
     ours = prefill_logits(arch, on_cpu, IDS, jnp.uint16)

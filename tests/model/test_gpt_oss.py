@@ -16,7 +16,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.archs import llama
+from jaxbatch.model.archs import cpu_layout, llama
 from jaxbatch.model.hf import load_hf_dir
 from jaxbatch.model.weights import WeightLoadError
 from pallas_kernels import cpu_library
@@ -157,7 +157,7 @@ def test_mxfp4_checkpoint_kept_in_blocks_matches_transformers(tiny, tmp_path):
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
     cpu_library.available(str(tmp_path / "kernels"))
     if quant.available(jnp.float32):
-        on_cpu = llama.as_run_on_cpu(params, arch)
+        on_cpu = cpu_layout.as_run_on_cpu(params, arch)
         assert on_cpu["layers"]["experts_gate"].kernel
         ours = prefill_logits(arch, on_cpu, GGUF_IDS, jnp.float32)
         assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
@@ -225,7 +225,7 @@ def test_gguf_matches_transformers(tmp_path, qtype, kept):
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
     cpu_library.available(str(tmp_path / "kernels"))
     if kept and quant.available(jnp.float32):  # the experts through the routed-expert kernel
-        on_cpu = llama.as_run_on_cpu(params, arch)
+        on_cpu = cpu_layout.as_run_on_cpu(params, arch)
         assert on_cpu["layers"]["experts_gate"].kernel
         ours = prefill_logits(arch, on_cpu, GGUF_IDS, jnp.float32)
         assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()

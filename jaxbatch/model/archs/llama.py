@@ -33,7 +33,7 @@ from jaxbatch.lora import layers as lora_layers
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.archs import moe
 from jaxbatch.model.fixed_order import row_sum
-from jaxbatch.model.quantize import LINEAR_WEIGHTS, QuantWeight, quant_matmul
+from jaxbatch.model.quantize import QuantWeight, quant_matmul
 from pallas_kernels.matmul import small_bf16
 
 Params = dict
@@ -233,6 +233,57 @@ def mlp(h: jax.Array, lp: Params, arch: ModelArch, num_valid: jax.Array | None =
     return out
 
 
+def embed_tokens(params: Params, token_ids: jax.Array, arch: ModelArch) -> jax.Array:
+    """token ids [T] -> embeddings [T, H] in the compute dtype."""
+    embed = params["embed"]
+    if isinstance(embed, QuantWeight):  # the step's rows, dequantised in the compute dtype
+        x = embed.rows(token_ids).astype(value_dtype(params["final_norm"]))
+    else:
+        x = values(embed[token_ids])  # [T, H]
+    if arch.scale_embeddings:  # HF: sqrt(H) as a float32 tensor cast to the weights' dtype
+        x = x * jnp.asarray(np.float32(math.sqrt(arch.hidden_size))).astype(x.dtype)
+    return x
+
+
+def _step_rope(arch: ModelArch, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The step's rope tables: cos, sin [T, D/2], or [2, T, D/2] (global, local) for Gemma 3."""
+    cos, sin = rope_tables(arch, positions)
+    if arch.two_ropes:
+        cos_l, sin_l = rope_tables(arch, positions, local=True)
+        cos, sin = jnp.stack([cos, cos_l]), jnp.stack([sin, sin_l])
+    return cos, sin
+
+
+def split_layer_weights(layers: Params) -> tuple[dict, dict, dict]:
+    """-> (small-matmul packs, quantised weights, the rest): the packs and the quantised
+    weights stay out of the scanned inputs, the kernel takes each whole [L, ...] stack and the
+    layer index (slicing them in the scan copied every layer's weights, ~2x the bytes of a
+    decode step)."""
+    packs = {name: w.packed for name, w in layers.items()
+             if isinstance(w, OutInWeight) and w.packed is not None}
+    quants = {name: w for name, w in layers.items() if isinstance(w, QuantWeight)}
+    scanned = {name: dataclasses.replace(w, packed=None) if name in packs else w
+               for name, w in layers.items() if name not in quants}
+    return packs, quants, scanned
+
+
+def _qkv(h: jax.Array, lp: Params, ad: dict, rows: lora_layers.LoRARows | None,
+         arch: ModelArch, norm: Callable, cos: jax.Array, sin: jax.Array, K: int, D: int
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Normed h [T, H] -> q [T, N, D], k and v [T, K, D] (K, D: the KV cache's): projections
+    (+ LoRA, biases), q/k norms, rope."""
+    T, N = h.shape[0], arch.num_heads
+    q = _mm_lora(h, lp["wq"], ad.get("wq"), rows)
+    k = _mm_lora(h, lp["wk"], ad.get("wk"), rows)
+    v = _mm_lora(h, lp["wv"], ad.get("wv"), rows)
+    if arch.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k, v = q.reshape(T, N, D), k.reshape(T, K, D), v.reshape(T, K, D)
+    if arch.qk_norm:  # per head, before rope (Qwen3, Gemma 3)
+        q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def forward(
     params: Params,
     kv_cache: dict[str, jax.Array],
@@ -254,34 +305,15 @@ def forward(
     """
     L, N_pages, P, K, D = kv_cache["k"].shape
     N, T = arch.num_heads, token_ids.shape[0]
-    embed = params["embed"]
-    if isinstance(embed, QuantWeight):  # the step's rows, dequantised in the compute dtype
-        x = embed.rows(token_ids).astype(value_dtype(params["final_norm"]))
-    else:
-        x = values(embed[token_ids])  # [T, H]
-    if arch.scale_embeddings:  # HF: sqrt(H) as a float32 tensor cast to the weights' dtype
-        x = x * jnp.asarray(np.float32(math.sqrt(arch.hidden_size))).astype(x.dtype)
-    cos, sin = rope_tables(arch, positions)
-    if arch.two_ropes:  # [2, T, D]: global, local
-        cos_l, sin_l = rope_tables(arch, positions, local=True)
-        cos, sin = jnp.stack([cos, cos_l]), jnp.stack([sin, sin_l])
-    sm_scale = arch.sm_scale
+    x = embed_tokens(params, token_ids, arch)
+    cos, sin = _step_rope(arch, positions)
     store = kv_cache["k"].dtype
     eps, gemma = arch.rms_norm_eps, arch.gemma_norms
 
     def norm(v: jax.Array, w: jax.Array) -> jax.Array:
         return rms_norm(v, w, eps, plus_one=gemma)
 
-    # the small-matmul packs stay out of the scanned inputs: the kernel takes each whole stack
-    # and the layer index (slicing them in the scan copied every layer's weights, ~2x the bytes
-    # of a decode step)
-    layers = params["layers"]
-    packs = {name: w.packed for name, w in layers.items()
-             if isinstance(w, OutInWeight) and w.packed is not None}  # whole [L, ...] stacks
-    # quantised weights likewise: the kernel (or the jnp path) takes the stack and the index
-    quants = {name: w for name, w in layers.items() if isinstance(w, QuantWeight)}
-    scanned = {name: dataclasses.replace(w, packed=None) if name in packs else w
-               for name, w in layers.items() if name not in quants}
+    packs, quants, scanned = split_layer_weights(params["layers"])
     lora = params.get("lora")
     rows = lora_layers.step_rows(lora, lora_ids) if lora is not None and lora_ids is not None \
         else None
@@ -299,19 +331,9 @@ def forward(
             lp[name] = dataclasses.replace(lp[name], packed=dataclasses.replace(pack, layer=li))
         for name, qw in quants.items():
             lp[name] = dataclasses.replace(qw, layer=li)
-        h = norm(x, lp["attn_norm"])
-        q = _mm_lora(h, lp["wq"], ad.get("wq"), rows)
-        k = _mm_lora(h, lp["wk"], ad.get("wk"), rows)
-        v = _mm_lora(h, lp["wv"], ad.get("wv"), rows)
-        if arch.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q, k, v = q.reshape(T, N, D), k.reshape(T, K, D), v.reshape(T, K, D)
-        if arch.qk_norm:  # per head, before rope (Qwen3, Gemma 3)
-            q, k = norm(q, lp["q_norm"]), norm(k, lp["k_norm"])
-        c, s = cos, sin
-        if arch.two_ropes:
-            c, s = cos[extra["local_rope"]], sin[extra["local_rope"]]
-        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        c, s = (cos[extra["local_rope"]], sin[extra["local_rope"]]) if arch.two_ropes \
+            else (cos, sin)
+        q, k, v = _qkv(norm(x, lp["attn_norm"]), lp, ad, rows, arch, norm, c, s, K, D)
         # Write this layer's new K/V into its slab of the cache, which is carried as
         # [L*N_pages, P, K, D]: no reshape of the carry inside the loop, so XLA keeps the update
         # in place for every T (a flat-slot reshape made T=1 copy the whole cache per layer).
@@ -330,7 +352,7 @@ def forward(
             attn.page_indices + li * N_pages,
             attn.cu_q_lens,
             attn.num_seqs,
-            sm_scale=sm_scale,
+            sm_scale=arch.sm_scale,
             soft_cap=arch.attn_soft_cap,
             # a traced i32 scalar when sliding and global layers mix, else static
             sliding_window=extra["window"] if arch.mixed_windows else arch.sliding_window,
@@ -395,94 +417,6 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
         cap = float(arch.final_soft_cap)
         logits = cap * jnp.tanh(logits / cap)
     return logits
-
-
-def as_run_on_cpu(params: Params, arch: ModelArch, out_in: bool = True,
-                  small_matmul_rows: int = 0,
-                  quant_acts: Callable[[str, int, int], str] | None = None,
-                  bf16_xla_rows: Callable[[int, int], int] | None = None) -> Params:
-    """The params in the forms XLA:CPU runs fastest. bf16: the scanned layer weights held as
-    uint16 bits (`store_bf16_as_bits`), and with `out_in` the linear weights and an untied
-    head stored [out, in] (`OutInWeight`); a tied head is the embedding itself, dotted over its
-    last axis. The embedding and head stay bf16 (neither is sliced in the scan; as bits the
-    head was bitcast into a fresh 56 MB copy every step, 12.8 ms of a 3-row SmolLM2 step).
-    With `small_matmul_rows` (the engine's measured choice, tuning/precision.py) every linear
-    weight and the head also get a copy packed for the small bf16 matmul that steps of at most
-    that many tokens run (`PackedWeight`; the packed copies double the weights' memory).
-    Unchanged on other backends and in float32. The runner (`out_in` off under tensor
-    parallelism, whose shardings are laid out for [in, out]) and the scripts that run the
-    forward directly use this."""
-    if jax.default_backend() != "cpu":
-        return params
-    params = _quant_on_kernel(params, quant_acts, bf16_xla_rows)
-    if value_dtype(params["final_norm"]) != jnp.bfloat16:
-        return params
-    layers = dict(params["layers"])
-    if out_in:
-        for name in LINEAR_WEIGHTS:
-            w = layers.get(name)
-            if w is not None and not isinstance(w, QuantWeight):
-                wt = jnp.swapaxes(w, -1, -2)
-                layers[name] = OutInWeight(wt, _packed(wt, small_matmul_rows))
-    out = {**params, "layers": store_bf16_as_bits(layers)}
-    head = params.get("lm_head")
-    if out_in and head is not None and not isinstance(head, QuantWeight):
-        out["lm_head"] = OutInWeight(jnp.array(head.T))
-    tied = params["embed"]
-    head_wt = (None if isinstance(tied, QuantWeight) else tied) if head is None else (
-        None if isinstance(head, QuantWeight) else head.T)
-    head_packed = _packed(head_wt, small_matmul_rows) if out_in and head_wt is not None else None
-    if head_packed is not None:
-        out["head_packed"] = head_packed
-    return out
-
-
-def _quant_on_kernel(params: Params, acts: Callable[[str, int, int], str] | None = None,
-                     bf16_xla_rows: Callable[[int, int], int] | None = None) -> Params:
-    """Quantised weights run through the CPU kernel where it is built for the compute dtype
-    (pallas_kernels/matmul/quant.py), else through the jnp path (dequantise, then dot).
-    `acts(fmt, n, k)`: the kernel's activation mode for a weight of that format and shape
-    (default "float"); `bf16_xla_rows(n, k)`: from how many rows a stacked BF16 weight's steps
-    run XLA's dot instead (0, the default: never)."""
-    from pallas_kernels.matmul import quant
-
-    dtype = value_dtype(params["final_norm"])
-    # a build with the int8 mode and no float mode for the compute dtype (none on x86 since the
-    # avx2 level has quant_float_avx2.cc), bfloat16 compute: block-format weights (Q8_0, Q4_0,
-    # K-quants, MXFP4) run the int8 mode, as llama.cpp's AVX2 build computes them; BF16 / F16 rows
-    # stay on the jnp path, and float32 keeps its exact dequantised dots (dtype auto, timing
-    # XLA's dots alone there, picks float32)
-    int8_only = not quant.available(dtype)
-    if int8_only and not (dtype == jnp.bfloat16 and quant.available(dtype, act="int8")):
-        return params
-
-    def on_kernel(w: QuantWeight) -> QuantWeight:
-        if int8_only:
-            if not all(f in quant.INT8_FORMATS for f in w.fmts):
-                return w
-            return dataclasses.replace(w, kernel=True, acts=("int8",) * len(w.fmts))
-        modes = tuple(acts(f, w.n, w.k) for f in w.fmts) if acts is not None else ()
-        xla_rows = bf16_xla_rows(w.n, w.k) if bf16_xla_rows is not None and w.stacked \
-            and "BF16" in w.fmts else 0
-        # BF16 rows in panel mode, held in memory and never bitcast for XLA's dot: packed into
-        # panels once here (one stream per 16 outputs at decode; same bits as from the rows)
-        parts = list(w.parts)
-        if w.stacked and w.offsets is None and not w.experts and xla_rows == 0:
-            for i, mode in enumerate(modes):
-                if mode == "panel":
-                    parts[i] = quant.pack_panels(parts[i])
-                    modes = (*modes[:i], "panel_packed", *modes[i + 1:])
-        return dataclasses.replace(w, parts=tuple(parts), kernel=True, acts=modes,
-                                   xla_from_rows=xla_rows)
-
-    return jax.tree.map(lambda w: on_kernel(w) if isinstance(w, QuantWeight) else w, params,
-                        is_leaf=lambda w: isinstance(w, QuantWeight))
-
-
-def _packed(wt: jax.Array, max_rows: int) -> PackedWeight | None:
-    if max_rows <= 0 or not small_bf16.can_pack(wt):
-        return None
-    return PackedWeight(small_bf16.pack(wt), max_rows)
 
 
 def one_sequence_inputs(num_tokens: int, page_size: int) -> tuple[int, AttentionInputs]:
