@@ -54,3 +54,11 @@ class RequestOutput:
     # when asked (SamplingParams.prompt_logprobs), vLLM's shape: None for the first prompt token,
     # then {token id: Logprob} per prompt token, the token itself with its rank and the top-n
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def logprob_dict(tok: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+    """A sampled token's logprobs in vLLM's shape: the top-n by rank, plus the sampled token when
+    it is not among them."""
+    d = {t: Logprob(lp, rank=r + 1) for r, (t, lp) in enumerate(top)}
+    d.setdefault(tok, Logprob(chosen))
+    return d

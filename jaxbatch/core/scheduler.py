@@ -49,6 +49,7 @@ from jaxbatch.config import SchedulerConfig
 from jaxbatch.core import parallel_sampling
 from jaxbatch.core.kv_pages import PageAllocator, extend_page_hashes
 from jaxbatch.core.request import Request, RequestStatus
+from jaxbatch.core.state_slots import StateSlots
 from jaxbatch.lora.slots import LoRASlots
 
 
@@ -99,10 +100,17 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pages: PageAllocator,
-                 lora_slots: LoRASlots | None = None) -> None:
+                 lora_slots: LoRASlots | None = None,
+                 state_slots: StateSlots | None = None) -> None:
+        """`state_slots`: hybrid models' recurrent-state pool; a running request holds a slot
+        (acquired at admission, released when it finishes or is preempted)."""
         self.config = config
         self.pages = pages
         self.lora_slots = lora_slots
+        self.state_slots = state_slots
+        if state_slots is not None:
+            assert state_slots.num_slots > config.max_num_seqs, (state_slots.num_slots,
+                                                                 config.max_num_seqs)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._prefill_streak = 0  # consecutive steps that left someone starving (see policies)
@@ -142,6 +150,8 @@ class Scheduler:
             self.running.remove(req)
             if self.lora_slots is not None:
                 self.lora_slots.release(req)
+            if self.state_slots is not None:
+                self.state_slots.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.pages.free(req.page_table)
@@ -222,6 +232,8 @@ class Scheduler:
                 self.running.append(req)
                 if self.lora_slots is not None:
                     assert self.lora_slots.acquire(req), req.request_id  # _next_admissible
+                if self.state_slots is not None:
+                    self.state_slots.acquire(req)
                 seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
                 budget -= n
         return ScheduledBatch(seqs, preempted)
@@ -283,6 +295,8 @@ class Scheduler:
         self.running.remove(req)
         if self.lora_slots is not None:
             self.lora_slots.release(req)
+        if self.state_slots is not None:  # its state is recomputed with its tokens
+            self.state_slots.release(req)
         self.pages.free(req.page_table)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -329,6 +343,9 @@ class Scheduler:
     def _fork(self, parent: Request) -> None:
         """The parent computed its prompt but the last token: its waiting choices join
         `running` right after it, sharing its pages (those without a free page are queued)."""
+        # hybrid models' choices run as ordinary requests (their recurrent state is not
+        # shared): parallel_sampling.group makes no forks for them
+        assert self.state_slots is None, parent.request_id
         forked, unforked, copies = parallel_sampling.fork(parent, self.pages)
         if self.lora_slots is not None:
             for child in forked:  # the parent's adapter: resident, held by the parent

@@ -24,7 +24,12 @@ from jaxbatch.core import parallel_sampling
 from jaxbatch.core.detokenizer import IncrementalDetokenizer
 from jaxbatch.core.grammar import GrammarMatchers, MatcherError
 from jaxbatch.core.kv_pages import PageAllocator
-from jaxbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxbatch.core.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    logprob_dict,
+)
 from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
@@ -234,7 +239,10 @@ class Engine:
                            prompt=text, auto_seed=self._rng.getrandbits(63), choice_index=j,
                            lora_name=lora_name, prefix_cache_key=lora_key or "")
                    for j, rid in enumerate(rids)]
-        for req in parallel_sampling.group(choices):
+        # a hybrid model's choices each compute the prompt (their recurrent states are their
+        # own: no fork shares them)
+        shared = self.scheduler.state_slots is None
+        for req in parallel_sampling.group(choices) if shared else choices:
             self.scheduler.add_request(req)  # may raise (KV capacity): the first one would
         for req in choices:
             self.requests[req.request_id] = req
@@ -374,7 +382,7 @@ class Engine:
                 n = req.sampling_params.logprobs
                 top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[row + j][:n],
                                                              out.top_logprobs[row + j][:n])]
-                req.logprobs.append(_logprob_dict(tok, float(out.logprobs[row + j]), top))
+                req.logprobs.append(logprob_dict(tok, float(out.logprobs[row + j]), top))
             status = self._check_stop(req, tok)
             if status is None and self.grammars.advance(req, tok):
                 status = RequestStatus.FINISHED_STOPPED  # grammar complete: only EOS could follow
@@ -490,9 +498,3 @@ class Engine:
             **(self.speculator.stats.engine_fields() if self.speculator else {}),
         )
 
-
-def _logprob_dict(tok: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-    """vLLM's shape: the top-n by rank, plus the sampled token when it is not among them."""
-    d = {t: Logprob(lp, rank=r + 1) for r, (t, lp) in enumerate(top)}
-    d.setdefault(tok, Logprob(chosen))
-    return d

@@ -87,6 +87,7 @@ def build_step_inputs(
     cu_q_lens = np.full(S + 1, n_tok, i32)
     logits_indices = np.zeros(S, i32)
     lora_ids = np.zeros(T, i32)
+    state_slots = np.zeros(S, i32)  # padding sequences: the dummy slot
     arrays = SamplingInputs(np.zeros(S, np.float32), np.zeros(S, i32), np.ones(S, np.float32),
                             np.zeros(S, np.float32), np.zeros(S, np.uint32), np.zeros(S, i32),
                             np.full((S, MAX_BANNED_IDS), -1, i32), np.zeros(S, bool), None,
@@ -107,6 +108,7 @@ def build_step_inputs(
             kv_lens[i] = s.start + n
             page_indices[i, : len(pt)] = pt
             cu_q_lens[i] = off
+            state_slots[i] = req.state_slot
             # one logit row per row that may sample: the last known token's, then each proposal's
             # (row j draws the token after proposal j-1, as a plain step would after it)
             for j in range(s.num_logit_rows):
@@ -119,7 +121,8 @@ def build_step_inputs(
             raise RowError(i, e) from e
     return StepInputs(
         token_ids, positions,
-        AttentionInputs(slot_mapping, kv_lens, page_indices, cu_q_lens, np.array([len(seqs)], i32)),
+        AttentionInputs(slot_mapping, kv_lens, page_indices, cu_q_lens, np.array([len(seqs)], i32),
+                        state_slots),
         logits_indices, arrays, lora_ids,
     )
 

@@ -53,6 +53,9 @@ class AttentionInputs:
     page_indices: jax.Array | np.ndarray  # i32[S, W] pages of each sequence
     cu_q_lens: jax.Array | np.ndarray  # i32[S+1]     prefix sums of new tokens per sequence
     num_seqs: jax.Array | np.ndarray  # i32[1]        real sequences (the rest are padding)
+    # i32[S] each sequence's recurrent-state slot (hybrid models; 0: the dummy slot, which
+    # padding sequences use); None where the model keeps no such state
+    state_slots: jax.Array | np.ndarray | None = None
 
 
 @jax.tree_util.register_dataclass
