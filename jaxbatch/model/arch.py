@@ -7,6 +7,9 @@ Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Gemma 2 and Gemma 3 text (sandwi
 local rope base), Phi-3 (fused qkv / gate_up, split at load), Mixtral, Qwen2-MoE and Qwen3-MoE
 (routed experts, model/archs/moe.py), gpt-oss (attention sinks, q/k/v/o biases, alternating sliding
 and full layers, YaRN rope, biased router and experts with a clamped SwiGLU; model/archs/gpt_oss.py).
+The hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet layers between gated
+full-attention ones) run their own forward (model/archs/qwen35.py); their options are read by
+model/arch_hybrid.py.
 Frozen, hashable: it is a static argument of the jitted step.
 """
 
@@ -16,6 +19,8 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxbatch.model import arch_hybrid
+from jaxbatch.model.arch_hybrid import HYBRID_TYPES, UnsupportedArchitectureError
 from jaxbatch.model.archs import rope as rope_freqs
 
 # HF `architectures` class -> the model_type its config carries. Loading refuses anything else,
@@ -32,6 +37,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model only (model/arch_hybrid.py)
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
 GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -40,10 +50,6 @@ MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # A sliding window wider than this is no window (a global layer fed as data; see llama.forward)
 NO_WINDOW = 1 << 30
-
-
-class UnsupportedArchitectureError(ValueError):
-    pass
 
 
 def check_supported(cfg: Any) -> str:
@@ -111,6 +117,17 @@ class ModelArch:
     softmax_topk: bool = False  # routing: top-k of the logits, softmax over those k only
     swiglu_limit: float | None = None  # the experts' clamped SwiGLU (None: `hidden_act` GLU)
     swiglu_alpha: float = 1.702
+    # hybrid models (model/archs/qwen35.py): each layer's kind, LINEAR (Gated DeltaNet) or FULL
+    # (gated full attention); () = every layer is the Llama-style attention layer
+    layer_kinds: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0  # the DeltaNet's q/k heads (each serves several value heads)
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0  # the causal depthwise convolution's width
+    partial_rotary_factor: float = 1.0  # rope turns the first head_dim * factor dims of q and k
+    attn_output_gate: bool = False  # q_proj also gives a per-head gate: o * sigmoid(gate)
+    norm_plus_one: bool = False  # RMSNorm as x * (1 + w) in f32, without Gemma's extra norms
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -124,6 +141,31 @@ class ModelArch:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} with "
                              f"{self.num_experts} experts")
+        if self.layer_kinds:
+            arch_hybrid.check(self)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Gated DeltaNet layers among the attention ones: model/archs/qwen35.py runs it."""
+        return bool(self.layer_kinds)
+
+    @property
+    def plus_one_norms(self) -> bool:
+        """RMSNorm scales by (1 + w) in float32 (Gemma, Qwen3.5 / Qwen3-Next)."""
+        return self.gemma_norms or self.norm_plus_one
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head rope turns (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def leaf_layers(self, leaf: str) -> tuple[int, ...]:
+        """The layers a params["layers"] leaf stacks, in order: every layer, or in a hybrid model
+        only the layers of its kind (a DeltaNet leaf over the DeltaNet layers, an attention leaf
+        over the full-attention ones)."""
+        if self.layer_kinds:
+            return arch_hybrid.leaf_layers(self, leaf)
+        return tuple(range(self.num_layers))
 
     @property
     def rope_type(self) -> str:
@@ -163,7 +205,9 @@ class ModelArch:
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelArch:
         model_type = check_supported(cfg)
-        theta, rope, local = _rope_settings(cfg)
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        cfg, model_type = arch_hybrid.text_config(cfg, model_type)
+        theta, rope, local = _rope_settings(cfg, model_type)
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         num_layers = cfg.num_hidden_layers
@@ -180,7 +224,7 @@ class ModelArch:
             model_type=model_type,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
+            intermediate_size=int(getattr(cfg, "intermediate_size", 0) or 0),  # none: MoE only
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
@@ -188,14 +232,14 @@ class ModelArch:
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=theta,
             max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            tie_word_embeddings=tied,
             attention_bias=bias,
             rope_scaling=rope,
             sliding_window=window,
             sliding_layers=sliding_layers,
             local_rope_theta=None if local is None else local[0],
             local_rope_scaling=() if local is None else local[1],
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES),
             gemma_norms=gemma,
             scale_embeddings=gemma,
             hidden_act=act,
@@ -208,6 +252,7 @@ class ModelArch:
             o_bias=model_type == "gpt_oss" and bias,
             attention_sinks=model_type == "gpt_oss",
             **_moe_settings(cfg, model_type, num_layers),
+            **arch_hybrid.settings(cfg, model_type, num_layers),
         )
 
     def inv_freq(self, local: bool = False):
@@ -217,11 +262,13 @@ class ModelArch:
         theta, scaling = self.rope_theta, self.rope_scaling
         if local and self.local_rope_theta is not None:
             theta, scaling = self.local_rope_theta, self.local_rope_scaling
-        return rope_freqs.inv_freq(theta, self.head_dim, dict(scaling),
+        return rope_freqs.inv_freq(theta, self.rotary_dim, dict(scaling),
                                    self.max_position_embeddings)
 
     def param_shapes(self) -> dict[str, Any]:
         """The params pytree's expected shapes; loaders check every tensor against it."""
+        if self.layer_kinds:
+            return arch_hybrid.param_shapes(self)
         L, H, I = self.num_layers, self.hidden_size, self.intermediate_size
         D = self.head_dim
         qd, kvd = self.num_heads * D, self.num_kv_heads * D
@@ -267,8 +314,10 @@ class ModelArch:
         return shapes
 
 
-def _one_rope(rope: dict[str, Any], cfg: Any) -> tuple[float, tuple[tuple[str, Any], ...]]:
-    """(theta, hashable scaling) of one rope parameter dict; refuses what the forward lacks."""
+def _one_rope(rope: dict[str, Any], cfg: Any, model_type: str = ""
+              ) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    """(theta, hashable scaling) of one rope parameter dict; refuses what the forward lacks
+    (a partial rotary factor outside the hybrid families, which read it themselves)."""
     rope = dict(rope)
     theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
     if "type" in rope and "rope_type" not in rope:
@@ -279,12 +328,12 @@ def _one_rope(rope: dict[str, Any], cfg: Any) -> tuple[float, tuple[tuple[str, A
     partial = rope.pop("partial_rotary_factor", None)
     if partial is None:
         partial = getattr(cfg, "partial_rotary_factor", 1.0)
-    if float(partial) != 1.0:
+    if float(partial) != 1.0 and model_type not in HYBRID_TYPES:
         raise UnsupportedArchitectureError(f"partial_rotary_factor {partial} is not supported")
     return float(theta), tuple(sorted((k, v) for k, v in rope.items() if _hashable(v)))
 
 
-def _rope_settings(cfg: Any):
+def _rope_settings(cfg: Any, model_type: str = ""):
     """-> (theta, scaling, local (theta, scaling) or None). transformers >= 5 keeps rope settings
     in `rope_parameters`, per layer type for Gemma 3; 4.x in rope_theta / rope_scaling."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
@@ -293,7 +342,7 @@ def _rope_settings(cfg: Any):
         local = _one_rope(params.get("sliding_attention") or {}, cfg)
         return theta, scaling, (None if local == (theta, scaling) else local)
     legacy = getattr(cfg, "rope_scaling", None) or {}
-    theta, scaling = _one_rope({**legacy, **params}, cfg)
+    theta, scaling = _one_rope({**legacy, **params}, cfg, model_type)
     return theta, scaling, None
 
 
@@ -303,13 +352,13 @@ def _sliding(cfg: Any, model_type: str,
     Layer kinds come from `layer_types` when the config has them, else every layer slides when
     there is a window (Mistral, Phi-3, Mixtral). A window no sequence can exceed is None."""
     window = getattr(cfg, "sliding_window", None)
-    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and \
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", *HYBRID_TYPES) and \
             not getattr(cfg, "use_sliding_window", False):
         window = None
     if not window or window <= 0 or window >= cfg.max_position_embeddings:
         window = None
     types = getattr(cfg, "layer_types", None)
-    if types is None:
+    if types is None or model_type in HYBRID_TYPES:  # their kinds: arch_hybrid.settings
         return (None if window is None else int(window)), (), window is not None
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown:
@@ -324,6 +373,8 @@ def _sliding(cfg: Any, model_type: str,
 
 
 def _moe_settings(cfg: Any, model_type: str, num_layers: int) -> dict[str, Any]:
+    if model_type in HYBRID_TYPES:
+        return arch_hybrid.moe_settings(cfg, model_type, num_layers)
     if model_type not in MOE_TYPES:
         return {}
     if model_type == "gpt_oss":  # the experts' width is the config's intermediate_size

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.archs import gpt_oss
+from jaxbatch.model.archs import gpt_oss, qwen35_checkpoint
 from jaxbatch.model.quantize import RawBlocks
 from jaxbatch.model.stack_files import StackFiles
 from jaxbatch.model.weights import KEEPABLE, LazyTensors, WeightLoadError, assemble_params
@@ -129,4 +129,6 @@ def load_hf_dir(path: str, dtype: Any, bf16_rows: bool = False,
     tensors: Mapping[str, Any] = read_safetensors_dir(path, bf16_rows)
     if arch.model_type == "gpt_oss":  # its fused experts, split as hf_names names them
         tensors = gpt_oss.checkpoint_tensors(tensors, arch.num_experts)
+    elif arch.is_hybrid:  # wrapped text models, fused projections and experts
+        tensors = qwen35_checkpoint.checkpoint_tensors(tensors, arch)
     return arch, assemble_params(arch, tensors, dtype, stacks)

@@ -27,6 +27,7 @@ class Source:
     name: str  # "{e}" marks the expert index of a per-expert tensor (stacked over experts)
     transpose: bool = False  # linear weights: HF [out, in] -> ours [in, out]
     rows: tuple[int, int, int] | None = None  # (start, stop, total): rows of a fused tensor
+    squeeze: int | None = None  # an axis of size 1 to drop (HF's [C, 1, K] depthwise conv)
 
 
 TOP_SOURCES = {
@@ -126,6 +127,26 @@ def _gpt_oss_layer(arch: ModelArch) -> dict[str, Source]:
     }
 
 
+def _hybrid_layer(arch: ModelArch) -> dict[str, Source]:
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (model/arch_hybrid.py). Qwen3-Next's fused
+    `in_proj_qkvz` / `in_proj_ba` are read as Qwen3.5's four projections
+    (model/archs/qwen35_checkpoint.py)."""
+    dn = "linear_attn"
+    table = {
+        **(_qwen_moe_layer(arch) if arch.num_experts else _llama_layer(arch)),
+        "dn_qkv": _linear(f"{dn}.in_proj_qkv"),
+        "dn_z": _linear(f"{dn}.in_proj_z"),
+        "dn_b": _linear(f"{dn}.in_proj_b"),
+        "dn_a": _linear(f"{dn}.in_proj_a"),
+        "dn_conv": Source(f"{dn}.conv1d.weight", squeeze=1),  # [C, 1, K] -> [C, K]
+        "dn_dt_bias": Source(f"{dn}.dt_bias"),
+        "dn_a_log": Source(f"{dn}.A_log"),
+        "dn_norm": Source(f"{dn}.norm.weight"),
+        "dn_out": _linear(f"{dn}.out_proj"),
+    }
+    return table
+
+
 _FAMILIES = {
     "gemma2": _gemma_layer,
     "gemma3_text": _gemma_layer,
@@ -134,6 +155,9 @@ _FAMILIES = {
     "qwen2_moe": _qwen_moe_layer,
     "qwen3_moe": _qwen_moe_layer,
     "gpt_oss": _gpt_oss_layer,
+    "qwen3_5_text": _hybrid_layer,
+    "qwen3_5_moe_text": _hybrid_layer,
+    "qwen3_next": _hybrid_layer,
 }
 
 

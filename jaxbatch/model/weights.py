@@ -59,8 +59,8 @@ class LazyTensors(Mapping):
 def expected_hf_names(arch: ModelArch) -> set[str]:
     shapes = arch.param_shapes()
     names = {TOP_SOURCES[k].name for k in shapes if k != "layers"}
-    for src in layer_sources(arch).values():
-        for i in range(arch.num_layers):
+    for leaf, src in layer_sources(arch).items():
+        for i in arch.leaf_layers(leaf):
             names.update(layer_tensor_names(arch, i, src))
     return names
 
@@ -96,6 +96,11 @@ def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any,
                 raise WeightLoadError(
                     f"fused tensor {name!r} has {a.shape[0]} rows, expected {total}")
             a = a[start:stop]
+        if src.squeeze is not None:  # a size-1 axis HF keeps (a depthwise conv's in-channels)
+            if a.ndim <= src.squeeze or a.shape[src.squeeze] != 1:
+                raise WeightLoadError(f"tensor {name!r} has shape {a.shape}: expected size 1 "
+                                      f"on axis {src.squeeze}")
+            a = a.squeeze(src.squeeze)
         a = a.T if src.transpose else a
         _check_shape(name, a.shape, want)
         return a.astype(np_dtype, copy=False)
@@ -121,8 +126,10 @@ def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any,
         want = shapes["layers"][key][1:]
         stack: np.ndarray | None = None  # [L, ...] in the final dtype, filled layer by layer
         raws: list[RawBlocks] = []
-        for i in range(arch.num_layers):
-            tnames = layer_tensor_names(arch, i, src)
+        # the layers this leaf stacks: all, or in a hybrid model those of its kind
+        leaf_layers = arch.leaf_layers(key)
+        for i, layer in enumerate(leaf_layers):
+            tnames = layer_tensor_names(arch, layer, src)
             if "{e}" in src.name:  # one tensor per expert -> [E, ...]
                 per_expert = [take(n, src, want[1:]) for n in tnames]
                 one: np.ndarray | RawBlocks = _whole_experts(per_expert) or np.stack(
@@ -133,7 +140,7 @@ def assemble_params(arch: ModelArch, tensors: Mapping[str, Any], dtype: Any,
                 raws.append(one)
                 continue
             if stack is None:
-                stack = np.empty((arch.num_layers, *want), np_dtype)
+                stack = np.empty((len(leaf_layers), *want), np_dtype)
                 for j, r in enumerate(raws):  # earlier layers were blocks: dequantise them
                     stack[j] = as_float(r)
                 raws = []

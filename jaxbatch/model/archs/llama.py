@@ -393,7 +393,7 @@ def compute_logits(params: Params, hidden: jax.Array, *, arch: ModelArch) -> jax
     parallelism adds one to a tied model, executor/sharding.py), else the embedding dotted over
     its last axis. Gemma's final soft cap applies last."""
     h = rms_norm(hidden, values(params["final_norm"]).astype(hidden.dtype), arch.rms_norm_eps,
-                 plus_one=arch.gemma_norms)
+                 plus_one=arch.plus_one_norms)
     head = params.get("lm_head")
     packed = params.get("head_packed")  # the head for the small matmul (as_run_on_cpu)
     embed = params["embed"]

@@ -1,0 +1,173 @@
+"""The Gated DeltaNet layer (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) on a ragged token batch.
+
+The math is transformers' (Qwen3_5GatedDeltaNet): from the normed hidden state h,
+  qkv = h @ in_proj_qkv [T, C] (C = 2 Hk dk + Hv dv), z = h @ in_proj_z, b, a = h @ in_proj_{b,a};
+  qkv through a causal depthwise convolution of width Kc over each sequence's history, then SiLU;
+  q, k L2-normalised per head (eps 1e-6) and repeated to the Hv value heads (head h reads key head
+  h // (Hv / Hk)), q scaled by dk^-0.5; beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias);
+  per value head a state S [dk, dv] in float32, per token
+      S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+  then o RMS-normed per head (weight w), times silu(z), through out_proj.
+
+Every sequence of the step carries two states from step to step, in slots of the cache
+(`AttentionInputs.state_slots` names each sequence's slot): the convolution's last Kc-1 inputs
+[C, Kc-1] and S [Hv, dk, dv]. A sequence with no history before this step (kv_lens - new tokens
+== 0) starts from zeros; otherwise from its slot, so prefill may be chunked over steps and
+decode steps follow. After the step the slot holds the state after the sequence's last new token.
+Padding sequences (index >= num_seqs) and padding tokens (after cu_q_lens[num_seqs]) write no
+slot: their writes go to an index past the cache and are dropped (not even slot 0, the dummy).
+
+The recurrence runs as a `while_loop` over the position within each sequence's new tokens,
+vectorised over the step's sequences: as many iterations as the longest sequence has new tokens
+(1 for a decode step, whatever the batch), each reading one token per sequence. The convolution
+needs no loop: each token's Kc inputs are gathered from the step's tokens or from the state.
+
+Letter legend: T tokens, S sequences, C conv channels, Hk / Hv key / value heads, dk / dv their
+dims, Kc the convolution width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbatch.model.arch import ModelArch
+
+# a slot index past any cache: a scatter there (mode="drop") writes nothing
+NO_SLOT = np.iinfo(np.int32).max
+L2_EPS = 1e-6  # transformers' l2norm (as FLA's kernels)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepLayout:
+    """Where each token of the step sits, computed once per step for every DeltaNet layer."""
+
+    seq: jax.Array  # i32[T]   the token's sequence (clipped for padding tokens)
+    local: jax.Array  # i32[T] its index among its sequence's new tokens
+    valid: jax.Array  # bool[T] a real token
+    start: jax.Array  # i32[S] the sequence's first new token
+    new: jax.Array  # i32[S]   its new tokens (0 for padding sequences)
+    fresh: jax.Array  # bool[S] no history before this step: start from zero states
+    read_slot: jax.Array  # i32[S]  its state slot
+    write_slot: jax.Array  # i32[S] its slot, NO_SLOT for a padding sequence
+
+
+def step_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
+                state_slots: jax.Array, num_tokens: int) -> StepLayout:
+    cu = jnp.asarray(cu_q_lens, jnp.int32)
+    S = cu.shape[0] - 1
+    real = jnp.arange(S) < jnp.asarray(num_seqs).reshape(-1)[0]
+    new = jnp.where(real, cu[1:] - cu[:-1], 0)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
+    valid = t < cu[jnp.asarray(num_seqs).reshape(-1)[0]]
+    slots = jnp.asarray(state_slots, jnp.int32)
+    return StepLayout(seq=seq, local=t - cu[seq], valid=valid, start=cu[:-1], new=new,
+                      fresh=(jnp.asarray(kv_lens, jnp.int32) - new) == 0, read_slot=slots,
+                      write_slot=jnp.where(real, slots, NO_SLOT))
+
+
+def causal_conv(x: jax.Array, w: jax.Array, state: jax.Array, lay: StepLayout
+                ) -> tuple[jax.Array, jax.Array]:
+    """x [T, C] (the projection's outputs), w [C, Kc], state [S, C, Kc-1] (each sequence's last
+    Kc-1 inputs before this step, oldest first; zeros for a fresh one) -> (silu(conv(x)) [T, C]
+    in x's dtype, each sequence's new state [S, C, Kc-1] in x's dtype). The sums in float32,
+    rounded once (HF: F.conv1d, then SiLU)."""
+    T, Kc = x.shape[0], w.shape[1]
+    S = state.shape[0]
+    state = state.astype(x.dtype)
+    taps = []
+    for k in range(Kc):  # tap k reads the input `lag` tokens back
+        lag = Kc - 1 - k
+        from_x = x[jnp.clip(jnp.arange(T) - lag, 0, T - 1)]
+        if lag == 0:
+            taps.append(from_x)
+            continue
+        # before the step's first token of the sequence: the state's column (Kc-1) - (lag - local)
+        col = jnp.clip(Kc - 1 - lag + lay.local, 0, Kc - 2)
+        taps.append(jnp.where((lay.local >= lag)[:, None], from_x, state[lay.seq, :, col]))
+    window = jnp.stack(taps, axis=-1).astype(jnp.float32)  # [T, C, Kc]
+    out = jax.nn.silu(jnp.sum(window * w.astype(jnp.float32)[None], axis=-1)).astype(x.dtype)
+    # the new state: the last Kc-1 inputs of the sequence's history and this step's tokens
+    cols = []
+    for m in range(Kc - 1):
+        back = Kc - 1 - m  # 1: the sequence's last input
+        from_x = x[jnp.clip(lay.start + lay.new - back, 0, T - 1)]  # [S, C]
+        col = jnp.clip(Kc - 1 - back + lay.new, 0, Kc - 2)
+        cols.append(jnp.where((back <= lay.new)[:, None], from_x, state[jnp.arange(S), :, col]))
+    return out, jnp.stack(cols, axis=-1)
+
+
+def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+               state: jax.Array, lay: StepLayout) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over each sequence's new tokens, in float32.
+
+    q, k [T, Hv, dk] (L2-normed, repeated to the value heads; q scaled), v [T, Hv, dv], g, beta
+    [T, Hv]; state [S, Hv, dk, dv] (each sequence's state before the step) -> (o [T, Hv, dv]
+    (zeros for padding tokens), the states after each sequence's last new token [S, Hv, dk, dv]).
+    A while loop over the position within the sequences (as many iterations as the longest
+    has new tokens), each step one token of every sequence, as HF's recurrent form computes
+    it token by token."""
+    T, Hv, dv = v.shape
+    steps = jnp.max(lay.new)
+
+    def body(carry):
+        i, st, out = carry
+        active = i < lay.new  # [S]
+        tok = jnp.clip(lay.start + i, 0, T - 1)
+        qi, ki, vi = q[tok], k[tok], v[tok]  # [S, Hv, d]
+        new = st * jnp.exp(g[tok])[..., None, None]
+        mem = jnp.einsum("shkv,shk->shv", new, ki)
+        delta = (vi - mem) * beta[tok][..., None]
+        new = new + ki[..., :, None] * delta[..., None, :]
+        o = jnp.einsum("shkv,shk->shv", new, qi)
+        st = jnp.where(active[:, None, None, None], new, st)
+        out = out.at[jnp.where(active, tok, T)].set(o, mode="drop")
+        return i + 1, st, out
+
+    out0 = jnp.zeros((T, Hv, dv), jnp.float32)
+    _, state, out = jax.lax.while_loop(lambda c: c[0] < steps, body,
+                                       (jnp.int32(0), state, out0))
+    return out, state
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    """transformers' l2norm in float32: x * rsqrt(sum(x^2) + 1e-6) over the last axis."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + np.float32(L2_EPS))
+
+
+def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: jax.Array,
+                    lay: StepLayout, arch: ModelArch, mm, rms_norm
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One DeltaNet layer: h [T, H] (normed) -> (its output [T, H] in h's dtype, each sequence's
+    new conv state [S, C, Kc-1] f32 and recurrent state [S, Hv, dk, dv] f32).
+
+    lp: dn_qkv [H, C], dn_z [H, Hv dv], dn_b / dn_a [H, Hv], dn_conv [C, Kc], dn_dt_bias /
+    dn_a_log [Hv], dn_norm [dv], dn_out [Hv dv, H] (as values; `mm(x, w)` the model's matmul,
+    `rms_norm(x, w, eps)` its Llama-style norm). conv_state / ssm_state: each sequence's states
+    before the step ([S, ...], f32, already zero for fresh sequences)."""
+    T, dt = h.shape[0], h.dtype
+    Hk, Hv = arch.linear_num_key_heads, arch.linear_num_value_heads
+    dk, dv = arch.linear_key_head_dim, arch.linear_value_head_dim
+    qkv, conv_new = causal_conv(mm(h, lp["dn_qkv"]), lp["dn_conv"], conv_state, lay)
+    z = mm(h, lp["dn_z"]).reshape(T, Hv, dv)
+    b, a = mm(h, lp["dn_b"]), mm(h, lp["dn_a"])  # [T, Hv]
+    f32 = jnp.float32
+    q = qkv[:, :Hk * dk].reshape(T, Hk, dk).astype(f32)
+    k = qkv[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk).astype(f32)
+    v = qkv[:, 2 * Hk * dk:].reshape(T, Hv, dv).astype(f32)
+    rep = Hv // Hk  # value head h reads key head h // rep (HF's repeat_interleave)
+    q = jnp.repeat(_l2norm(q), rep, axis=1) * np.float32(dk ** -0.5)
+    k = jnp.repeat(_l2norm(k), rep, axis=1)
+    beta = jax.nn.sigmoid(b.astype(f32)).astype(dt).astype(f32)  # HF: b.sigmoid() in h's dtype
+    g = -jnp.exp(lp["dn_a_log"].astype(f32)) * jax.nn.softplus(
+        a.astype(f32) + lp["dn_dt_bias"].astype(f32))
+    o, ssm_new = delta_rule(q, k, v, g, beta, ssm_state, lay)
+    # the gated RMSNorm per head: (w * norm(o) in o's dtype) * silu(z), in f32, rounded once
+    o = rms_norm(o.astype(dt), lp["dn_norm"], arch.rms_norm_eps)
+    o = (o.astype(f32) * jax.nn.silu(z.astype(f32))).astype(dt)
+    return mm(o.reshape(T, Hv * dv), lp["dn_out"]), conv_new.astype(f32), ssm_new
