@@ -11,6 +11,9 @@ TINY_KINDS = ("llama_gqa", "llama_tied", "qwen2", "mistral", "llama3_rope")
 # the families beyond Llama (model/arch.py): each exercises what its family adds
 ARCH_KINDS = ("qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
               "gpt_oss")
+# the Gated DeltaNet hybrids (model/archs/qwen35.py), each with both layer kinds; qwen3_5_vl is
+# the multimodal wrapper Qwen publishes Qwen3.5 as (its text model is what runs)
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl")
 
 
 def make_hf_config(kind: str):
@@ -53,10 +56,42 @@ def make_hf_config(kind: str):
     return _arch_config(kind, common)
 
 
+def _hybrid_config(kind: str, common: dict):
+    """Tiny hybrids: DeltaNet value heads outnumber key heads (4 vs 2) and their dims differ
+    (16 vs 8), attention head_dim 32 of which rope turns 8 (partial_rotary_factor 0.25)."""
+    text = {**{k: v for k, v in common.items() if k != "intermediate_size"}, "head_dim": 32,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8, "rms_norm_eps": 1e-6}
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48)
+    if kind == "qwen3_5":  # 8 layers: two groups of 3 DeltaNet + 1 attention layers
+        return transformers.Qwen3_5TextConfig(
+            **{**text, "num_hidden_layers": 8}, intermediate_size=128, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                             "partial_rotary_factor": 0.25})
+    if kind == "qwen3_5_moe":  # D D D A; tied head; top 2 of 4 (always renormalised)
+        return transformers.Qwen3_5MoeTextConfig(**{**text, "num_hidden_layers": 4}, **moe,
+                                                 tie_word_embeddings=True)
+    if kind == "qwen3_next":  # D A D A; fused qkvz / ba projections; top 2 of 4, not renormalised
+        return transformers.Qwen3NextConfig(
+            **{**text, "num_hidden_layers": 4}, **moe, full_attention_interval=2,
+            intermediate_size=128, norm_topk_prob=False, tie_word_embeddings=False)
+    if kind == "qwen3_5_vl":  # the text model under model.language_model, a 1-block vision tower
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=64, patch_size=4, spatial_merge_size=1,
+                      temporal_patch_size=1, num_position_embeddings=16)
+        return transformers.Qwen3_5Config(
+            text_config={**text, "num_hidden_layers": 4, "intermediate_size": 128},
+            vision_config=vision, tie_word_embeddings=False)
+    raise ValueError(kind)
+
+
 def _arch_config(kind: str, common: dict):
     """Tiny configs of the families beyond Llama. Windows (8 tokens) and soft caps are small
     enough to act on the test prompts; head_dim is not hidden / heads where the family allows."""
     untied = {**common, "tie_word_embeddings": False}
+    if kind in HYBRID_KINDS:
+        return _hybrid_config(kind, common)
     if kind == "qwen3":  # q/k RMSNorm per head; head_dim 32 with hidden 64 and 4 heads
         return transformers.Qwen3Config(**untied, head_dim=32, rope_theta=1000000.0)
     if kind == "gemma2":  # layers: sliding, global, sliding
@@ -106,11 +141,16 @@ def make_tiny_model(kind: str, path: str, seed: int = 0, cfg=None):
     `cfg`: a config of that kind to use instead of make_hf_config's."""
     torch.manual_seed(seed)
     cfg = cfg if cfg is not None else make_hf_config(kind)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
+    # the multimodal wrapper is built as itself (the Auto class would build its text model)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg) if kind == "qwen3_5_vl" else \
+        transformers.AutoModelForCausalLM.from_config(cfg)
+    model = model.to(torch.float32).eval()
     # Random init is small; scale weights up a bit so logits are not all near zero.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim >= 2:  # linear weights; an MoE's experts are [E, out, in] in torch
+            if name.endswith("A_log"):  # DeltaNet decay rates A in [0.05, 0.37]: the recurrent
+                p.uniform_(-3.0, -1.0)  # state carries over many tokens
+            elif p.ndim >= 2:  # linear weights; an MoE's experts are [E, out, in] in torch
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
