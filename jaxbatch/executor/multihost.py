@@ -201,7 +201,8 @@ def run_follower(config: EngineConfig) -> int:
     assert config.model.max_model_len is not None
     runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,
                     attention_fn(config.runner.attention_backend, root),
-                    engine_mesh(config.runner.tensor_parallel_size, jax.devices()))
+                    engine_mesh(config.runner.tensor_parallel_size, jax.devices()),
+                    max_num_seqs=config.scheduler.max_num_seqs)
     gbps = collective_gbps(config.planner.collective_gbps, runner.placement,
                            model.arch.hidden_size)  # a collective: as on the leader
     buckets = make_planner(config, model.arch, gbps).buckets

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from jaxbatch.config import EngineConfig, cache_dir
 from jaxbatch.core.kv_pages import PageAllocator
 from jaxbatch.core.scheduler import Scheduler
+from jaxbatch.core.state_slots import StateSlots
 from jaxbatch.engine import compile_guard
 from jaxbatch.executor import multihost
 from jaxbatch.executor.sharding import collective_gbps, engine_mesh
@@ -93,6 +95,9 @@ def _lora_routes(config: EngineConfig, arch: Any, root: str, on_cpu: bool
     by_shape = {(n, k): a for (_, n, k), a in acts.items()}
     xla_rows = choose_bf16_route(shapes, root, by_shape)
     return {s: (by_shape.get(s, "float"), xla_rows.get(s, 0)) for s in shapes}
+
+
+log = logging.getLogger("jaxbatch")
 
 
 def _load_in_dtype(config: EngineConfig, model: LoadedModel | None, root: str, on_cpu: bool
@@ -182,6 +187,29 @@ def _measured_routes(model: LoadedModel, config: EngineConfig, root: str, mesh: 
     return _Routes(small_rows, quant_acts, bf16_xla_rows, invariance_choice)
 
 
+def hybrid_config(config: EngineConfig, arch: Any) -> EngineConfig:
+    """A hybrid (Gated DeltaNet) model's limits, said at start: what it cannot run yet is
+    refused by name; the prefix cache is off (a cached prefix needs the recurrent state at its
+    end, which is not kept yet: a hit would skip the tokens the state needs)."""
+    if not arch.is_hybrid:
+        return config
+    if config.speculation.speculative_config is not None:
+        raise ValueError("speculative decoding is not supported yet for hybrid (Gated "
+                         "DeltaNet) models: their recurrent state cannot be rolled back")
+    if config.lora.enable_lora:
+        raise ValueError("LoRA adapters are not supported yet for hybrid (Gated DeltaNet) "
+                         "models")
+    if config.cache.kv_events_config is not None:
+        raise ValueError("KV-cache events need the prefix cache, which is not supported yet "
+                         "for hybrid (Gated DeltaNet) models")
+    if config.cache.enable_prefix_caching:
+        log.warning("prefix caching is off for this hybrid (Gated DeltaNet) model: the "
+                    "recurrent state at a cached prefix's end is not kept yet")
+        config = dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
+    return config
+
+
 def build_parts(config: EngineConfig, model: LoadedModel | None,
                 devices: Sequence[Any] | None, keep_loaded_params: bool,
                 from_config: Callable[..., Any]) -> EngineParts:
@@ -197,6 +225,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
     if on_cpu:  # g++ (where not built at install) runs while Python parses the metadata
         cpu_library.build_in_background(root)
     config, model, precision = _load_in_dtype(config, model, root, on_cpu)
+    config = hybrid_config(config, model.arch)
     assert config.model.max_model_len is not None
     mesh = engine_mesh(config.runner.tensor_parallel_size, devices)
     backend = resolve_backend(config.runner.attention_backend, root)  # builds the kernels
@@ -211,7 +240,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
                     kv_zeros=functools.partial(untouched_zeros, cache_dir=root),
                     lora_slots=(config.lora.max_loras, config.lora.max_lora_rank)
                     if config.lora.enable_lora else None,
-                    lora_routes=_lora_routes(config, model.arch, root, on_cpu))
+                    lora_routes=_lora_routes(config, model.arch, root, on_cpu),
+                    max_num_seqs=config.scheduler.max_num_seqs)
     runner.batch_invariant = invariant
     runner.invariance = invariance_choice
     # the runner holds the params in the forms it runs: the loaded copy goes (one resident copy
@@ -221,7 +251,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
     runner.leader = multihost.leader_for_this_process()  # None unless process 0 of several
     scheduler = Scheduler(config.scheduler, PageAllocator(
         runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching),
-        LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None)
+        LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None,
+        StateSlots(runner.num_state_slots) if runner.num_state_slots else None)
     config, replan = live_replan_setup(config, root, model.arch)  # may load a learned set
     planner = make_planner(config, model.arch, collective_gbps(
         config.planner.collective_gbps, runner.placement, model.arch.hidden_size))

@@ -35,7 +35,7 @@ from jaxbatch.engine import compile_guard
 from jaxbatch.engine.prompt_logprobs import PromptLogprobsOutput, prompt_logprobs_fn
 from jaxbatch.executor import sharding
 from jaxbatch.model.arch import ModelArch
-from jaxbatch.model.archs import cpu_layout, llama
+from jaxbatch.model.archs import cpu_layout, dispatch, llama
 from jaxbatch.planner import Bucket
 from jaxbatch.worker import packed_inputs
 from jaxbatch.worker.packed_inputs import ModelInputs
@@ -62,15 +62,28 @@ def kv_storage_dtype(values_dtype: Any) -> Any:
     return values_dtype
 
 
-def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any) -> int:
+def state_bytes(arch: ModelArch, num_slots: int) -> int:
+    """Bytes of a hybrid model's recurrent-state pool of `num_slots` slots (0 for the others)."""
+    return sum(int(np.prod(shape)) * jnp.dtype(dt).itemsize
+               for shape, dt in dispatch.state_shapes(arch, num_slots).values())
+
+
+def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any,
+                 num_state_slots: int = 0) -> int:
     """Pages of the KV cache: `num_pages` if given, else as many as `kv_cache_memory_gb` holds
-    (K and V, every layer, at the cache's element size)."""
+    (K and V of the layers with paged KV, at the cache's element size) once a hybrid model's
+    recurrent-state pool has its share."""
     if cache.num_pages is not None:
         return cache.num_pages
     gb = cache.kv_cache_memory_gb if cache.kv_cache_memory_gb is not None else DEFAULT_KV_CACHE_GB
-    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * \
+    per_token = 2 * dispatch.kv_layers(arch) * arch.num_kv_heads * arch.head_dim * \
         jnp.dtype(cache_dtype).itemsize
-    return max(2, int(gb * 2**30 // (per_token * cache.page_size)))
+    budget = gb * 2**30 - state_bytes(arch, num_state_slots)
+    if budget <= 0:
+        raise ValueError(f"the recurrent state of {num_state_slots - 1} sequences "
+                         f"({state_bytes(arch, num_state_slots) / 2**30:.2f} GiB) does not fit "
+                         f"kv_cache_memory_gb={gb}: raise it or lower max_num_seqs")
+    return max(2, int(budget // (per_token * cache.page_size)))
 
 
 def step_fn(params, kv_cache, inputs: StepInputs | ModelInputs, *, arch: ModelArch,
@@ -78,7 +91,7 @@ def step_fn(params, kv_cache, inputs: StepInputs | ModelInputs, *, arch: ModelAr
     """Model forward for one bucket -> (updated cache, logits f32[S, V] of the sampling rows,
     hidden [T, H]: left on the device, read only for prompt logprobs, greedy ids i32[S]: the
     argmax of the logits, the whole answer of a step whose rows are all plain greedy)."""
-    hidden, kv_cache = llama.forward(
+    hidden, kv_cache = dispatch.forward_fn(arch)(
         params, kv_cache, inputs.token_ids, inputs.positions, inputs.attn,
         arch=arch, attention_fn=attention_fn,
         **({} if experts_fn is None else {"experts_fn": experts_fn}),
@@ -111,7 +124,8 @@ class Runner:
                  bf16_xla_rows: dict[tuple[int, int], int] | None = None,
                  kv_zeros: Callable[[tuple[int, ...], Any], jax.Array] | None = None,
                  lora_slots: tuple[int, int] | None = None,
-                 lora_routes: dict[tuple[int, int], tuple[str, int]] | None = None) -> None:
+                 lora_routes: dict[tuple[int, int], tuple[str, int]] | None = None,
+                 max_num_seqs: int = 1) -> None:
         """`mesh`: a "tp" mesh (executor/sharding.py) to run on, else the default device.
         `small_matmul_rows`: bf16 weights also packed for the small-matmul kernel, which steps
         of at most that many tokens run (cpu_layout.as_run_on_cpu; the engine measures up to where
@@ -124,7 +138,8 @@ class Runner:
         on the dense linears (lora/layers.py; one device; None: no adapters);
         `lora_routes`: the slots as BF16 rows on the quantised-matmul kernel, each product's
         (N, K) -> (kernel mode, rows from which XLA's dot runs it) (tuning/startup.py measures
-        them); None: arrays for XLA's dot."""
+        them); None: arrays for XLA's dot. `max_num_seqs`: the running sequences a hybrid
+        model's recurrent-state pool holds."""
         self.placement: sharding.Placement | None = None
         experts_fn = None
         if mesh is not None:  # tensor parallel (or one replica's devices): see sharding.py
@@ -164,11 +179,16 @@ class Runner:
         self.cache_dtype = kv_storage_dtype(self.kv_dtype)
         tp = 1 if self.placement is None else self.placement.tp
         # a sharded cache's budget is per device: each holds K/tp heads
+        # hybrid models: a recurrent-state slot per running sequence and the dummy (slot 0)
+        self.num_state_slots = max_num_seqs + 1 if arch.is_hybrid else 0
+        if arch.is_hybrid and self.placement is not None:
+            raise ValueError("hybrid (Gated DeltaNet) models run on one device: "
+                             "tensor_parallel_size > 1 is not supported for them yet")
         self.num_pages = num_kv_pages(
             dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads // tp), cache,
-            self.cache_dtype)
-        init_cache = functools.partial(llama.init_kv_cache, arch, self.num_pages, self.page_size,
-                                       self.cache_dtype)
+            self.cache_dtype, self.num_state_slots)
+        init_cache = functools.partial(dispatch.init_cache, arch, self.num_pages, self.page_size,
+                                       self.cache_dtype, self.num_state_slots)
         step = functools.partial(packed_step_fn, arch=arch, attention_fn=attention_fn,
                                  experts_fn=experts_fn)
         self._jit(step, init_cache, kv_zeros)
@@ -270,7 +290,9 @@ class Runner:
         K and V (in place: the cache is donated). C = PAGE_COPY_WIDTH, padded with 0 -> 0 (the
         dummy page onto itself)."""
         def copy(kv_cache, src, dst):
-            return {name: c.at[:, dst].set(c[:, src]) for name, c in kv_cache.items()}
+            # the paged K/V only (a hybrid's recurrent states are per slot, not per page)
+            return {name: c.at[:, dst].set(c[:, src]) if name in ("k", "v") else c
+                    for name, c in kv_cache.items()}
 
         spec = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)

@@ -1,0 +1,59 @@
+"""Gated DeltaNet hybrids (Qwen3.5 dense and MoE, Qwen3-Next) through the whole engine: greedy
+equals HF transformers' float32 greedy token for token, with the recurrent state carried across
+chunked prefill (32-token budget), page size 1, requests joining mid-run, preemption by
+recompute (the state rebuilt from the tokens), and no compile after warm-up; the state slots
+are all given back."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxbatch import LLM, SamplingParams
+from tests.engine.test_engine_exact import check_exact, prompts_of
+
+ENGINE = dict(dtype="float32", max_model_len=256, seed=0, compile_guard=True, progress=False)
+
+
+def slots_back(llm) -> None:
+    slots = llm.engine.scheduler.state_slots
+    assert slots is not None and slots.num_free == slots.num_slots - 1
+    slots.check()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_hybrid_greedy_exact_chunked(tiny_models, kind):
+    path, hf = tiny_models(kind)
+    llm = LLM(path, page_size=16, max_num_batched_tokens=32, max_num_seqs=4, num_pages=80,
+              planner="fixed:[(8,4),(32,4)]", **ENGINE)
+    # 70 and 90 need several 32-token chunks: the state crosses steps mid-prompt
+    check_exact(llm, hf, prompts_of([5, 70, 17, 1, 90, 12], seed=3), [9, 12, 3, 15, 6, 11])
+    assert llm.engine.compiles_since_warmup == 0
+    slots_back(llm)
+
+
+def test_hybrid_page_size_one_and_preemption(tiny_models):
+    path, hf = tiny_models("qwen3_5")
+    # 44 usable one-token pages for 5 requests of up to 50 tokens each: some are preempted and
+    # recompute their state from their tokens
+    llm = LLM(path, page_size=1, num_pages=45, max_num_batched_tokens=16, max_num_seqs=5,
+              planner="fixed:[(8,5),(16,5)]", **ENGINE)
+    check_exact(llm, hf, prompts_of([20, 12, 25, 9, 15], seed=4), [20, 30, 15, 25, 10])
+    assert sum(r.num_preemptions for r in llm.engine.last_finished) > 0
+    assert llm.engine.compiles_since_warmup == 0
+    slots_back(llm)
+
+
+def test_hybrid_limits_are_said(tiny_models, caplog):
+    path, _ = tiny_models("qwen3_5")
+    with pytest.raises(ValueError, match="speculative decoding is not supported yet"):
+        LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            planner="fixed:[(8,4)]", max_num_seqs=4, max_num_batched_tokens=8, **ENGINE)
+    llm = LLM(path, planner="fixed:[(8,4)]", max_num_seqs=4, num_pages=64, page_size=16,
+              max_num_batched_tokens=8,
+              **ENGINE)
+    assert not llm.engine.pages.enable_caching and "prefix caching is off" in caplog.text
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=2, temperature=0,
+                                                                        max_tokens=4),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 2 and out.outputs[0].token_ids == out.outputs[1].token_ids
+    slots_back(llm)
