@@ -32,6 +32,13 @@ FAMILY_NOTES: dict[str, str] = {
     "qwen3_moe": "top-k routed experts, q/k norm",
     "gpt_oss": "attention sinks, q/k/v/o biases, sliding/full layers, YaRN rope, biased experts "
                "with a clamped SwiGLU",
+    "qwen3_5_text": "Gated DeltaNet (recurrent state per sequence) between gated full-attention "
+                    "layers, partial rope, (1 + w) norms",
+    "qwen3_5": "Qwen3.5's multimodal checkpoint: its text model only",
+    "qwen3_5_moe_text": "Qwen3.5's DeltaNet hybrid with routed experts and a gated shared expert",
+    "qwen3_5_moe": "Qwen3.5-MoE's multimodal checkpoint: its text model only",
+    "qwen3_next": "DeltaNet hybrid (fused qkvz projections, split at load), routed and shared "
+                  "experts",
 }
 SOURCES = ("a built-in name", "a .gguf file", "a local HF directory (config.json + safetensors)")
 
@@ -65,5 +72,5 @@ def main(argv: list[str]) -> int:
         print(f"  {b['name']:28s} {b['package']} ({state})")
     print("\nSupported architectures (config.json `architectures`):")
     for a in out["architectures"]:
-        print(f"  {a['architecture']:22s} {a['model_type']:12s} {a['notes']}")
+        print(f"  {a['architecture']:34s} {a['model_type']:16s} {a['notes']}")
     return 0

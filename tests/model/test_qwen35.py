@@ -24,10 +24,13 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
+from jaxbatch.model import quantize
 from jaxbatch.model.arch import ModelArch, UnsupportedArchitectureError
 from jaxbatch.model.archs import dispatch, llama, qwen35
 from jaxbatch.model.hf import load_hf_dir
 from jaxbatch.model.weights import WeightLoadError
+from pallas_kernels import cpu_library
+from pallas_kernels.matmul import small_bf16
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.ragged_steps import RaggedSteps
 from tests.helpers.smollm2 import torch_one_thread
@@ -229,3 +232,43 @@ def test_layer_groups_keep_compile_time_flat():
         return re.sub(r"\s+", "", re.sub(r"\d+", "0", str(jaxpr)))
 
     assert program(8) == program(24)
+
+
+def _run_prompt(arch, params) -> np.ndarray:
+    return RaggedSteps(arch, params, STEP_TOKENS, STEP_SEQS).step([("a", PROMPT)])["a"]
+
+
+def test_int8_weights_are_read_by_layer(model):
+    """`quantization: int8`: the linear weights as Q8_0 stacks, read by each layer's index in
+    its kind's stack (two groups of layers here): the logits of the f32 forward of the same
+    dequantised weights, exactly (both dequantise, then dot in f32)."""
+    arch, params, _, whole, _ = model("qwen3_5")
+    q = quantize.quantize_params(params, "int8")
+    assert isinstance(q["layers"]["wq"], quantize.QuantWeight)
+    deq = jax.tree.map(lambda w: w.dequantized() if isinstance(w, quantize.QuantWeight) else w,
+                       q, is_leaf=lambda w: isinstance(w, quantize.QuantWeight))
+    ours, ref = _run_prompt(arch, q), _run_prompt(arch, deq)
+    np.testing.assert_array_equal(ours, ref)
+    assert np.abs(ref - whole).max() > 1e-3 * np.abs(whole).max()  # the weights changed
+
+
+@pytest.mark.slow  # builds the CPU kernels when not cached (minutes)
+def test_bf16_forms_agree(model, tiny_models, tmp_path):
+    """bfloat16 compute in the forms the runner holds weights in on CPU: plain, stored [out,
+    in] with the small matmul's packs, and as BF16 rows on the quantised-matmul kernel. The
+    packed form is bitwise the plain one; the kernel sums in another order (1e-7 of the largest
+    |logit| measured, bound 1e-3)."""
+    why = cpu_library.available(str(tmp_path / "kernels"))
+    if why is not None or not small_bf16.available():
+        pytest.skip(why or "no small matmul in this build")
+    path, _ = tiny_models("qwen3_5")
+    arch, params = load_hf_dir(path, jnp.bfloat16)
+    plain = _run_prompt(arch, params)
+    packed = llama.as_run_on_cpu(params, arch, small_matmul_rows=64)
+    assert packed["layers"]["wq"].packed is not None
+    np.testing.assert_array_equal(_run_prompt(arch, packed), plain)
+    _, rows = load_hf_dir(path, jnp.bfloat16, bf16_rows=True)
+    rows = llama.as_run_on_cpu(rows, arch)
+    assert isinstance(rows["layers"]["w_up"], quantize.QuantWeight)
+    np.testing.assert_allclose(_run_prompt(arch, rows), plain,
+                               atol=1e-3 * float(np.abs(plain).max()), rtol=0)
