@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.archs import llama
-from jaxbatch.model.gguf.reader import reader as model_gguf
+from jaxbatch.model.gguf import reader as model_gguf
 from jaxbatch.model.quantize import QuantWeight, RawBlocks
 from jaxbatch.model.weights import WeightLoadError
 from pallas_kernels import cpu_library

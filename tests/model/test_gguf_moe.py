@@ -17,7 +17,7 @@ import transformers
 from gguf import GGMLQuantizationType as QT
 
 from jaxbatch.model.archs import llama
-from jaxbatch.model.gguf.reader import reader as model_gguf
+from jaxbatch.model.gguf import reader as model_gguf
 from jaxbatch.model.quantize import QuantWeight
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quant

@@ -201,7 +201,7 @@ def test_gguf_matches_transformers(tmp_path, qtype, kept):
     its config read from the metadata (head dim, expert width, window, YaRN) and its logits
     equal transformers' float32 model on the same weights, the experts dequantised from the
     file by the gguf package, within 1e-4 of the largest (as the other MoE GGUFs)."""
-    from jaxbatch.model.gguf.reader import reader as model_gguf
+    from jaxbatch.model.gguf import reader as model_gguf
     from jaxbatch.model.quantize import QuantWeight
     from tests.helpers.gguf_moe_files import gpt_oss_reference_dir, write_gpt_oss_gguf
     from tests.helpers.prefill import prefill_logits

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from jaxbatch.model import param_cache, registry
-from jaxbatch.model.gguf.reader import reader as model_gguf
+from jaxbatch.model.gguf import reader as model_gguf
 from jaxbatch.model.loader import load_model
 from jaxbatch.model.quantize import QuantWeight
 from jaxbatch.model.weights import WeightLoadError
