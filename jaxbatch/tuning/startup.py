@@ -169,7 +169,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
     invariance_choice = invariance.resolve(
         config.runner.batch_invariant, invariance.obstacle(
             config.model.dtype, mesh is not None, float_linears, quantised, backend,
-            config.lora.enable_lora),
+            config.lora.enable_lora, moe=arch.num_experts > 0),
         functools.partial(_invariance_cost, model, config, quant_acts, bf16_xla_rows,
                           small_rows if float_linears else None, root))
     invariant = invariance_choice.on
