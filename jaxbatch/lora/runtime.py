@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from jaxbatch.core.request import Request
+from jaxbatch.core.request import Request, lora_cache_key
 from jaxbatch.lora.adapters import LoRAAdapter, load_adapter
 from jaxbatch.lora.slots import LoRASlots
 
@@ -46,7 +46,7 @@ class LoRAAdapters:
     def add(self, adapter: LoRAAdapter) -> None:
         if adapter.name in self.by_name:
             raise ValueError(f"The lora adapter '{adapter.name}' has already been loaded.")
-        key = f"lora:{adapter.name}:{next(self._loads)}"
+        key = lora_cache_key(adapter.name, next(self._loads))
         self.by_name[adapter.name] = adapter
         self.keys[adapter.name] = key
         self._by_key[key] = adapter
