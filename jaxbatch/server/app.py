@@ -78,7 +78,7 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/tokenize", tokenize)
     app.router.add_post("/v1/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
-    if state.lora_modules is not None and lora_admin.runtime_updates_allowed():
+    if state.lora_modules is not None and lora_admin.warn_if_allowed(state.api_key):
         app.router.add_post("/v1/load_lora_adapter", lora_admin.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", lora_admin.unload_lora_adapter)
     app.router.add_get("/health", health)

@@ -37,7 +37,7 @@ from jaxbatch.executor import sharding
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.archs import cpu_layout, llama
 from jaxbatch.planner import Bucket
-from jaxbatch.worker import packed_inputs
+from jaxbatch.worker import kv_budget, packed_inputs
 from jaxbatch.worker.packed_inputs import ModelInputs
 from jaxbatch.worker.sampler import SamplerOutput, adjust_logits, greedy_argmax, sample
 from jaxbatch.worker.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
@@ -62,15 +62,22 @@ def kv_storage_dtype(values_dtype: Any) -> Any:
     return values_dtype
 
 
-def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any) -> int:
+def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any,
+                 device: Any = None) -> int:
     """Pages of the KV cache: `num_pages` if given, else as many as `kv_cache_memory_gb` holds
-    (K and V, every layer, at the cache's element size)."""
+    (K and V, every layer, at the cache's element size), else on an accelerator `device` (its
+    weights placed) what gpu_memory_utilization leaves (worker/kv_budget.py), else 2 GB."""
     if cache.num_pages is not None:
         return cache.num_pages
-    gb = cache.kv_cache_memory_gb if cache.kv_cache_memory_gb is not None else DEFAULT_KV_CACHE_GB
-    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * \
-        jnp.dtype(cache_dtype).itemsize
-    return max(2, int(gb * 2**30 // (per_token * cache.page_size)))
+    per_page = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * \
+        jnp.dtype(cache_dtype).itemsize * cache.page_size
+    if cache.kv_cache_memory_gb is not None:
+        budget = cache.kv_cache_memory_gb * 2**30
+    elif device is not None and device.platform != "cpu":
+        budget = kv_budget.device_kv_bytes(device, arch, cache.gpu_memory_utilization)
+    else:
+        budget = DEFAULT_KV_CACHE_GB * 2**30
+    return max(2, int(budget // per_page))
 
 
 def step_fn(params, kv_cache, inputs: StepInputs | ModelInputs, *, arch: ModelArch,
@@ -164,9 +171,10 @@ class Runner:
         self.cache_dtype = kv_storage_dtype(self.kv_dtype)
         tp = 1 if self.placement is None else self.placement.tp
         # a sharded cache's budget is per device: each holds K/tp heads
-        self.num_pages = num_kv_pages(
+        self.num_pages = num_kv_pages(  # on a GPU: from the first device's free memory
             dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads // tp), cache,
-            self.cache_dtype)
+            self.cache_dtype, (jax.devices() if self.placement is None
+                               else self.placement.mesh.devices.flat)[0])
         init_cache = functools.partial(llama.init_kv_cache, arch, self.num_pages, self.page_size,
                                        self.cache_dtype)
         step = functools.partial(packed_step_fn, arch=arch, attention_fn=attention_fn,
