@@ -130,6 +130,17 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
     created = int(time.time())
     chat = parsed.kind == "chat"
     usage_null = {"usage": None} if parsed.include_usage else {}
+    n = parsed.sampling_params.n
+    prompt_len = [len(parsed.prompts[i // n]["prompt_token_ids"]) for i in range(len(stream.ids))]
+
+    def usage_of(i: int, out: RequestOutput | None) -> dict[str, Any]:
+        """continuous_usage_stats: choice i's usage so far on each of its chunks (vLLM's)."""
+        if not parsed.continuous_usage:
+            return usage_null
+        done = len(out.outputs[0].token_ids) if out is not None else 0
+        return {"usage": {"prompt_tokens": prompt_len[i], "completion_tokens": done,
+                          "total_tokens": prompt_len[i] + done}}
+
     offsets = [0] * len(stream.ids)  # per choice: every prompt's n choices (index i * n + j)
     started: set[int] = set()  # completions' choices that sent a chunk (the first echoes)
     tools = [ToolCallStream() for _ in stream.ids] if parsed.tool_calls else None
@@ -138,7 +149,8 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
     if chat:
         for i in range(len(stream.ids)):
             await resp.write(_sse({**protocol.chat_chunk(parsed, response_id, created, model, i,
-                                                         None, tok, first=True), **usage_null}))
+                                                         None, tok, first=True),
+                                      **usage_of(i, None)}))
     async for i, out in stream:
         if out.error is not None:
             raise _engine_failed(response_id, out)
@@ -160,7 +172,7 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
             lp = chunk["choices"][0]["logprobs"]
             if lp and lp["tokens"]:
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-        await resp.write(_sse({**chunk, **usage_null}))
+        await resp.write(_sse({**chunk, **usage_of(i, out)}))
     if parsed.include_usage:
         await resp.write(_sse(protocol.usage_chunk(parsed, response_id, created, model,
                                                    await stream.results())))
