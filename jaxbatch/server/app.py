@@ -24,6 +24,7 @@ from jaxbatch.api import protocol as protocol
 from jaxbatch.api.protocol import ApiError
 from jaxbatch.engine.client import EngineClient
 from jaxbatch.lora import admin as lora_admin
+from jaxbatch.server import surfaces
 from jaxbatch.server.async_engine import AsyncEngine
 from jaxbatch.server.connections import LimitedTCPSite
 from jaxbatch.server.generate import chat_completions, completions
@@ -75,6 +76,7 @@ def create_app(state: ServerState) -> web.Application:
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", surfaces.route(surfaces.RESPONSES))
     app.router.add_post("/v1/tokenize", tokenize)
     app.router.add_post("/v1/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
