@@ -257,7 +257,7 @@ def from_chat(body: dict, chat: dict[str, Any], response_id: str) -> dict[str, A
 class ResponsesStream(BlockStream):
     """Chat deltas -> the Responses API's typed events, each (type, data)."""
 
-    def __init__(self, body: dict, response_id: str, model: str) -> None:
+    def __init__(self, body: dict, response_id: str, model: str, prompt_tokens: int = 0) -> None:
         super().__init__()
         self.body, self.response_id, self.model = body, response_id, model
         self.created = int(time.time())
@@ -318,7 +318,7 @@ class ResponsesStream(BlockStream):
         return events + [self._event("response.output_item.done",
                                      output_index=where["output_index"], item=item)]
 
-    def finish(self, reason: str | None, usage: dict[str, int]) -> list:
+    def finish(self, reason: str | None, usage: dict[str, int], stop: Any = None) -> list:
         """After the last delta: the open block closed, then the final response."""
         events = self.end()
         response = self._response(reason, usage)

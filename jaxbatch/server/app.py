@@ -77,6 +77,8 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", surfaces.route(surfaces.RESPONSES))
+    app.router.add_post("/v1/messages", surfaces.route(surfaces.MESSAGES))
+    app.router.add_post("/v1/messages/count_tokens", surfaces.count_tokens)
     app.router.add_post("/v1/tokenize", tokenize)
     app.router.add_post("/v1/detokenize", detokenize)
     app.router.add_get("/v1/models", models)

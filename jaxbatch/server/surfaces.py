@@ -18,8 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxbatch.api import messages_api, responses_api
 from jaxbatch.api import protocol as protocol
-from jaxbatch.api import responses_api
 from jaxbatch.api.protocol import ApiError
 from jaxbatch.server.async_engine import EngineDeadError
 from jaxbatch.server.generate import chat_deltas, results, submit
@@ -34,9 +34,9 @@ class Surface:
     to_chat: Callable[[Any, Any, list[str]], dict[str, Any]]
     # (body, chat completion, response id) -> this API's answer
     from_chat: Callable[[dict, dict[str, Any], str], dict[str, Any]]
-    # (body, response id, model) -> a writer: start(), feed(delta), finish(reason, usage),
-    # error(ApiError), each -> a list of events
-    writer: Callable[[dict, str, str], Any]
+    # (body, response id, model, prompt tokens) -> a writer: start(), feed(delta),
+    # finish(reason, usage, stop string or token), error(ApiError), each -> a list of events
+    writer: Callable[[dict, str, str, int], Any]
     ndjson: bool = False  # JSON lines (Ollama); else SSE, each event (name, data)
 
 
@@ -79,7 +79,8 @@ async def handle(request: web.Request, surface: Surface) -> web.StreamResponse:
         resp = web.StreamResponse(headers={
             "Content-Type": "application/x-ndjson" if surface.ndjson else "text/event-stream",
             "Cache-Control": "no-cache"})
-        writer = surface.writer(body, response_id, model)
+        writer = surface.writer(body, response_id, model,
+                                len(parsed.prompts[0]["prompt_token_ids"]))
         try:
             await resp.prepare(request)
             await _write(resp, surface, writer, st, parsed, stream, response_id, model)
@@ -105,11 +106,30 @@ async def _write(resp: web.StreamResponse, surface: Surface, writer: Any, st: Se
             choice = chunk["choices"][0]
             reason = choice["finish_reason"] or reason
             await send(writer.feed(choice["delta"]))
-        await send(writer.finish(reason, protocol.usage(await stream.results())))
+        outputs = await stream.results()
+        await send(writer.finish(reason, protocol.usage(outputs),
+                                 outputs[0].outputs[0].stop_reason))
     except EngineDeadError as e:
         await send(writer.error(ApiError(503, str(e), "server_error")))
     except ApiError as e:  # the engine failed this request: an error event, never an answer
         await send(writer.error(e))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: the prompt's length as the Messages body renders it."""
+    st = request.app[STATE]
+    raw = await read_json_body(request, st)
+
+    def count() -> int:
+        body = protocol.load_json_body(raw, st.limits.request)
+        chat = messages_api.to_chat(body, st.tokenizer, count_only=True)
+        parsed = protocol.parse_chat_request({**chat, "stream": False}, st.tokenizer,
+                                             st.max_model_len, st.model_names(),
+                                             st.limits.request, st.reasoning_parser)
+        return len(parsed.prompts[0]["prompt_token_ids"])
+
+    n = await asyncio.get_running_loop().run_in_executor(st.parse_pool, count)
+    return web.json_response({"input_tokens": n})
 
 
 def route(surface: Surface) -> Callable[[web.Request], Any]:
@@ -120,3 +140,5 @@ def route(surface: Surface) -> Callable[[web.Request], Any]:
 
 RESPONSES = Surface("resp", lambda body, tok, names: responses_api.to_chat(body, tok),
                     responses_api.from_chat, responses_api.ResponsesStream)
+MESSAGES = Surface("msg", lambda body, tok, names: messages_api.to_chat(body, tok),
+                   messages_api.from_chat, messages_api.MessagesStream)
