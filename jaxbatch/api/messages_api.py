@@ -264,7 +264,7 @@ class MessagesStream(BlockStream):
         return kind, {"type": kind, **data}
 
     def start(self) -> list:
-        message = {"id": self.response_id, "type": "message", "role": "assistant",
+        message: dict[str, Any] = {"id": self.response_id, "type": "message", "role": "assistant",
                    "model": self.model, "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": _usage(self.prompt_tokens, 0)}
         return [self._event("message_start", message=message)]

@@ -44,7 +44,7 @@ _ECHOED = ("instructions", "metadata", "parallel_tool_calls", "temperature", "to
            "max_output_tokens", "service_tier", "prompt_cache_key", "safety_identifier")
 _HARMLESS = {"model", "input", "stream", "stream_options", "tools", "tool_choice", "text",
              "reasoning", *_SAMPLING, *_ECHOED}
-_NEUTRAL = {"store": (None, False), "previous_response_id": (None,), "conversation": (None,),
+_NEUTRAL: dict[str, tuple] = {"store": (None, False), "previous_response_id": (None,), "conversation": (None,),
             "include": (None, []), "truncation": (None, "disabled"), "background": (None, False),
             "top_logprobs": (None, 0), "max_tool_calls": (None,), "prompt": (None,)}
 _TEXT_PARTS = ("input_text", "output_text", "text")
