@@ -141,6 +141,10 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None
     kv_cache_memory_gb: float | None = None  # used when num_pages is None; default 2 GB
+    # on a GPU (or TPU) with neither of those: JAX's memory pool is this share of the device's
+    # memory and the KV cache takes what the weights and a step's temporaries leave of it
+    # (vLLM's gpu_memory_utilization; worker/kv_budget.py); not used on CPU
+    gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"  # auto: the compute dtype | float32 | bfloat16
     # automatic prefix caching: full KV pages shared by every request with the same prefix
     enable_prefix_caching: bool = True
@@ -161,6 +165,9 @@ class CacheConfig:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 @dataclasses.dataclass(frozen=True)

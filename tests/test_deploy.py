@@ -124,3 +124,48 @@ def test_autoscaler_queries_an_exported_metric_of_the_served_model():
     assert re.search(rf"^{re.escape(metric)}\{{model_name=\"{model}\"\}} ", exported, re.M), metric
     assert float(trigger["metadata"]["threshold"]) > 0
     assert 1 <= scaler["spec"]["minReplicaCount"] <= scaler["spec"]["maxReplicaCount"]
+
+
+def test_pods_read_their_key_from_the_secret_and_refuse_an_empty_one(tmp_path):
+    """The key reaches the server as a file from the Secret jaxbatch-api-key; the shipped Secret
+    holds none, and a pod given an empty key file refuses to start (nothing serves keyless)."""
+    import pytest
+
+    from jaxbatch.cli.serve import api_key_from_args
+
+    docs = manifests()
+    dep, secret = docs["Deployment"], docs["Secret"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    _, args = serve_args(container["args"])
+    assert args.api_key is None and args.api_key_file
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    (name,) = [n for n, v in volumes.items() if "secret" in v]
+    src = volumes[name]["secret"]
+    assert src["secretName"] == secret["metadata"]["name"]
+    (item,) = src["items"]
+    assert os.path.join(mounts[name], item["path"]) == args.api_key_file
+    assert item["key"] in secret["stringData"]
+    empty = tmp_path / "api-key"
+    empty.write_text(secret["stringData"][item["key"]])
+    with pytest.raises(SystemExit, match="holds no key"):
+        api_key_from_args(build_parser().parse_args(["--api-key-file", str(empty)]), {})
+
+
+def test_cache_is_a_persistent_claim_and_kustomize_names_the_image():
+    docs = manifests()
+    dep, claim, kust = docs["Deployment"], docs["PersistentVolumeClaim"], docs["Kustomization"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["cache"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every replica mounts it
+    # kustomize applies files that exist (the Secret left out: re-applying would reset the key)
+    for f in kust["resources"]:
+        assert os.path.isfile(os.path.join(KUBE, f)), f
+    assert "secret.yaml" not in kust["resources"]
+    (image,) = kust["images"]
+    assert image["name"] == container["image"]
+    # the image build is documented with the name kustomize expects
+    with open(os.path.join(REPO, "deploy", "README.md")) as f:
+        readme = f.read()
+    assert f"docker build -t {image['newName']}:{image['newTag']} ." in readme

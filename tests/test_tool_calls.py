@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from jaxbatch.api import protocol as P
 from jaxbatch.api.protocol import ApiError
+from jaxbatch.api.structured import COMPACT, NO_WHITESPACE
 from jaxbatch.api.tool_calls import ToolCallStream, parse_tool_calls
 from jaxbatch.api.tools import parse_tools, render_tool_chat, tool_message
 from jaxbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -157,16 +158,23 @@ def test_structured_output_parameters(tok):
         return parse({**body, **extra}, tok, 512).sampling_params.structured_outputs
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    compact = {**schema, "x-guidance": COMPACT}  # JSON grammars: bounded whitespace
     assert so({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": schema, "strict": True}}}).json == schema
-    assert so({"response_format": {"type": "json_object"}}, "chat").json_object
+        "name": "x", "schema": schema, "strict": True}}}).json == compact
+    assert so({"response_format": {"type": "json_object"}}, "chat").json == {
+        "type": "object", "x-guidance": COMPACT}
     assert so({"response_format": {"type": "text"}}) is None
-    assert so({"guided_json": json.dumps(schema)}).json == json.dumps(schema)
+    assert so({"guided_json": json.dumps(schema)}).json == compact
+    own = {**schema, "x-guidance": {"whitespace_flexible": True}}
+    assert so({"guided_json": own}).json == own  # a schema's own options are kept
+    assert so({"structured_outputs": {"json": schema, "disable_any_whitespace": True}}).json \
+        == {**schema, "x-guidance": NO_WHITESPACE}
     assert so({"guided_regex": "[0-9]+"}).regex == "[0-9]+"
     assert so({"guided_choice": ["a", "b"]}, "chat").choice == ("a", "b")
     assert so({"structured_outputs": {"regex": "x+"}}).regex == "x+"
     forced = so({"tools": [WEATHER], "tool_choice": "required"}, "chat")
     assert forced.grammar is not None and "<tool_call>" in forced.grammar
+    assert json.dumps(COMPACT)[1:-1] in forced.grammar
 
 
 @pytest.mark.parametrize("extra,param,words", [

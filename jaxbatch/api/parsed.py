@@ -27,3 +27,4 @@ class ParsedRequest:
     # reader's state after the prompt: reasoning.start_state)
     reasoning_parser: str | None = None
     reasoning_start: str = "start"
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on each chunk

@@ -63,6 +63,12 @@ _NEUTRAL: dict[str, tuple] = {
     "use_beam_search": (None, False), "length_penalty": (None, 1.0),
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,), "store": (None, False),
+    # vLLM's extensions, at the values vLLM itself defaults to (clients such as guidellm and
+    # langchain send them explicitly)
+    "spaces_between_special_tokens": (None, True), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "include_reasoning": (None, True),
+    "priority": (None, 0), "return_tokens_as_token_ids": (None, False),
+    "truncate_prompt_tokens": (None,),
 }
 _HARMLESS = {"user", "metadata", "service_tier"}  # do not change the output
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -212,7 +218,9 @@ def _max_tokens(body: dict, keys: Sequence[str], default: int | None) -> int | N
     return found[0] if found else default
 
 
-def _stream_options(body: dict) -> tuple[bool, bool]:
+def _stream_options(body: dict) -> tuple[bool, bool, bool]:
+    """-> (stream, include_usage, continuous_usage): vLLM's `continuous_usage_stats` puts the
+    usage so far on every chunk, and only with include_usage (as vLLM reads it)."""
     stream = _get(body, "stream", bool, False)
     opts = _get(body, "stream_options", dict)
     if opts is not None and not stream:
@@ -220,14 +228,17 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
                           "stream_options")
     opts = opts or {}
     unknown = sorted(map(show, set(opts) - {"include_usage", "continuous_usage_stats"}))
-    if unknown or opts.get("continuous_usage_stats"):
-        raise bad_request(f"stream_options {unknown or ['continuous_usage_stats']} not "
-                          f"supported", "stream_options", "unsupported_parameter")
-    include = opts.get("include_usage")
-    if include is not None and not isinstance(include, bool):
-        raise bad_request(f"'stream_options.include_usage' must be bool, got {show(include)}",
-                          "stream_options")
-    return stream, bool(include)
+    if unknown:
+        raise bad_request(f"stream_options {unknown} not supported", "stream_options",
+                          "unsupported_parameter")
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = opts.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"'stream_options.{key}' must be bool, got {show(value)}",
+                              "stream_options")
+        flags.append(bool(value))
+    return stream, flags[0], flags[0] and flags[1]
 
 
 def _check_model(body: dict, served_models: Sequence[str] | None) -> str | None:
@@ -273,12 +284,12 @@ def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
 
 
 def _common(body: dict, tokenizer: Any, served_models: Sequence[str] | None
-            ) -> tuple[str | None, bool, bool]:
+            ) -> tuple[str | None, bool, bool, bool]:
     model = _check_model(body, served_models)
-    stream, include_usage = _stream_options(body)
+    stream, include_usage, continuous = _stream_options(body)
     if body.get("stop") is not None and tokenizer is None:
         raise bad_request("stop strings need a tokenizer; this model has none", "stop")
-    return model, stream, include_usage
+    return model, stream, include_usage, continuous
 
 
 def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
@@ -286,7 +297,7 @@ def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
                              limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
     """POST /v1/completions body -> ParsedRequest (one engine prompt per prompt in the body)."""
     body = _check_keys(body, _COMPLETION_KEYS, limits)
-    model, stream, include_usage = _common(body, tokenizer, served_models)
+    model, stream, include_usage, continuous = _common(body, tokenizer, served_models)
     logprobs = _num_logprobs(body, "logprobs")
     max_tokens = _max_tokens(body, ["max_tokens"], COMPLETIONS_DEFAULT_MAX_TOKENS)
     sp = _sampling_params(body, max_tokens, logprobs, limits)
@@ -329,7 +340,7 @@ def parse_completion_request(body: Any, tokenizer: Any, max_model_len: int,
     if echo and logprobs is not None and asked is None:  # vLLM: the echoed prompt's logprobs
         sp = dataclasses.replace(sp, prompt_logprobs=logprobs)
     return ParsedRequest("completion", model, prompts, sp, stream, include_usage, logprobs, echo,
-                         prompt_logprobs=asked)
+                         prompt_logprobs=asked, continuous_usage=continuous)
 
 
 def _message(msg: Any, i: int) -> dict[str, str]:
@@ -433,7 +444,7 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
     """POST /v1/chat/completions body -> ParsedRequest (messages through the chat template;
     `reasoning_parser`: the server's --reasoning-parser, reasoning.py)."""
     body = _check_keys(body, _CHAT_KEYS, limits)
-    model, stream, include_usage = _common(body, tokenizer, served_models)
+    model, stream, include_usage, continuous = _common(body, tokenizer, served_models)
     want_logprobs = _get(body, "logprobs", bool, False)
     top = _num_logprobs(body, "top_logprobs")
     if top is not None and not want_logprobs:
@@ -467,6 +478,7 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
             raise bad_request(str(e), "response_format", "unsupported_parameter") from None
     return ParsedRequest("chat", model, [{"prompt_token_ids": ids, "prompt": text}], sp, stream,
                          include_usage, top_logprobs, tool_calls=tools is not None,
+                         continuous_usage=continuous,
                          prompt_logprobs=sp.prompt_logprobs, reasoning_parser=reasoning_parser,
                          reasoning_start=start_state(reasoning_parser, text)
                          if reasoning_parser is not None else "start")

@@ -9,11 +9,20 @@ Sources, at most one per request (a 400 names the second):
 and, for chat, a forced tool call (tool_choice "required" or a named function; api/tools.py).
 The grammar is compiled against the model's tokenizer here, so one that does not compile is a
 400 carrying llguidance's message, before anything reaches the engine.
+
+Whitespace: JSON grammars (json_schema, json_object, guided_json, forced tool calls) allow at
+most one space or newline between JSON tokens (`COMPACT`, llguidance's `x-guidance` options).
+llguidance's default lets any run of spaces, tabs and newlines through, and a small model,
+constrained, can spend every token it has on them: a forced call that never closes, finish
+reason "length" (seen with SmolLM2-135M). One character still lets a model write the `": "` and
+`", "` it was trained on. vLLM's `structured_outputs.disable_any_whitespace: true` allows none;
+a schema that sets its own `x-guidance` keeps it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from jaxbatch.api.body import bad_request
@@ -24,6 +33,29 @@ from jaxbatch.core.structured_outputs import StructuredOutputsParams, structured
 KEYS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs")
 _MAX_ERROR_TEXT = 500
+COMPACT = {"whitespace_pattern": r"[ \n]?"}  # at most one space or newline between tokens
+NO_WHITESPACE = {"whitespace_flexible": False}  # none: `{"a":1,"b":2}`
+
+
+def compact_schema(schema: Any, options: dict[str, Any] | None = None) -> Any:
+    """A JSON schema (dict) with llguidance's whitespace options (COMPACT unless given), unless
+    it sets its own; other values (a boolean schema) as they are."""
+    if not isinstance(schema, dict) or "x-guidance" in schema:
+        return schema
+    return {**schema, "x-guidance": options or COMPACT}
+
+
+def _compact(params: StructuredOutputsParams, options: dict[str, Any]) -> StructuredOutputsParams:
+    """json / json_object grammars with bounded whitespace; the others as they are."""
+    if params.json_object:
+        return dataclasses.replace(params, json_object=None,
+                                   json=compact_schema({"type": "object"}, options))
+    if params.json is None:
+        return params
+    schema = params.json
+    if isinstance(schema, str):
+        schema = json.loads(schema)  # valid: StructuredOutputsParams checked it
+    return dataclasses.replace(params, json=compact_schema(schema, options))
 
 
 def _response_format(value: Any) -> StructuredOutputsParams | None:
@@ -59,7 +91,19 @@ def _from(key: str, value: Any) -> StructuredOutputsParams | None:
         return _response_format(value)
     field = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
              "guided_grammar": "grammar"}.get(key)
+    if field is None and isinstance(value, dict):  # vLLM's flag beside the grammar's field
+        value = {k: v for k, v in value.items() if k != "disable_any_whitespace"}
     return structured_outputs_from({field: value} if field else value)
+
+
+def _whitespace(body: dict) -> dict[str, Any]:
+    """vLLM's structured_outputs.disable_any_whitespace: true -> NO_WHITESPACE, else COMPACT."""
+    so = body.get("structured_outputs")
+    flag = so.get("disable_any_whitespace") if isinstance(so, dict) else None
+    if flag is not None and not isinstance(flag, bool):
+        raise bad_request(f"'structured_outputs.disable_any_whitespace' must be bool, got "
+                          f"{show(flag)}", "structured_outputs")
+    return NO_WHITESPACE if flag else COMPACT
 
 
 def structured_outputs(body: dict, tokenizer: Any, forced: StructuredOutputsParams | None = None,
@@ -76,7 +120,7 @@ def structured_outputs(body: dict, tokenizer: Any, forced: StructuredOutputsPara
             raise bad_request(str(e).replace("SamplingParams.structured_outputs", key), key) \
                 from None
         if params is not None:
-            found.append((key, params))
+            found.append((key, _compact(params, _whitespace(body))))
     if forced is not None:
         found.append((forced_by, forced))
     if len(found) > 1:

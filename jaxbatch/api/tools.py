@@ -5,7 +5,8 @@
   model decides, its output is read for calls), "none" (the tools are left out of the prompt,
   the output is plain content), "required" or `{"type": "function", "function": {"name": N}}`
   (a call is forced through a grammar: the `<tool_call>` wrapper around a JSON schema of
-  `{"name": N, "arguments": <N's parameters>}`, so even a small model returns valid arguments).
+  `{"name": N, "arguments": <N's parameters>}`, so even a small model returns valid arguments;
+  at most one space or newline between JSON tokens, structured.COMPACT, so the call closes).
   `parallel_tool_calls: false` allows one forced call, otherwise one or more.
 - `tool_message(msg, i)`: a `role: "tool"` message (`tool_call_id`, content) or an assistant
   message with `tool_calls`, for the template.
@@ -24,6 +25,7 @@ import re
 from typing import Any
 
 from jaxbatch.api.body import bad_request
+from jaxbatch.api.structured import compact_schema
 from jaxbatch.api.tool_calls import CLOSE, OPEN, call_text
 from jaxbatch.core.prompts import render_chat
 from jaxbatch.core.sampling_params import show
@@ -50,7 +52,7 @@ class ChatTools:
                   "properties": {"name": {"const": f["name"]},
                                  "arguments": f.get("parameters") or {"type": "object"}}}
                  for f in fns]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = compact_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
         one = f'"{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
         more = ' ("\\n" call)*' if self.parallel and self.choice == "required" else ""
         return StructuredOutputsParams(grammar=f"start: call{more}\ncall: {one}\n")

@@ -35,6 +35,7 @@ def require_readable(path: str | None, what: str, prog: str) -> None:
 _ENGINE_ARGS = [
     ("--model", str), ("--dtype", str), ("--max-model-len", int), ("--page-size", int),
     ("--num-pages", int), ("--kv-cache-memory-gb", float), ("--kv-cache-dtype", str),
+    ("--gpu-memory-utilization", float),
     ("--max-num-batched-tokens", int), ("--max-num-seqs", int), ("--batching-policy", str), ("--planner", str),
     ("--max-compiled-shapes", int), ("--attention-backend", str), ("--seed", int),
     ("--trace-path", str), ("--tokenizer", str), ("--cache-dir", str),
@@ -84,4 +85,8 @@ def engine_config_from_args(args: argparse.Namespace, prog: str = "jaxbatch") ->
     overrides["batch_invariant"] = args.batch_invariant
     overrides["enable_lora"] = args.enable_lora
     overrides["lora_modules"] = args.lora_modules
-    return config_from_sources(args.config, **overrides)
+    config = config_from_sources(args.config, **overrides)
+    from jaxbatch.worker.kv_budget import configure_xla_memory  # host only: sets the env
+
+    configure_xla_memory(config.cache.gpu_memory_utilization)  # before JAX's backend starts
+    return config

@@ -101,6 +101,17 @@ def api_key_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.
     return environ.get(API_KEY_ENV) or None
 
 
+def warn_if_open(host: str, api_key: str | None) -> bool:
+    """Log a warning when the server listens on every interface (0.0.0.0, ::, or no host)
+    without an API key: anyone who reaches the port runs the model. True when it warned."""
+    if api_key or host.strip("[]") not in ("0.0.0.0", "::", "", "*"):
+        return False
+    log.warning("listening on all interfaces (--host %s) without an API key: anyone who can "
+                "reach this port can use the model; set --api-key-file or $%s, or listen on "
+                "127.0.0.1 behind a proxy", host or "''", API_KEY_ENV)
+    return True
+
+
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     from jaxbatch.server.state import ServerLimits
 
@@ -120,6 +131,7 @@ async def _serve(args: argparse.Namespace, engine: EngineClient, api_key: str | 
     from jaxbatch.server.app import Server
 
     names = args.served_model_name or [engine.config.model.model]
+    warn_if_open(args.host, api_key)
     server = await Server.start(engine, args.host, args.port, names, api_key,
                                 limits_from_args(args), args.reasoning_parser)
     stop = asyncio.Event()

@@ -4,7 +4,8 @@ jax): vLLM's KV-cache events (`vllm.distributed.kv_events`), recorded by the pag
 
   BlockStored       a full page entered the cache: its hash, its parent's (the page before it
                     in the sequence; None for a sequence's first page), its token ids, the
-                    page size
+                    page size, and `lora_id`: the LoRA adapter load whose KV it holds (vLLM's
+                    lora_int_id: 1, 2, ... in load order; None for the base model)
   BlockRemoved      cached pages evicted (their memory reused) or dropped by a cache reset
   AllBlocksCleared  the whole cache is gone (an engine's start: nothing it said before holds)
 
@@ -25,6 +26,7 @@ class BlockStored:
     parent_block_hash: bytes | None
     token_ids: tuple[int, ...]
     block_size: int
+    lora_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -186,12 +186,13 @@ class PageAllocator:
         return pages
 
     def cache_page(self, page: int, page_hash: PageHash, parent_hash: PageHash | None = None,
-                   token_ids: Sequence[int] = ()) -> None:
+                   token_ids: Sequence[int] = (), lora_id: int | None = None) -> None:
         """Enter a full page whose KV is computed into the cache. A no-op when caching is off,
         the page is cached already, or another page holds the same prefix (two requests computed
         it in the same step: the duplicate stays private and is freed as an empty page).
         `parent_hash` (the previous page's; None for a sequence's first) and the page's
-        `token_ids` go into its BlockStored event."""
+        `token_ids` go into its BlockStored event, with `lora_id` (the adapter load whose KV
+        it holds; None: the base model)."""
         if not self.enable_caching or self.page_hash[page] is not None \
                 or page_hash in self.cached:
             return
@@ -200,7 +201,7 @@ class PageAllocator:
         self.cached[page_hash] = page
         if self.record_events:
             self.events.append(BlockStored((page_hash,), parent_hash, tuple(token_ids),
-                                           self.page_size))
+                                           self.page_size, lora_id))
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.queries += num_tokens

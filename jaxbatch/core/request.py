@@ -121,6 +121,20 @@ class NewRequest:
     lora_name: str | None = None  # a LoRA adapter the engine has (None: the base model)
 
 
+def lora_cache_key(name: str, load_id: int) -> str:
+    """The prefix-cache key of one load of adapter `name` (its `load_id`: 1, 2, ... per engine,
+    vLLM's lora_int_id): pages cached under it serve that load's requests only."""
+    return f"lora:{name}:{load_id}"
+
+
+def lora_id_of(prefix_cache_key: str) -> int | None:
+    """The adapter load id in a key lora_cache_key made (KV events' `lora_id`); None for the
+    base model's requests."""
+    if not prefix_cache_key.startswith("lora:"):
+        return None
+    return int(prefix_cache_key.rpartition(":")[2])
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRARequest:
     """vLLM's LoRARequest: an adapter by name, read from `lora_path` (a PEFT directory or a GGUF

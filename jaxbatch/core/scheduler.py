@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from jaxbatch.config import SchedulerConfig
 from jaxbatch.core import parallel_sampling
 from jaxbatch.core.kv_pages import PageAllocator, extend_page_hashes
-from jaxbatch.core.request import Request, RequestStatus
+from jaxbatch.core.request import Request, RequestStatus, lora_id_of
 from jaxbatch.core.state_slots import StateSlots
 from jaxbatch.lora.slots import LoRASlots
 
@@ -368,10 +368,11 @@ class Scheduler:
         if last > first:
             hashes = self._hashes(req, last)
             events = self.pages.record_events
+            lora_id = lora_id_of(req.prefix_cache_key) if events else None
             for k in range(first, last):
                 self.pages.cache_page(
                     req.page_table[k], hashes[k], hashes[k - 1] if k else None,
-                    req.token_slice(k * size, (k + 1) * size) if events else ())
+                    req.token_slice(k * size, (k + 1) * size) if events else (), lora_id)
 
 
 def _merge(first: ScheduledBatch, then: ScheduledBatch) -> ScheduledBatch:

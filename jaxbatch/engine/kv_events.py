@@ -10,7 +10,8 @@ Wire format (vLLM's `vllm.distributed.kv_events`, msgpack through msgspec):
             medium] | ["BlockRemoved", block_hashes, medium] | ["AllBlocksCleared"]
   Block hashes are the page hashes' low 64 bits as unsigned integers (vLLM's default,
   VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1); with that variable 0, the 16 hash bytes themselves.
-  lora_id is None (no adapters), medium "CPU".
+  lora_id is the adapter load's id (1, 2, ... in load order, as vLLM numbers its adapters; None
+  for the base model), medium "CPU".
 Replay (`replay_endpoint`): a ROUTER socket; a request [b"", start seq (8 bytes)] (a DEALER
 sends that; a REQ socket adds the empty frame itself) is answered by one message
 [b"", seq, payload] per buffered batch from `start` on, then [b"", -1 (8 bytes, signed), b""].
@@ -64,7 +65,8 @@ def encode_batch(events: list[ev.KVCacheEvent], ts: float, data_parallel_rank: i
             parent = None if e.parent_block_hash is None else \
                 external_hash(e.parent_block_hash, as_int)
             out.append(wire.BlockStored([external_hash(h, as_int) for h in e.block_hashes],
-                                        parent, list(e.token_ids), e.block_size, None, MEDIUM))
+                                        parent, list(e.token_ids), e.block_size, e.lora_id,
+                                        MEDIUM))
         elif isinstance(e, ev.BlockRemoved):
             out.append(wire.BlockRemoved([external_hash(h, as_int) for h in e.block_hashes],
                                          MEDIUM))
@@ -77,6 +79,30 @@ def _binds(endpoint: str) -> bool:
     """vLLM's rule: an address with a wildcard (or ipc://, inproc://) is bound, any other is a
     subscriber's bound socket to connect to."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def all_interfaces(endpoint: str) -> bool:
+    """A tcp:// endpoint bound on every interface (`*`, 0.0.0.0, `::`): reachable from other
+    machines."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    return host in ("*", "0.0.0.0", "::", "")
+
+
+def warn_exposed(config: KVEventsConfig) -> list[str]:
+    """Log a warning for each of `config`'s endpoints bound on all interfaces: ZeroMQ asks no
+    key, and the events carry every cached page's token ids (the prompts' text, tokenised).
+    vLLM's default endpoint (tcp://*:5557) is one. Returns the endpoints warned of."""
+    bound = [config.endpoint] if _binds(config.endpoint) else []  # else: connects out
+    bound += [config.replay_endpoint] if config.replay_endpoint is not None else []
+    exposed = [e for e in bound if all_interfaces(e)]
+    for e in exposed:
+        log.warning("KV-cache events are published on %s, every network interface, without "
+                    "authentication: whoever reaches it reads the token ids of every cached "
+                    "prompt; bind a private address (tcp://10.0.0.5:5557) or an ipc:// path "
+                    "where the network is not trusted", e)
+    return exposed
 
 
 class ZmqEventPublisher:
@@ -112,6 +138,7 @@ class ZmqEventPublisher:
             raise ValueError(f"kv_events_config: cannot open {config.endpoint}"
                              f"{' / ' + config.replay_endpoint if config.replay_endpoint else ''}"
                              f": {e}") from None
+        warn_exposed(config)
         self._topic = config.topic.encode()
         self._thread = threading.Thread(target=self._run, name="jaxbatch-kv-events", daemon=True)
         self._thread.start()

@@ -192,6 +192,18 @@ class ReplicaRouter:
                 r.remove_lora(name)
             raise
 
+    def add_lora(self, adapter: Any) -> None:
+        """An adapter read once (lora/runtime.py's read_for) served by every replica."""
+        done: list[Any] = []
+        try:
+            for r in self.replicas:
+                r.add_lora(adapter)  # type: ignore[attr-defined]
+                done.append(r)
+        except BaseException:
+            for r in done:  # all or none
+                r.remove_lora(adapter.name)
+            raise
+
     def remove_lora(self, name: str) -> None:
         for r in self.replicas:  # in use on any: refused before any replica drops it
             r.remove_lora(name, check_only=True)  # type: ignore[attr-defined]

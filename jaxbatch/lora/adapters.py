@@ -69,6 +69,23 @@ def _module_of(source: Any) -> str:
     return source.name.removesuffix(".weight")
 
 
+def _leaves_by_module(sources: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """HF module -> our leaves it feeds: one leaf each, or several for a fused module (Phi-3's
+    qkv_proj -> wq, wk, wv; gate_up_proj -> w_gate, w_up), each leaf reading its own row range
+    of the module's B (`Source.rows`) and the whole shared A."""
+    out: dict[str, tuple[str, ...]] = {}
+    for leaf, src in sources.items():
+        out[_module_of(src)] = out.get(_module_of(src), ()) + (leaf,)
+    return out
+
+
+def _by_leaf(found: dict[str, dict[int, dict[str, np.ndarray]]],
+             by_module: dict[str, tuple[str, ...]]) -> dict[str, dict[int, dict[str, np.ndarray]]]:
+    """An adapter's tensors keyed by HF module -> keyed by our leaf: a fused module's (A, B)
+    go to each of its leaves (the rows are cut in _assemble)."""
+    return {leaf: layers for module, layers in found.items() for leaf in by_module[module]}
+
+
 def load_adapter(name: str, path: str, arch: ModelArch, max_rank: int) -> LoRAAdapter:
     """A PEFT directory or a GGUF LoRA file at `path`, checked against the model's shapes and
     `max_rank`; LoRALoadError saying what does not fit."""
@@ -124,7 +141,7 @@ def _load_peft(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     prefix = "base_model.model.model.layers."
     found: dict[str, dict[int, dict[str, np.ndarray]]] = {}
-    by_module = {_module_of(src): leaf for leaf, src in _linear_sources(arch).items()}
+    by_module = _leaves_by_module(_linear_sources(arch))
     for key, value in tensors.items():
         if not key.startswith(prefix) or not (key.endswith(".lora_A.weight")
                                               or key.endswith(".lora_B.weight")):
@@ -138,8 +155,7 @@ def _load_peft(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
                                 f"adapted linears {sorted(by_module)}")
         found.setdefault(module, {}).setdefault(int(layer_s), {})[part[0]] = \
             np.asarray(value, np.float32)
-    return _assemble(name, path, arch, r, scale, {by_module[m]: v for m, v in found.items()},
-                     permuted=None)
+    return _assemble(name, path, arch, r, scale, _by_leaf(found, by_module), permuted=None)
 
 
 # ---- GGUF ------------------------------------------------------------------------------------
@@ -163,7 +179,7 @@ def _load_gguf(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
     hf_names = {f"model.layers.{i}.{src.name}" for i in range(arch.num_layers)
                 for src in sources.values()}
     to_hf = gguf_model.gguf_to_hf_names(gguf_arch, arch.num_layers, hf_names)
-    by_module = {_module_of(src): leaf for leaf, src in sources.items()}
+    by_module = _leaves_by_module(sources)
     found: dict[str, dict[int, dict[str, np.ndarray]]] = {}
     rank = 0
     for t in reader.tensors:
@@ -183,8 +199,8 @@ def _load_gguf(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
     scale = float(alpha) / rank if alpha and rank else 1.0
     permuted = {"self_attn.q_proj": arch.num_heads, "self_attn.k_proj": arch.num_kv_heads} \
         if gguf_arch in gguf_model._PERMUTED_ARCHS else None
-    return _assemble(name, path, arch, rank, scale,
-                     {by_module[m]: v for m, v in found.items()}, permuted=permuted)
+    return _assemble(name, path, arch, rank, scale, _by_leaf(found, by_module),
+                     permuted=permuted)
 
 
 # ---- both ------------------------------------------------------------------------------------

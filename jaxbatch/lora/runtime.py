@@ -5,6 +5,10 @@ slot when the scheduler admits a request that uses it (lora/slots.py), written b
 runner's compiled slot writer before that step runs (`write_pending`), so serving never
 compiles for it. An adapter is unloaded only while no unfinished request uses it: nothing that
 was accepted loses its adapter half-way.
+
+The server's load route reads and converts an adapter off the engine thread (`read_for`, in an
+executor thread: file reads, GGUF dequantisation, row splits) and hands the finished adapter to
+the engine between steps (`Engine.add_lora`), so loading never stalls the streams being served.
 """
 
 from __future__ import annotations
@@ -12,12 +16,22 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable
+from typing import Any
 
-from jaxbatch.core.request import Request
-from jaxbatch.lora.adapters import LoRAAdapter
+from jaxbatch.core.request import Request, lora_cache_key
+from jaxbatch.lora.adapters import LoRAAdapter, load_adapter
 from jaxbatch.lora.slots import LoRASlots
 
 log = logging.getLogger("jaxbatch")
+
+
+def read_for(engine: Any, name: str, path: str) -> LoRAAdapter:
+    """`name` read from `path` and checked against `engine`'s model and slot rank (a
+    ReplicaRouter: its first replica's; every replica serves the same model): host work only,
+    for any thread (the engine's arch and config never change); LoRALoadError saying why it
+    does not fit. Hand the result to engine.add_lora on the engine thread."""
+    one = getattr(engine, "replicas", [engine])[0]
+    return load_adapter(name, path, one.arch, one.config.lora.max_lora_rank)
 
 
 class LoRAAdapters:
@@ -32,7 +46,7 @@ class LoRAAdapters:
     def add(self, adapter: LoRAAdapter) -> None:
         if adapter.name in self.by_name:
             raise ValueError(f"The lora adapter '{adapter.name}' has already been loaded.")
-        key = f"lora:{adapter.name}:{next(self._loads)}"
+        key = lora_cache_key(adapter.name, next(self._loads))
         self.by_name[adapter.name] = adapter
         self.keys[adapter.name] = key
         self._by_key[key] = adapter

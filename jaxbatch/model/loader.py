@@ -162,9 +162,10 @@ def _eos_token_ids(tokenizer: Any, model_dir: str | None) -> tuple[int, ...]:
 
 
 def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch, dict, Any, bool]:
-    """-> (arch, params, tokenizer, from_cache). A file with weights in kept formats loads them
-    from the file every time (mmap'd, no conversion) and caches only its HF config and
-    tokenizer; other files are dequantised once into the orbax param cache."""
+    """-> (arch, params, tokenizer, from_cache). On CPU a file with weights in kept formats
+    loads them from the file every time (mmap'd, no conversion; the C++ kernels read the
+    blocks) and caches only its HF config and tokenizer; other files, and every file on an
+    accelerator, are dequantised once into the orbax param cache in the compute dtype."""
     from jaxbatch.model.gguf.reader import TensorIndex, has_kept_blocks, load_gguf, open_gguf
 
     # the file's HF config, tokenizer and tensor table (whatever the dtype): parsing its
@@ -178,7 +179,7 @@ def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch,
             cfg, tok = _gguf_config_and_tokenizer(path, reader)
             param_cache.save_entry(entry, None, _hf_writer(cfg, tok, TensorIndex.table(path,
                                                                                     reader)))
-    if has_kept_blocks(reader, ModelArch.from_hf_config(cfg)):
+    if _keeps_blocks_here() and has_kept_blocks(reader, ModelArch.from_hf_config(cfg)):
         arch, params, _ = load_gguf(path, dtype, cfg=cfg, reader=reader,
                                     stacks=_stack_files(cache_dir, path))
         return arch, params, tok, hit
@@ -192,6 +193,19 @@ def _load_gguf_cached(path: str, dtype: Any, cache_dir: str) -> tuple[ModelArch,
     arch, params, cfg = load_gguf(path, dtype, keep_blocks=False, cfg=cfg, reader=reader)
     param_cache.save_entry(entry, params, _hf_writer(cfg, tok))
     return arch, params, tok, False
+
+
+def _keeps_blocks_here() -> bool:
+    """Quantised GGUF weights stay in their blocks on CPU only, where the C++ kernels multiply
+    them in place. On a GPU XLA's dot would dequantise every weight in full at every step (a
+    Q4_K model re-expanded each decode step); there the file is dequantised once at load into
+    the compute dtype (bf16 by default: 2 bytes a weight) and cached, so a step reads only
+    plain arrays."""
+    keep = jax.default_backend() == "cpu"
+    if not keep:
+        log.info("GGUF on %s: quantised weights dequantised once at load to the compute dtype "
+                 "(and cached), not per step", jax.default_backend())
+    return keep
 
 
 def _stack_files(cache_dir: str, source: str) -> StackFiles | None:

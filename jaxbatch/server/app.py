@@ -1,6 +1,8 @@
 """The OpenAI-compatible server over an AsyncEngine: the app, its small routes, start and stop.
 
-POST /v1/completions, POST /v1/chat/completions (JSON or SSE; `generate.py`), POST /v1/tokenize
+POST /v1/completions, POST /v1/chat/completions (JSON or SSE; `generate.py`), POST /v1/responses,
+/v1/messages and /v1/messages/count_tokens (`surfaces.py`), Ollama's /api/* (`ollama.py`),
+POST /v1/tokenize
 and /v1/detokenize (`tokenize.py`), GET /v1/models, POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (`lora_admin.py`),
 GET /health, GET /metrics. Parsing and bodies come from `jaxbatch.api.protocol`; errors are
@@ -24,6 +26,7 @@ from jaxbatch.api import protocol as protocol
 from jaxbatch.api.protocol import ApiError
 from jaxbatch.engine.client import EngineClient
 from jaxbatch.lora import admin as lora_admin
+from jaxbatch.server import ollama, surfaces
 from jaxbatch.server.async_engine import AsyncEngine
 from jaxbatch.server.connections import LimitedTCPSite
 from jaxbatch.server.generate import chat_completions, completions
@@ -75,10 +78,14 @@ def create_app(state: ServerState) -> web.Application:
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", surfaces.route(surfaces.RESPONSES))
+    app.router.add_post("/v1/messages", surfaces.route(surfaces.MESSAGES))
+    app.router.add_post("/v1/messages/count_tokens", surfaces.count_tokens)
+    ollama.add_routes(app)
     app.router.add_post("/v1/tokenize", tokenize)
     app.router.add_post("/v1/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
-    if state.lora_modules is not None and lora_admin.runtime_updates_allowed():
+    if state.lora_modules is not None and lora_admin.warn_if_allowed(state.api_key):
         app.router.add_post("/v1/load_lora_adapter", lora_admin.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", lora_admin.unload_lora_adapter)
     app.router.add_get("/health", health)

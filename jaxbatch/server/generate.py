@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -60,19 +61,15 @@ def _engine_failed(rid: str, out: RequestOutput) -> ApiError:
     return internal_error(rid)
 
 
-async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
-    st = request.app[STATE]
-    if st.draining:
-        raise ApiError(503, "the server is shutting down", "server_error")
-    response_id = request[REQUEST_ID] = protocol.new_id(kind)
-    raw = await read_json_body(request, st)
-    loop = asyncio.get_running_loop()
-    parsed = await loop.run_in_executor(st.parse_pool, functools.partial(_parse, st, kind, raw))
+async def submit(st: ServerState, response_id: str, parsed: protocol.ParsedRequest,
+                 kind: str) -> RequestStream:
+    """The parsed request to the engine -> its stream; the engine's refusals as ApiErrors (400
+    naming the parameter, 429 queue full, 503 engine down)."""
     model = parsed.model or st.served_names[0]
     lora_name = model if model in (st.lora_modules or {}) else None
     try:
-        stream = await st.engine.add(response_id, parsed.prompts, parsed.sampling_params,
-                                     lora_name)
+        return await st.engine.add(response_id, parsed.prompts, parsed.sampling_params,
+                                   lora_name)
     except ValueError as e:  # the engine refused a prompt (token out of range, KV capacity ...)
         msg, param = str(e), "prompt" if kind == "completion" else "messages"
         if isinstance(e, RequestTooLargeError) and len(parsed.prompts) == 1:
@@ -85,17 +82,50 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         raise ApiError(429, str(e), "rate_limit_error", None, "rate_limit_exceeded") from None
     except EngineDeadError as e:
         raise ApiError(503, str(e), "server_error") from None
+
+
+async def results(stream: RequestStream, response_id: str) -> list[RequestOutput]:
+    """Every output of a non-streamed request, once all finished (an engine failure: 500)."""
+    try:
+        async for _, out in stream:
+            if out.error is not None:
+                raise _engine_failed(response_id, out)
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), "server_error") from None
+    return await stream.results()
+
+
+async def chat_deltas(st: ServerState, parsed: protocol.ParsedRequest, stream: RequestStream,
+                      response_id: str, model: str) -> AsyncIterator[dict[str, Any]]:
+    """One choice's streamed chat chunks (reasoning and tool calls read), without the first
+    role-only chunk: what the other APIs' streams are written from (server/surfaces.py)."""
+    tools = ToolCallStream() if parsed.tool_calls else None
+    thinking = ReasoningStream(parsed.reasoning_parser, parsed.reasoning_start) \
+        if parsed.reasoning_parser else None
+    async for i, out in stream:
+        if out.error is not None:
+            raise _engine_failed(response_id, out)
+        if not out.delta_text and not out.finished:
+            continue
+        yield protocol.chat_chunk(parsed, response_id, 0, model, i, out, st.tokenizer,
+                                  tools=tools, reasoning=thinking)
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    st = request.app[STATE]
+    if st.draining:
+        raise ApiError(503, "the server is shutting down", "server_error")
+    response_id = request[REQUEST_ID] = protocol.new_id(kind)
+    raw = await read_json_body(request, st)
+    loop = asyncio.get_running_loop()
+    parsed = await loop.run_in_executor(st.parse_pool, functools.partial(_parse, st, kind, raw))
+    model = parsed.model or st.served_names[0]
+    stream = await submit(st, response_id, parsed, kind)
     try:
         if parsed.stream:
             return await _stream(request, parsed, stream, response_id, model)
-        try:
-            async for _, out in stream:
-                if out.error is not None:
-                    raise _engine_failed(response_id, out)
-        except EngineDeadError as e:
-            raise ApiError(503, str(e), "server_error") from None
-        return web.json_response(protocol.response_body(parsed, await stream.results(),
-                                                        st.tokenizer, model, response_id))
+        return web.json_response(protocol.response_body(
+            parsed, await results(stream, response_id), st.tokenizer, model, response_id))
     finally:
         stream.close()  # aborts whatever did not finish (client gone, error)
 
@@ -130,6 +160,17 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
     created = int(time.time())
     chat = parsed.kind == "chat"
     usage_null = {"usage": None} if parsed.include_usage else {}
+    n = parsed.sampling_params.n
+    prompt_len = [len(parsed.prompts[i // n]["prompt_token_ids"]) for i in range(len(stream.ids))]
+
+    def usage_of(i: int, out: RequestOutput | None) -> dict[str, Any]:
+        """continuous_usage_stats: choice i's usage so far on each of its chunks (vLLM's)."""
+        if not parsed.continuous_usage:
+            return usage_null
+        done = len(out.outputs[0].token_ids) if out is not None else 0
+        return {"usage": {"prompt_tokens": prompt_len[i], "completion_tokens": done,
+                          "total_tokens": prompt_len[i] + done}}
+
     offsets = [0] * len(stream.ids)  # per choice: every prompt's n choices (index i * n + j)
     started: set[int] = set()  # completions' choices that sent a chunk (the first echoes)
     tools = [ToolCallStream() for _ in stream.ids] if parsed.tool_calls else None
@@ -138,7 +179,8 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
     if chat:
         for i in range(len(stream.ids)):
             await resp.write(_sse({**protocol.chat_chunk(parsed, response_id, created, model, i,
-                                                         None, tok, first=True), **usage_null}))
+                                                         None, tok, first=True),
+                                      **usage_of(i, None)}))
     async for i, out in stream:
         if out.error is not None:
             raise _engine_failed(response_id, out)
@@ -160,7 +202,7 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
             lp = chunk["choices"][0]["logprobs"]
             if lp and lp["tokens"]:
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-        await resp.write(_sse({**chunk, **usage_null}))
+        await resp.write(_sse({**chunk, **usage_of(i, out)}))
     if parsed.include_usage:
         await resp.write(_sse(protocol.usage_chunk(parsed, response_id, created, model,
                                                    await stream.results())))

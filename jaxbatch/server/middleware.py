@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from jaxbatch.api import messages_api
 from jaxbatch.api.protocol import ApiError
 from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
 
@@ -44,9 +45,19 @@ def internal_error(rid: str) -> ApiError:
     return ApiError(500, f"internal error (request id {rid})", "server_error")
 
 
-def error_response(err: ApiError) -> web.Response:
+def error_body(err: ApiError, path: str) -> dict:
+    """The error in the shape of the API the path belongs to: Anthropic's under /v1/messages,
+    Ollama's ({"error": message}) under /api/, OpenAI's elsewhere."""
+    if path.startswith("/v1/messages"):
+        return messages_api.error_body(err)
+    if path.startswith("/api/"):
+        return {"error": err.message}
+    return err.body()
+
+
+def error_response(err: ApiError, path: str = "") -> web.Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status in (429, 503) else None
-    resp = web.json_response(err.body(), status=err.status, headers=headers)
+    resp = web.json_response(error_body(err, path), status=err.status, headers=headers)
     if err.status in _CLOSE_AFTER:
         resp.force_close()
     return resp
@@ -59,19 +70,19 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
     route = resource.canonical if resource is not None else "other"
     status = 500
     try:
-        if st.api_key is not None and request.path.startswith("/v1/"):
+        if st.api_key is not None and request.path.startswith(("/v1/", "/api/")):
             _check_key(request, st.api_key)
         resp = await handler(request)
         status = resp.status
         return resp
     except ApiError as e:
         status = e.status
-        return error_response(e)
+        return error_response(e, request.path)
     except web.HTTPException as e:  # unknown route, wrong method: keep OpenAI's error shape
         status = e.status
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
         return error_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path}",
-                                       kind))
+                                       kind), request.path)
     except ClientGone as e:
         status = 499
         return e.response
@@ -82,16 +93,19 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
         rid = request_id(request)
         log.exception("internal error (request id %s) on %s %s", rid, request.method,
                       request.path)
-        return error_response(internal_error(rid))
+        return error_response(internal_error(rid), request.path)
     finally:
         st.metrics.observe_request(route, status)
 
 
 def _check_key(request: web.Request, key: str) -> None:
+    """`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`."""
     auth = request.headers.get("Authorization", "")
-    given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    given = auth[7:].strip() if auth.lower().startswith("bearer ") else \
+        request.headers.get("x-api-key", "").strip()
     if not given:
-        raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
+        raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>' or "
+                       "'x-api-key: <key>'.",
                        "invalid_request_error", None, "invalid_api_key")
     # aiohttp decodes header bytes as UTF-8 with surrogateescape: encode them back the same way
     # (a plain .encode() raised on non-UTF-8 bytes: a 500 instead of this 401)

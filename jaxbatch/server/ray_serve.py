@@ -19,14 +19,23 @@ that was last sent the longest of its prefixes, so a conversation's turns and th
 sharing a system prompt meet that replica's prefix cache, unless that replica's queue is longer
 than the shortest by more than `imbalance` requests; otherwise (and for prompts shorter than the
 shortest prefix) to the least loaded replica. Needs Ray with Serve (`pip install "ray[serve]"`).
+
+API key: `build_app(api_key=...)`, else $JAXBATCH_API_KEY where build_app runs, as `jaxbatch
+serve` takes it. Each replica's server requires it on /v1/* (the ingress forwards the client's
+Authorization header), so a client without it gets serve's 401 and a process on a replica's node
+that calls the replica's local port directly needs it too. Without a key build_app logs a
+warning: Serve's proxy then serves the model to whoever reaches it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
 from typing import Any
 
+log = logging.getLogger("jaxbatch.server")
 _HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
 
 
@@ -40,8 +49,8 @@ def _router_class() -> type:
 class EngineReplica:
     """One engine and jaxbatch's server on 127.0.0.1 (its own thread and event loop)."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], served_model_name: str | None = None
-                 ) -> None:
+    def __init__(self, engine_kwargs: dict[str, Any], served_model_name: str | None = None,
+                 api_key: str | None = None) -> None:
         from jaxbatch.config import EngineConfig
         from jaxbatch.executor.replicas import build_engine
         from jaxbatch.server.app import Server
@@ -52,7 +61,7 @@ class EngineReplica:
                          daemon=True).start()
         names = [served_model_name] if served_model_name else None
         self._server = asyncio.run_coroutine_threadsafe(
-            Server.start(engine, "127.0.0.1", 0, names), self._loop).result()
+            Server.start(engine, "127.0.0.1", 0, names, api_key), self._loop).result()
         try:
             from ray import serve
 
@@ -100,9 +109,17 @@ class OpenAIIngress:
 
 def build_app(engine_kwargs: dict[str, Any], num_replicas: int = 2,
               served_model_name: str | None = None, cpus_per_replica: float = 1.0,
-              imbalance: int = 4) -> Any:
+              imbalance: int = 4, api_key: str | None = None) -> Any:
     """The Serve application: `num_replicas` EngineReplicas (engine options as `LLM(...)` takes
-    them) routed by prefix, behind one OpenAIIngress. serve.run(app, route_prefix="/")."""
+    them) routed by prefix, behind one OpenAIIngress. serve.run(app, route_prefix="/").
+    `api_key` (default: $JAXBATCH_API_KEY here; an empty one is none): what every replica
+    requires on /v1/*."""
+    from jaxbatch.cli.serve import API_KEY_ENV
+
+    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if not api_key:
+        log.warning("the Ray Serve application has no API key (api_key= or $%s): whoever "
+                    "reaches Serve's HTTP proxy can use the model", API_KEY_ENV)
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -114,4 +131,4 @@ def build_app(engine_kwargs: dict[str, Any], num_replicas: int = 2,
                                     max_ongoing_requests=1024, request_router_config=router)
     ingress: Any = serve.deployment(OpenAIIngress, name="jaxbatch-openai",
                                     ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
-    return ingress.bind(engines.bind(dict(engine_kwargs), served_model_name))
+    return ingress.bind(engines.bind(dict(engine_kwargs), served_model_name, api_key))

@@ -17,6 +17,8 @@ What each part of the step does for it:
   rows' AVX512-BF16 dots; at the avx2 level the f32 path with each score and PV sum in one fixed
   order) and every key through the vector exp, whatever the item's rows or the step's share of
   the sequence.
+- mixture-of-experts models are refused (`obstacle`): their router and float experts are XLA
+  dots whose sums follow the step's shape.
 - RMSNorm and the sampler's sums: a fixed pairwise order (model/fixed_order.py); rope and
   activations are elementwise. The sampler's random stream is keyed by (seed, output index) and
   its top-k / top-p cut does not depend on the other rows (worker/sampler.py).
@@ -39,10 +41,11 @@ AUTO_SLACK = 1.03
 
 
 def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
-             attention: str, lora: bool = False) -> str | None:
+             attention: str, lora: bool = False, moe: bool = False) -> str | None:
     """Why this engine cannot run batch invariant, or None: `dtype` the compute dtype,
     `float_linears` / `quantised`: some linear weight is a float array / GGUF or int8 blocks,
-    `attention` the resolved attention backend, `lora`: LoRA adapter slots are on."""
+    `attention` the resolved attention backend, `lora`: LoRA adapter slots are on, `moe`: the
+    model has routed experts (model/archs/moe.py)."""
     import jax
 
     from pallas_kernels import cpu_library
@@ -50,6 +53,11 @@ def obstacle(dtype: str, sharded: bool, float_linears: bool, quantised: bool,
 
     if lora:
         return "LoRA adapters' products run through XLA's dot, whose sums depend on the step"
+    if moe:
+        # the router's logits are a jnp.dot (XLA orders its K sums by the step's shape, and a
+        # one-ulp change can flip a top-k choice) and float experts a ragged_dot (likewise)
+        return ("a mixture-of-experts model's router (and float experts' grouped matmul) run "
+                "through XLA's dot, whose sums depend on the step's shape")
     if jax.default_backend() != "cpu":
         return f"it runs on CPU only (this backend: {jax.default_backend()})"
     if sharded:

@@ -7,6 +7,12 @@ than f32. The measurement takes about a second and is cached under the cache dir
 restart reuses it, keyed by what the speed depends on (`measurement_identity`: the device, the
 kernel library's content hash, jaxbatch's and jax's versions) and the shapes: a changed kernel,
 or another release, measures again by itself.
+
+On a GPU (or TPU) nothing is timed: `auto` is bfloat16. There the matrix units run bf16 at full
+rate with f32 accumulation, and f32 weights cost twice the memory and bandwidth (decode reads
+every weight each step) while XLA's default f32 dot on an NVIDIA GPU runs TF32 anyway; a
+timing of small dots there measures launch overhead, not the model. `dtype: float32` still
+gives float32.
 """
 
 from __future__ import annotations
@@ -90,6 +96,10 @@ def _time_matmuls(dtype: Any, hidden: int, inner: int, repeats: int = 3) -> floa
     return total
 
 
+def _backend() -> str:
+    return jax.default_backend()
+
+
 def choose_compute_dtype(hidden: int, inner: int, cache_root: str,
                          bf16_kernel: bool = False) -> PrecisionChoice:
     """Measure (or read the cached measurement) and pick the faster dtype. `bf16_kernel`: in
@@ -104,7 +114,14 @@ def choose_compute_dtype(hidden: int, inner: int, cache_root: str,
     row, weights read from memory) is timed too: the kernel on BF16 rows against XLA's f32 dot
     on f32 weights (what float32 holds: twice the bytes to read). bfloat16 is then chosen where
     the kernel's decode is a clear win and its prefill rate not clearly below f32's (an AVX2
-    machine: its float mode FMAs at f32's rate, and the step reads half the bytes)."""
+    machine: its float mode FMAs at f32's rate, and the step reads half the bytes).
+    On an accelerator: bfloat16, untimed (the module's docstring says why)."""
+    backend = _backend()
+    if backend != "cpu":
+        choice = PrecisionChoice("bfloat16", {}, f"{backend}: bf16 matrix units, half the "
+                                 f"weight bytes of f32 (dtype float32 to override)")
+        log.info("dtype auto: %s", choice.describe())
+        return choice
     kernel = bf16_kernel and _bf16_kernel_available()
     off_level = _xla_dots_off_level() if kernel else None
     if off_level:

@@ -37,6 +37,7 @@ from jaxbatch.tuning.precision import (
     choose_small_matmul,
 )
 from jaxbatch.worker.attention import attention_fn, resolve_backend
+from jaxbatch.worker.kv_budget import configure_xla_memory
 from jaxbatch.worker.runner import Runner
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quant
@@ -98,6 +99,13 @@ def _lora_routes(config: EngineConfig, arch: Any, root: str, on_cpu: bool
 
 
 log = logging.getLogger("jaxbatch")
+
+
+def _check_lora_placement(config: EngineConfig) -> None:
+    if config.lora.enable_lora and (config.runner.tensor_parallel_size > 1
+                                    or jax.process_count() > 1):
+        raise ValueError("LoRA adapters run on one device of one host: enable_lora with "
+                         "tensor parallelism or several hosts is not supported")
 
 
 def _load_in_dtype(config: EngineConfig, model: LoadedModel | None, root: str, on_cpu: bool
@@ -178,7 +186,7 @@ def _measured_routes(model: LoadedModel, config: EngineConfig, root: str, mesh: 
     invariance_choice = invariance.resolve(
         config.runner.batch_invariant, invariance.obstacle(
             config.model.dtype, mesh is not None, float_linears, quantised, backend,
-            config.lora.enable_lora),
+            config.lora.enable_lora, moe=arch.num_experts > 0),
         functools.partial(_invariance_cost, model, config, quant_acts, bf16_xla_rows,
                           small_rows if float_linears else None, root))
     if invariance_choice.on:  # one kernel for every step (tuning/invariance.py)
@@ -214,11 +222,9 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
                 devices: Sequence[Any] | None, keep_loaded_params: bool,
                 from_config: Callable[..., Any]) -> EngineParts:
     """Engine.from_config's work (its arguments; `from_config` builds a draft model's engine)."""
+    configure_xla_memory(config.cache.gpu_memory_utilization)  # before the backend starts
     compile_guard.install()
-    if config.lora.enable_lora and (config.runner.tensor_parallel_size > 1
-                                    or jax.process_count() > 1):
-        raise ValueError("LoRA adapters run on one device of one host: enable_lora with "
-                         "tensor parallelism or several hosts is not supported")
+    _check_lora_placement(config)
     root = cache_dir(config.model.cache_dir)
     compile_guard.enable_persistent_cache(root)
     on_cpu = jax.default_backend() == "cpu"

@@ -37,7 +37,7 @@ from jaxbatch.executor import sharding
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.archs import cpu_layout, dispatch, llama
 from jaxbatch.planner import Bucket
-from jaxbatch.worker import packed_inputs
+from jaxbatch.worker import kv_budget, packed_inputs
 from jaxbatch.worker.packed_inputs import ModelInputs
 from jaxbatch.worker.sampler import SamplerOutput, adjust_logits, greedy_argmax, sample
 from jaxbatch.worker.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
@@ -69,21 +69,28 @@ def state_bytes(arch: ModelArch, num_slots: int) -> int:
 
 
 def num_kv_pages(arch: ModelArch, cache: CacheConfig, cache_dtype: Any,
-                 num_state_slots: int = 0) -> int:
+                 device: Any = None, num_state_slots: int = 0) -> int:
     """Pages of the KV cache: `num_pages` if given, else as many as `kv_cache_memory_gb` holds
-    (K and V of the layers with paged KV, at the cache's element size) once a hybrid model's
-    recurrent-state pool has its share."""
+    (K and V of the layers with paged KV, at the cache's element size), else on an accelerator
+    `device` (its weights placed) what gpu_memory_utilization leaves (worker/kv_budget.py),
+    else 2 GB; a hybrid model's recurrent-state pool (`num_state_slots`) takes its share first."""
     if cache.num_pages is not None:
         return cache.num_pages
-    gb = cache.kv_cache_memory_gb if cache.kv_cache_memory_gb is not None else DEFAULT_KV_CACHE_GB
-    per_token = 2 * dispatch.kv_layers(arch) * arch.num_kv_heads * arch.head_dim * \
-        jnp.dtype(cache_dtype).itemsize
-    budget = gb * 2**30 - state_bytes(arch, num_state_slots)
-    if budget <= 0:
+    per_page = 2 * dispatch.kv_layers(arch) * arch.num_kv_heads * arch.head_dim * \
+        jnp.dtype(cache_dtype).itemsize * cache.page_size
+    if cache.kv_cache_memory_gb is not None:
+        budget = cache.kv_cache_memory_gb * 2**30
+    elif device is not None and device.platform != "cpu":
+        budget = kv_budget.device_kv_bytes(device, arch, cache.gpu_memory_utilization)
+    else:
+        budget = DEFAULT_KV_CACHE_GB * 2**30
+    states = state_bytes(arch, num_state_slots)
+    if budget - states <= 0:
         raise ValueError(f"the recurrent state of {num_state_slots - 1} sequences "
-                         f"({state_bytes(arch, num_state_slots) / 2**30:.2f} GiB) does not fit "
-                         f"kv_cache_memory_gb={gb}: raise it or lower max_num_seqs")
-    return max(2, int(budget // (per_token * cache.page_size)))
+                         f"({states / 2**30:.2f} GiB) does not fit the KV budget "
+                         f"({budget / 2**30:.2f} GiB): raise kv_cache_memory_gb or lower "
+                         "max_num_seqs")
+    return max(2, int((budget - states) // per_page))
 
 
 def step_fn(params, kv_cache, inputs: StepInputs | ModelInputs, *, arch: ModelArch,
@@ -184,9 +191,10 @@ class Runner:
         if arch.is_hybrid and self.placement is not None:
             raise ValueError("hybrid (Gated DeltaNet) models run on one device: "
                              "tensor_parallel_size > 1 is not supported for them yet")
-        self.num_pages = num_kv_pages(
+        self.num_pages = num_kv_pages(  # on a GPU: from the first device's free memory
             dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads // tp), cache,
-            self.cache_dtype, self.num_state_slots)
+            self.cache_dtype, (jax.devices() if self.placement is None
+                               else self.placement.mesh.devices.flat)[0], self.num_state_slots)
         init_cache = functools.partial(dispatch.init_cache, arch, self.num_pages, self.page_size,
                                        self.cache_dtype, self.num_state_slots)
         step = functools.partial(packed_step_fn, arch=arch, attention_fn=attention_fn,

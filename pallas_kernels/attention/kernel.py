@@ -30,6 +30,12 @@ Blocking, and why (T tokens, S sequence slots, K_s = history of sequence s, q_s 
     * Hkv + h of k_pages viewed as [N * P * Hkv, D]), so the KV tile size is independent of the
     page size (P = 1, 16, 32, ... all work) and every load past a sequence's history is masked
     off: unused (even NaN-filled) pages are never read. Softmax is online (flash) in float32.
+  * Offsets past 2^31 elements (a KV cache of more than 4 GiB: tens of GiB on an H100/H200):
+    the gathered row index (page * P + slot) * Hkv + h stays an i32 (it counts rows of D
+    values, < 2^31 for any cache a device holds; the wrapper checks), and Pallas's Triton
+    lowering turns every load from an operand larger than 2^32 bytes into 64-bit offsets
+    (row * D in i64). tests/kernels/test_rpa_lowering.py checks the lowered IR of a cache past
+    2^31 elements: its K/V loads use i64 offsets.
   * Triton tiles need power-of-two sizes: a head_dim D that is not one (Phi-3's 96) is padded
     inside the kernel to Dp = pow2(D) columns: loads mask the columns >= D to zero (so q.k and
     p.v are unchanged) and stores skip them; nothing outside the kernel is padded or copied.
@@ -288,6 +294,9 @@ def ragged_paged_attention(
     assert Hq == G * Hkv, (Hq, Hkv)
     assert k_pages.shape == v_pages.shape and k_pages.shape[-1] == D, (k_pages.shape, D)
 
+    if N * P * Hkv >= 2**31:  # the i32 row index (see the module docstring)
+        raise ValueError(f"a KV cache of {N * P * Hkv} rows of {D} values: the kernel indexes "
+                         f"rows in int32 (fewer than 2^31)")
     i32 = jnp.int32
     real = jnp.arange(S) < num_seqs[0]
     cu = cu_q_lens.astype(i32)

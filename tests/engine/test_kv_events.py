@@ -98,7 +98,7 @@ def rebuild(messages: dict[int, bytes]) -> tuple[set, list]:
             if e[0] == "BlockStored":
                 hashes, parent, tokens, size, lora, medium = e[1:]
                 assert size == PAGE and len(tokens) == PAGE * len(hashes)
-                assert lora is None and medium == "CPU"
+                assert lora is None and medium == "CPU"  # no adapters here
                 for h in hashes:
                     assert h not in held, "stored twice"
                     held.add(h)
@@ -199,3 +199,55 @@ def test_endpoint_in_use_is_a_clear_error(tiny, tmp_path):
                                         "endpoint": f"tcp://*:{port}"}, **ENGINE)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_all_interfaces_warn(caplog):
+    """An endpoint bound on every interface (vLLM's default tcp://*:5557 among them) is said at
+    start: ZeroMQ asks no key and the events carry the prompts' token ids."""
+    from jaxbatch.engine.kv_events import all_interfaces, warn_exposed
+
+    assert all_interfaces("tcp://*:5557") and all_interfaces("tcp://0.0.0.0:1")
+    assert all_interfaces("tcp://[::]:1")
+    assert not all_interfaces("tcp://127.0.0.1:5557") and not all_interfaces("ipc:///tmp/x")
+    with caplog.at_level("WARNING", logger="jaxbatch"):
+        got = warn_exposed(KVEventsConfig(True, "zmq", "tcp://*:5557", "tcp://0.0.0.0:5558"))
+        assert got == ["tcp://*:5557", "tcp://0.0.0.0:5558"]
+        # a connecting endpoint (a router's SUB binds) and a private replay address: quiet
+        assert warn_exposed(KVEventsConfig(True, "zmq", "tcp://10.1.2.3:5557",
+                                           "tcp://127.0.0.1:5558")) == []
+    assert caplog.text.count("every network interface, without authentication") == 2
+
+
+def test_block_stored_carries_the_lora_id(tiny, tmp_path):
+    """BlockStored's lora_id (vLLM's wire field): the adapter load's id for an adapter's pages,
+    None for the base model's; the two prompts' pages hash apart."""
+    import transformers
+
+    from jaxbatch.core.request import LoRARequest
+    from tests.lora.test_lora_engine import make_adapter
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny).float().eval()
+    make_adapter(hf, str(tmp_path / "ad"), 4, 8, ["q_proj"], False, seed=3)
+    endpoint = f"ipc://{tmp_path}/ev"
+    llm = LLM(tiny, kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint,
+                                      "replay_endpoint": f"ipc://{tmp_path}/replay"},
+              enable_lora=True, max_loras=1, max_lora_rank=4,
+              lora_modules={"ad": str(tmp_path / "ad")}, **ENGINE)
+    sub = Subscriber(endpoint, f"ipc://{tmp_path}/replay", "")
+    try:
+        prompt = ids(12, seed=5)
+        for lr in (None, LoRARequest("ad")):
+            llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1),
+                         use_tqdm=False, lora_request=lr)
+        wait_sent(llm)
+        sub.replay(0)
+        stored = [e for seq in sorted(sub.messages)
+                  for e in msgspec.msgpack.decode(sub.messages[seq])[1] if e[0] == "BlockStored"]
+        by_lora: dict = {}
+        for e in stored:
+            by_lora.setdefault(e[5], []).extend(e[1])
+        assert set(by_lora) == {None, 1}
+        assert len(by_lora[None]) == len(by_lora[1]) == 3  # 12 tokens: 3 full pages each
+        assert not set(by_lora[None]) & set(by_lora[1])
+    finally:
+        sub.close()

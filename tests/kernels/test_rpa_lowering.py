@@ -111,3 +111,59 @@ def test_sinks_lower(T, S):
     plain = _export(T, S, "llama8b", sliding_window=128).mlir_module()
     assert _grids(exp.mlir_module()) == _grids(plain)
     assert len(exp.serialize()) > 0
+
+
+def _triton_modules(module_text: str) -> list[str]:
+    """The Triton IR (text) of each Triton custom call in an exported module."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton.lowering import _new_ir_context
+
+    blobs = []
+    with mlir.make_ir_context():
+        def walk(op):
+            for region in op.regions:
+                for block in region.blocks:
+                    for o in block.operations:
+                        attrs = o.operation.attributes
+                        if o.operation.name == "stablehlo.custom_call" and \
+                                _TRITON in str(attrs["call_target_name"]):
+                            cfg = ir.DictAttr(attrs["mhlo.backend_config"])
+                            blobs.append(bytes(ir.StringAttr(cfg["ir"]).value_bytes))
+                        walk(o.operation)
+        walk(ir.Module.parse(module_text).operation)
+    with _new_ir_context():
+        return [str(ir.Module.parse(b)) for b in blobs]
+
+
+def test_a_cache_past_2_31_elements_loads_with_64_bit_offsets():
+    """A KV cache of more than 2^31 elements (140,000 pages of 16 x 8 x 128 bf16 values: 4.3 GiB
+    each of K and V; an H200's cache is 10-30x that) lowers with i64 offsets on every K/V
+    load (row * D past 2^31 would wrap in i32), while a small cache's stay i32; the i32 row
+    index itself is checked against 2^31 rows in the wrapper."""
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    Hq, Hkv, D = MODELS["llama8b"]
+
+    def kv_loads(num_pages: int) -> list[str]:
+        kv = sds((num_pages, PAGE_SIZE, Hkv, D), jnp.bfloat16)
+        f = functools.partial(ragged_paged_attention, sm_scale=D**-0.5)
+        text = jax.export.export(
+            jax.jit(f), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON)],
+        )(sds((16, Hq, D), jnp.bfloat16), kv, kv, sds((8,), i32), sds((8, WIDTH), i32),
+          sds((9,), i32), sds((1,), i32)).mlir_module()
+        # K and V tiles: [keys, D] pointer tensors into the bf16 cache (q / out tiles are
+        # [rows, D] too, but into small operands: i32 either way)
+        return [line.split(":")[-1].strip() for m in _triton_modules(text)
+                for line in m.splitlines() if "tt.addptr" in line and "ptr<bf16>" in line]
+
+    big, small = kv_loads(140_000), kv_loads(NUM_PAGES)
+    assert 140_000 * PAGE_SIZE * Hkv * D > 2**31
+    wide = [p for p in big if p.endswith("xi64>")]
+    assert len(wide) == 4, big  # K and V in the prefill and in the decode kernel
+    assert not any(p.endswith("xi64>") for p in small), small
+    with pytest.raises(ValueError, match="indexes rows in int32"):
+        jax.eval_shape(functools.partial(ragged_paged_attention, sm_scale=1.0),
+                       sds((16, 1, 8), jnp.bfloat16), *[sds((2**31 // 16, 16, 1, 8),
+                                                            jnp.bfloat16)] * 2,
+                       sds((8,), i32), sds((8, WIDTH), i32), sds((9,), i32), sds((1,), i32))

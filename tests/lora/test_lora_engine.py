@@ -257,3 +257,25 @@ def test_bf16_adapters_agree_with_float32(setup):
              for a, b in zip(want["a8"], want[None])]
     assert min(moved) > 0.5, moved
     assert bf16.engine.compiles_since_warmup == 0
+
+
+def test_phi3_fused_modules_equal_hf_peft(tiny_models, tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj: one PEFT adapter's B spans q, k and v's rows
+    (gate and up's); each of our leaves takes its own row range, A shared. All three row ranges
+    matter (an adapter applied to only one of them gives other tokens than HF + PEFT)."""
+    path, hf = tiny_models("phi3")
+    ref = make_adapter(hf, str(tmp_path / "phi"), 8, 16, ["qkv_proj", "gate_up_proj"], False,
+                       seed=21)
+    llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8,
+              lora_modules={"phi": str(tmp_path / "phi")}, **ENGINE)
+    assert llm.engine.lora is not None
+    assert llm.engine.lora.by_name["phi"].modules == ("w_gate", "w_up", "wk", "wq", "wv")
+    prompts = prompts_of([6, 23], seed=7)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+                        lora_request=LoRARequest("phi"))
+    for p, o in zip(prompts, outs):
+        want = hf_greedy(ref, p, 8)
+        assert o.outputs[0].token_ids == want
+        assert want != hf_greedy(hf, p, 8)
+    assert llm.engine.compiles_since_warmup == 0

@@ -373,3 +373,33 @@ def test_arch_gguf_forward_matches_transformers_gguf_loader(tmp_path, kind):
     arch, params, _ = model_gguf.load_gguf(path, jnp.float32)
     ref = _hf_logits(_transformers_gguf(path))
     _assert_close(prefill_logits(arch, params, IDS, jnp.float32), ref)
+
+
+def test_on_an_accelerator_a_gguf_is_dequantised_once_at_load(tmp_path, monkeypatch):
+    """Where the C++ kernels do not run (a GPU), quantised weights are not kept in blocks (XLA
+    would dequantise each in full at every step): the loader dequantises the file once into
+    the compute dtype, plain arrays equal to the blocks' own dequantisation, and caches them
+    (a second start restores them)."""
+    import jax
+
+    from jaxbatch.model.loader import load_model
+
+    model = _tiny(transformers.LlamaConfig(**_K_COMMON, rope_theta=10000.0,
+                                           tie_word_embeddings=False))
+    path = gguf_files.write_gguf(str(tmp_path / "m.gguf"), model, qtype=_q4_k_m)
+    cpu = load_model(path, "bfloat16", cache_dir=str(tmp_path / "cpu"))
+    assert isinstance(cpu.params["layers"]["wv"], QuantWeight)  # CPU: the kernels' blocks
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for start in ("converted", "restored"):
+        gpu = load_model(path, "bfloat16", cache_dir=str(tmp_path / "gpu"))
+        assert gpu.from_cache == (start == "restored")
+        layers = gpu.params["layers"]
+        assert not any(isinstance(w, QuantWeight) for w in jax.tree.leaves(
+            gpu.params, is_leaf=lambda w: isinstance(w, QuantWeight))), start
+        for name in ("wv", "w_down", "wq"):
+            want = cpu.params["layers"][name]
+            want = want.dequantized() if isinstance(want, QuantWeight) else want
+            assert layers[name].dtype == jnp.bfloat16
+            np.testing.assert_array_equal(
+                np.asarray(layers[name], np.float32),
+                np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32))

@@ -162,3 +162,47 @@ def status_of(response: bytes) -> int:
 
 def body_of(response: bytes) -> bytes:
     return response.partition(b"\r\n\r\n")[2]
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers as a model would, from a script: `answer(prompt_text)` is the whole output text,
+    given 3 characters a step (so deltas cut through every marker); it stops at its end
+    ("stop") or at max_tokens ("length", one token a step). `seen` keeps each request's prompt
+    text and SamplingParams, for the tests to check what reached the engine."""
+
+    def __init__(self, tokenizer, answer) -> None:
+        super().__init__(tokenizer=tokenizer)
+        self.answer = answer
+        self.scripts: dict[str, str] = {}
+        self.seen: list[tuple[str, object]] = []
+
+    def add_requests(self, new):
+        for item in new:
+            prompt = self.tokenizer.decode(item.prompt["prompt_token_ids"])
+            self.scripts[item.request_id] = self.answer(prompt)
+            self.seen.append((prompt, item.sampling_params))
+        super().add_requests(new)
+        for item in new:  # no max_tokens: the room left in the context, as the engine gives
+            ids, max_tokens, prompt = self.running[item.request_id]
+            self.running[item.request_id] = (ids, item.sampling_params.max_tokens or 10**6,
+                                              prompt)
+        return []
+
+    def step(self):
+        time.sleep(self.step_sleep)
+        outs, self.pending = self.pending, []
+        for rid, (ids, max_tokens, prompt) in list(self.running.items()):
+            script = self.scripts[rid]
+            done_chars = 3 * len(ids)
+            ids.append(7)
+            text = script[:done_chars + 3]
+            reason = "stop" if done_chars + 3 >= len(script) else \
+                "length" if len(ids) >= max_tokens else None
+            comp = CompletionOutput(0, text, list(ids), reason)
+            outs.append(RequestOutput(rid, None, list(prompt), [comp], reason is not None,
+                                      RequestMetrics(0.0, None, None),
+                                      delta_text=script[done_chars:done_chars + 3],
+                                      delta_token_ids=[7]))
+            if reason is not None:
+                del self.running[rid]
+        return outs

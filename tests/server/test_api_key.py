@@ -78,3 +78,42 @@ def test_a_key_that_cannot_be_had_stops_the_start(tmp_path):
                  ["--api-key-file", str(empty)], ["--api-key-file", str(tmp_path / "none")]):
         with pytest.raises(SystemExit):
             key_of(argv, {})
+
+
+def test_listening_everywhere_without_a_key_warns(caplog):
+    from jaxbatch.cli.serve import warn_if_open
+
+    with caplog.at_level("WARNING", logger="jaxbatch.server"):
+        assert warn_if_open("0.0.0.0", None) and warn_if_open("::", None)
+        assert not warn_if_open("0.0.0.0", "sk-1") and not warn_if_open("127.0.0.1", None)
+    assert caplog.text.count("listening on all interfaces") == 2
+
+
+def test_a_ray_serve_replica_requires_the_key(tiny_chat_dir):
+    """A Ray Serve replica (server/ray_serve.py, here outside Serve) runs its server with the
+    application's key: the forwarded request without it is a 401, with it a 200."""
+    import asyncio
+
+    from jaxbatch.config import load_yaml
+    from jaxbatch.server.ray_serve import EngineReplica
+    from tests.helpers import TINY_CONFIG
+
+    rep = EngineReplica({**load_yaml(TINY_CONFIG), "model": tiny_chat_dir}, "tiny",
+                        api_key="sk-ray")
+
+    async def statuses() -> list[int]:
+        out = []
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"},
+                        {"Authorization": "Bearer sk-ray"}):
+            gen = rep.proxy("GET", "/v1/models", headers, b"")
+            status, _ = await gen.__anext__()
+            async for _ in gen:
+                pass
+            out.append(status)
+        await rep._session.close()
+        return out
+
+    try:
+        assert asyncio.run(statuses()) == [401, 401, 200]
+    finally:
+        asyncio.run_coroutine_threadsafe(rep._server.shutdown(0.0), rep._loop).result()

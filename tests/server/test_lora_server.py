@@ -172,3 +172,42 @@ def test_runtime_updates_need_the_switch(setup, monkeypatch):
     assert "/v1/load_lora_adapter" not in routes() and "/v1/models" in routes()
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= routes()
+
+
+def test_runtime_load_reads_off_the_engine_thread(srv, setup, monkeypatch):
+    """The load route reads and converts the adapter in an executor thread (the engine keeps
+    stepping meanwhile) and hands the finished adapter to the engine thread."""
+    import threading
+
+    from jaxbatch.lora import runtime
+
+    _, dirs, want = setup
+    threads: list[str] = []
+    read = runtime.load_adapter
+
+    def spy(*args, **kw):
+        threads.append(threading.current_thread().name)
+        return read(*args, **kw)
+
+    monkeypatch.setattr(runtime, "load_adapter", spy)
+    status, _ = post(srv.url + "/v1/load_lora_adapter", {"lora_name": "ad2",
+                                                         "lora_path": dirs["ad2"]})
+    assert status == 200 and len(threads) == 1
+    assert threads[0] != "jaxbatch-engine" and threads[0] != threading.main_thread().name
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    assert answers(client, "ad2") == want["ad2"]
+    assert post(srv.url + "/v1/unload_lora_adapter", {"lora_name": "ad2"})[0] == 200
+
+
+def test_runtime_updates_warn(monkeypatch, caplog):
+    from jaxbatch.lora import admin
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    monkeypatch.setenv("JAXBATCH_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    with caplog.at_level("WARNING", logger="jaxbatch.server"):
+        assert admin.warn_if_allowed(None)
+    assert "runtime LoRA updating is on (JAXBATCH_ALLOW_RUNTIME_LORA_UPDATING)" in caplog.text
+    assert "no API key" in caplog.text
+    monkeypatch.delenv("JAXBATCH_ALLOW_RUNTIME_LORA_UPDATING")
+    caplog.clear()
+    assert not admin.warn_if_allowed(None) and not caplog.text

@@ -222,3 +222,20 @@ def test_default_engine_says_what_it_chose(tiny_chat_dir):
     assert choice.reason.startswith("on" if choice.on else "off")
     listed = models_response(["m"], 256, determinism=choice.describe())["data"][0]
     assert listed["determinism"]["batch_invariant"] == choice.on
+
+
+def test_moe_model_says_off_with_the_reason(tiny_models, caplog):
+    """A mixture-of-experts model's router (jnp.dot) and float experts (ragged_dot) are XLA dots
+    whose sums follow the step's shape: `true` is refused naming them, `auto` runs without the
+    mode and says why (in the log and in the account /v1/models shows)."""
+    path, _ = tiny_models("mixtral")
+    kw = dict(dtype="bfloat16", attention_backend="native", seed=0, progress=False,
+              max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, num_pages=32)
+    with pytest.raises(ValueError, match="batch_invariant: a mixture-of-experts model's router"):
+        LLM(path, batch_invariant=True, **kw)
+    with caplog.at_level("INFO", logger="jaxbatch"):
+        llm = LLM(path, batch_invariant="auto", **kw)
+    assert not llm.engine.runner.batch_invariant
+    choice = llm.engine.runner.invariance
+    assert choice.reason.startswith("off: a mixture-of-experts model's router")
+    assert "batch_invariant auto: off, because a mixture-of-experts" in caplog.text

@@ -386,3 +386,21 @@ def test_a_level_below_the_cpu_keeps_the_kernels_untimed(tmp_path, monkeypatch):
     from pallas_kernels.matmul import quant
     monkeypatch.setattr(quant, "available", lambda *a, **k: True)
     assert precision.choose_bf16_route({(512, 2048)}, str(tmp_path)) == {}
+
+
+def test_auto_is_bf16_on_an_accelerator_untimed(tmp_path, monkeypatch):
+    """On a GPU (or TPU) `auto` is bfloat16 without timing anything (XLA's f32 dot there runs
+    TF32 at twice the weight bytes); on CPU the same call measures."""
+    def never(*a, **k):
+        raise AssertionError("timed on an accelerator")
+
+    monkeypatch.setattr(precision, "_time_matmuls", never)
+    monkeypatch.setattr(precision, "_time_bf16_rows", never)
+    for backend in ("gpu", "tpu"):
+        monkeypatch.setattr(precision, "_backend", lambda b=backend: b)
+        choice = precision.choose_compute_dtype(4096, 14336, str(tmp_path), bf16_kernel=True)
+        assert choice.dtype == "bfloat16" and choice.gflops == {}
+        assert choice.source.startswith(f"{backend}: bf16")
+    monkeypatch.setattr(precision, "_backend", lambda: "cpu")
+    with pytest.raises(AssertionError, match="timed on an accelerator"):
+        precision.choose_compute_dtype(64, 128, str(tmp_path))

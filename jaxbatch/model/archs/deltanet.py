@@ -56,8 +56,9 @@ class StepLayout:
     write_slot: jax.Array  # i32[S] its slot, NO_SLOT for a padding sequence
 
 
-def step_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
-                state_slots: jax.Array, num_tokens: int) -> StepLayout:
+def step_layout(cu_q_lens: jax.Array | np.ndarray, kv_lens: jax.Array | np.ndarray,
+                num_seqs: jax.Array | np.ndarray, state_slots: jax.Array | np.ndarray,
+                num_tokens: int) -> StepLayout:
     cu = jnp.asarray(cu_q_lens, jnp.int32)
     S = cu.shape[0] - 1
     real = jnp.arange(S) < jnp.asarray(num_seqs).reshape(-1)[0]

@@ -46,15 +46,15 @@ def checkpoint_tensors(tensors: Mapping[str, Any], arch: ModelArch) -> LazyTenso
         name = "model." + src[len(_WRAPPED):] if src.startswith(_WRAPPED) else src
         m = _QKVZ.match(name)
         if m is not None:
-            stem, fused = m.groups()
-            parts = ("qkv", "z") if fused == "qkvz" else ("b", "a")
+            stem, kind = m.groups()
+            parts: tuple[str, ...] = ("qkv", "z") if kind == "qkvz" else ("b", "a")
             for part in parts:
                 items[f"{stem}.in_proj_{part}.weight"] = (src, part, None)
             continue
         m = _FUSED_EXPERTS.match(name)
         if m is not None:
-            stem, fused = m.groups()
-            parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+            stem, kind = m.groups()
+            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
             for part in parts:
                 for e in range(arch.num_experts):
                     items[f"{stem}.{e}.{part}.weight"] = (src, part, e)
