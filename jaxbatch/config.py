@@ -150,8 +150,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # the prefix cache's changes published for routers (KVEventsConfig; None: none)
     kv_events_config: KVEventsConfig | None = None
+    # hybrid (Gated DeltaNet) models: recurrent-state checkpoints the prefix cache keeps, each a
+    # whole sequence's state at a page boundary (core/state_checkpoints.py); None: as many as
+    # a quarter of the KV budget holds, at most 4 per max_num_seqs; 0: no prefix caching
+    state_checkpoints: int | None = None
 
     def __post_init__(self) -> None:
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise ValueError(f"state_checkpoints must be >= 0, got {self.state_checkpoints}")
         object.__setattr__(self, "kv_events_config",
                            KVEventsConfig.parse(self.kv_events_config))
         if self.kv_events_config is not None and self.kv_events_config.active \

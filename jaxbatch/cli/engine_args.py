@@ -35,7 +35,7 @@ def require_readable(path: str | None, what: str, prog: str) -> None:
 _ENGINE_ARGS = [
     ("--model", str), ("--dtype", str), ("--max-model-len", int), ("--page-size", int),
     ("--num-pages", int), ("--kv-cache-memory-gb", float), ("--kv-cache-dtype", str),
-    ("--gpu-memory-utilization", float),
+    ("--gpu-memory-utilization", float), ("--state-checkpoints", int),
     ("--max-num-batched-tokens", int), ("--max-num-seqs", int), ("--batching-policy", str), ("--planner", str),
     ("--max-compiled-shapes", int), ("--attention-backend", str), ("--seed", int),
     ("--trace-path", str), ("--tokenizer", str), ("--cache-dir", str),

@@ -49,6 +49,7 @@ from jaxbatch.config import SchedulerConfig
 from jaxbatch.core import parallel_sampling
 from jaxbatch.core.kv_pages import PageAllocator, extend_page_hashes
 from jaxbatch.core.request import Request, RequestStatus, lora_id_of
+from jaxbatch.core.state_checkpoints import StateCheckpoints
 from jaxbatch.core.state_slots import StateSlots
 from jaxbatch.lora.slots import LoRASlots
 
@@ -101,13 +102,18 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pages: PageAllocator,
                  lora_slots: LoRASlots | None = None,
-                 state_slots: StateSlots | None = None) -> None:
+                 state_slots: StateSlots | None = None,
+                 checkpoints: StateCheckpoints | None = None) -> None:
         """`state_slots`: hybrid models' recurrent-state pool; a running request holds a slot
-        (acquired at admission, released when it finishes or is preempted)."""
+        (acquired at admission, released when it finishes or is preempted). `checkpoints`:
+        their prefix cache's states at page boundaries (core/state_checkpoints.py)."""
         self.config = config
         self.pages = pages
         self.lora_slots = lora_slots
         self.state_slots = state_slots
+        self.checkpoints = checkpoints if pages.enable_caching else None
+        self._resume: dict[str, int] = {}  # request id -> checkpoint slot it resumes from
+        self._state_copies: list[tuple[int, int]] = []  # (src, dst) slots, for the runner
         if state_slots is not None:
             assert state_slots.num_slots > config.max_num_seqs, (state_slots.num_slots,
                                                                  config.max_num_seqs)
@@ -234,6 +240,9 @@ class Scheduler:
                     assert self.lora_slots.acquire(req), req.request_id  # _next_admissible
                 if self.state_slots is not None:
                     self.state_slots.acquire(req)
+                    ckpt = self._resume.pop(req.request_id, None)
+                    if ckpt is not None:  # its state at the cached prefix's end, before it runs
+                        self._state_copies.append((ckpt, req.state_slot))
                 seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
                 budget -= n
         return ScheduledBatch(seqs, preempted)
@@ -253,22 +262,39 @@ class Scheduler:
         returns the chunk's length, or 0 (and no change) when the pages are short."""
         pages = self.pages
         hit: list[int] = []
+        ckpt: int | None = None
         # prompt_logprobs need every prompt position's logits: no cached prefix for them
         if pages.enable_caching and req.sampling_params.prompt_logprobs is None:
             # at most num_tokens - 1 tokens from the cache: the last one is computed for logits
             limit = (req.num_tokens_to_compute - 1) // pages.page_size
             hit = pages.match(self._hashes(req, limit)[:limit])
+            ckpt, hit = self._checkpointed(req, hit)
         req.num_computed_tokens = len(hit) * pages.page_size
         n = self._chunk(req, budget)
         if not pages.allocate(req.page_table, req.num_computed_tokens + n, cached=hit):
             req.num_computed_tokens = 0
             return 0
+        if hit and ckpt is not None:
+            self._resume[req.request_id] = ckpt
+            self.checkpoints.resumed += 1  # type: ignore[union-attr]
         if pages.enable_caching:
             pages.record_lookup(req.num_tokens, req.num_computed_tokens)
             if req.status == RequestStatus.WAITING:  # first admission (not a recompute)
                 req.num_cached_tokens = req.num_computed_tokens
         req.status = RequestStatus.RUNNING
         return n
+
+    def _checkpointed(self, req: Request, hit: list[int]) -> tuple[int | None, list[int]]:
+        """A hybrid's usable prefix hit: the longest one whose end has a state checkpoint, and
+        that checkpoint's slot (None, [] when there is none; the hit as is for other models)."""
+        if self.state_slots is None:
+            return None, hit
+        if self.checkpoints is None:
+            return None, []
+        j = len(hit)
+        while j > 0 and req.page_hashes[j - 1] not in self.checkpoints:
+            j -= 1
+        return (self.checkpoints.lookup(req.page_hashes[j - 1]), hit[:j]) if j else (None, [])
 
     def _hashes(self, req: Request, num_pages: int) -> list[bytes]:
         """The hash chain of the request's first `num_pages` full pages (computed once)."""
@@ -287,7 +313,20 @@ class Scheduler:
         owed = req.num_tokens_owed
         if owed > 1 and (self.waiting and self.waiting[0] is not req or len(self.waiting) > 1):
             owed = min(owed, self.config.chunk_cap)  # others wait: do not hog the step
-        return min(owed, budget)
+        n = min(owed, budget)
+        return self._page_aligned(req, n) if self.checkpoints is not None and n > 1 else n
+
+    def _page_aligned(self, req: Request, n: int) -> int:
+        """A hybrid prompt chunk of up to `n` tokens that ends on a page boundary, the last one
+        at the prompt's last full page, so that its state there can be checkpointed (the rest
+        of the prompt runs in the next step); `n` when no boundary falls inside it."""
+        size, start = self.pages.page_size, req.num_computed_tokens
+        last = (req.num_tokens_to_compute - 1) // size * size  # the last boundary cached
+        if start >= last:
+            return n
+        end = min(start + n, last)
+        end = end if end == last else end // size * size
+        return end - start if end > start else n
 
     def preempt(self, req: Request) -> None:
         """Preempt a running request by recompute: free its pages (its cached ones stay cached,
@@ -334,6 +373,8 @@ class Scheduler:
                 new_tokens.append((req, toks))
             if self.pages.enable_caching:
                 self._cache_full_pages(req, s.start)
+                if self.checkpoints is not None:
+                    self._checkpoint(req, s.start)
             if s.spec_token_ids:
                 self.pages.truncate(req.page_table, req.num_tokens)
             if req.forks and req.num_tokens_owed == 0:
@@ -359,6 +400,22 @@ class Scheduler:
         """(source, destination) pages the last `update`'s forks need copied on the device
         before the next step runs (the engine hands them to the runner)."""
         copies, self._page_copies = self._page_copies, []
+        return copies
+
+    def _checkpoint(self, req: Request, start: int) -> None:
+        """A hybrid prompt that this step left on a page boundary: its state there is saved
+        (after the step, before the next: `take_state_copies`) as that page's checkpoint."""
+        end, size = req.num_computed_tokens, self.pages.page_size
+        if end % size or end <= start or end > len(req.prompt_token_ids):
+            return
+        slot = self.checkpoints.reserve(self._hashes(req, end // size)[end // size - 1])  # type: ignore[union-attr]
+        if slot is not None:
+            self._state_copies.append((req.state_slot, slot))
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) state slots to copy on the device now: checkpoints restored
+        before the coming step (after `schedule`) or saved after the last one (after `update`)."""
+        copies, self._state_copies = self._state_copies, []
         return copies
 
     def _cache_full_pages(self, req: Request, start: int) -> None:

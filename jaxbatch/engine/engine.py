@@ -280,8 +280,9 @@ class Engine:
             raise  # a configured hard stop (compile_guard: true), not a failure to absorb
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             isolation.recover(self, e, self._in_step, outputs)
-            self._publish_kv_events()
-            self._note_idle()
+        self._publish_kv_events()
+        self._check_guard()
+        self._note_idle()
         return outputs
 
     def _step(self, outputs: list[RequestOutput]) -> None:
@@ -290,10 +291,9 @@ class Engine:
         if self.replan is not None:
             self.replan.tick(self)  # between steps: swap in a learned set, or look for one
         if not batch.seqs:
-            self._publish_kv_events()
-            self._check_guard()
-            self._note_idle()
             return
+        if self.scheduler.state_slots is not None:  # hybrids: checkpoints resumed from
+            self.runner.copy_states(self.scheduler.take_state_copies())
         t_sched = time.time()
         for s in batch.seqs:  # its queue time ends here (arrival -> first scheduled)
             if s.request.first_scheduled_time is None:
@@ -337,9 +337,8 @@ class Engine:
                 outputs.append(self._advance(req, toks, sampled[req.request_id], now))
             except Exception as e:  # noqa: BLE001 - this request's post-processing alone
                 self._fail(req, e, outputs)
-        self._publish_kv_events()
-        self._check_guard()
-        self._note_idle()
+        if self.scheduler.state_slots is not None:  # hybrids: checkpoints this step made
+            self.runner.copy_states(self.scheduler.take_state_copies())
 
     def _publish_kv_events(self) -> None:
         """Hand the step's prefix-cache changes to the publisher (it sends them on its thread)."""

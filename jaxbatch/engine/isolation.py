@@ -78,6 +78,9 @@ def recover(engine: Any, cause: Exception, in_step: list[Request] | None,
         for req in list(sched.running):
             sched.preempt(req)
         engine.pages.reset_prefix_cache()
+        if sched.checkpoints is not None:  # the states they held went with the cache
+            sched.checkpoints.clear()
         engine.runner.reset_cache()
+    sched.take_state_copies()  # for requests of the failed step, or states now gone
     if engine.speculator is not None:
         engine.speculator.recover(engine.requests)

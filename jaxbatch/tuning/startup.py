@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxbatch.config import EngineConfig, cache_dir
 from jaxbatch.core.kv_pages import PageAllocator
 from jaxbatch.core.scheduler import Scheduler
+from jaxbatch.core.state_checkpoints import StateCheckpoints
 from jaxbatch.core.state_slots import StateSlots
 from jaxbatch.engine import compile_guard
 from jaxbatch.executor import multihost
@@ -38,7 +39,7 @@ from jaxbatch.tuning.precision import (
 )
 from jaxbatch.worker.attention import attention_fn, resolve_backend
 from jaxbatch.worker.kv_budget import configure_xla_memory
-from jaxbatch.worker.runner import Runner
+from jaxbatch.worker.runner import DEFAULT_KV_CACHE_GB, Runner, state_bytes
 from pallas_kernels import cpu_library
 from pallas_kernels.matmul import quant
 from pallas_kernels.zeros import untouched_zeros
@@ -197,8 +198,9 @@ def _measured_routes(model: LoadedModel, config: EngineConfig, root: str, mesh: 
 
 def hybrid_config(config: EngineConfig, arch: Any) -> EngineConfig:
     """A hybrid (Gated DeltaNet) model's limits, said at start: what it cannot run yet is
-    refused by name; the prefix cache is off (a cached prefix needs the recurrent state at its
-    end, which is not kept yet: a hit would skip the tokens the state needs)."""
+    refused by name; the prefix cache keeps `state_checkpoints` recurrent states at page
+    boundaries (core/state_checkpoints.py; auto: a quarter of the KV budget, at most 4 per
+    running sequence), and is off when there are none."""
     if not arch.is_hybrid:
         return config
     if config.speculation.speculative_config is not None:
@@ -207,15 +209,24 @@ def hybrid_config(config: EngineConfig, arch: Any) -> EngineConfig:
     if config.lora.enable_lora:
         raise ValueError("LoRA adapters are not supported yet for hybrid (Gated DeltaNet) "
                          "models")
-    if config.cache.kv_events_config is not None:
-        raise ValueError("KV-cache events need the prefix cache, which is not supported yet "
-                         "for hybrid (Gated DeltaNet) models")
-    if config.cache.enable_prefix_caching:
-        log.warning("prefix caching is off for this hybrid (Gated DeltaNet) model: the "
-                    "recurrent state at a cached prefix's end is not kept yet")
-        config = dataclasses.replace(
-            config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
-    return config
+    cache = config.cache
+    count = cache.state_checkpoints
+    if count is None:
+        gb = cache.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
+        count = min(4 * config.scheduler.max_num_seqs,
+                    int(gb * 2**30 / 4 // max(1, state_bytes(arch, 1))))
+    if not cache.enable_prefix_caching:
+        count = 0
+    elif count == 0:
+        if cache.kv_events_config is not None:
+            raise ValueError("KV-cache events need the prefix cache, which a hybrid model "
+                             "keeps only with state_checkpoints > 0")
+        log.warning("prefix caching is off for this hybrid (Gated DeltaNet) model: no "
+                    "recurrent-state checkpoint fits (state_checkpoints = 0)")
+    log.info("hybrid model: %d recurrent-state checkpoint(s) of %.1f MiB for the prefix cache",
+             count, state_bytes(arch, 1) / 2**20)
+    return dataclasses.replace(config, cache=dataclasses.replace(
+        cache, state_checkpoints=count, enable_prefix_caching=count > 0))
 
 
 def build_parts(config: EngineConfig, model: LoadedModel | None,
@@ -258,7 +269,9 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
     scheduler = Scheduler(config.scheduler, PageAllocator(
         runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching),
         LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None,
-        StateSlots(runner.num_state_slots) if runner.num_state_slots else None)
+        StateSlots(config.scheduler.max_num_seqs + 1) if runner.num_state_slots else None,
+        StateCheckpoints(config.scheduler.max_num_seqs + 1, config.cache.state_checkpoints)
+        if runner.num_state_slots and config.cache.state_checkpoints else None)
     config, replan = live_replan_setup(config, root, model.arch)  # may load a learned set
     planner = make_planner(config, model.arch, collective_gbps(
         config.planner.collective_gbps, runner.placement, model.arch.hidden_size))

@@ -37,7 +37,8 @@ from jaxbatch.executor import sharding
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.archs import cpu_layout, dispatch, llama
 from jaxbatch.planner import Bucket
-from jaxbatch.worker import kv_budget, packed_inputs
+from jaxbatch.worker import cache_ops, kv_budget, packed_inputs
+from jaxbatch.worker.cache_ops import PAGE_COPY_WIDTH
 from jaxbatch.worker.packed_inputs import ModelInputs
 from jaxbatch.worker.sampler import SamplerOutput, adjust_logits, greedy_argmax, sample
 from jaxbatch.worker.step_inputs import StepInputs, dummy_step_inputs, empty_adjustments
@@ -45,7 +46,6 @@ from jaxbatch.worker.step_inputs import StepInputs, dummy_step_inputs, empty_adj
 DEFAULT_KV_CACHE_GB = 2.0
 PROMPT_LOGPROBS_ROWS = 64  # prompt positions one compiled prompt-logprobs call scores
 LONG_STEP_S = 0.2  # time_bucket times a step this long once (after its warm-up run)
-PAGE_COPY_WIDTH = 8  # pages one compiled copy moves (fork of n > 1 choices); more: several calls
 
 
 def kv_cache_dtype(setting: str, compute_dtype: Any) -> Any:
@@ -187,7 +187,9 @@ class Runner:
         tp = 1 if self.placement is None else self.placement.tp
         # a sharded cache's budget is per device: each holds K/tp heads
         # hybrid models: a recurrent-state slot per running sequence and the dummy (slot 0)
-        self.num_state_slots = max_num_seqs + 1 if arch.is_hybrid else 0
+        # and the prefix cache's state checkpoints after them (tuning/startup.py resolves them)
+        self.num_state_slots = max_num_seqs + 1 + (cache.state_checkpoints or 0) \
+            if arch.is_hybrid else 0
         if arch.is_hybrid and self.placement is not None:
             raise ValueError("hybrid (Gated DeltaNet) models run on one device: "
                              "tensor_parallel_size > 1 is not supported for them yet")
@@ -212,6 +214,7 @@ class Runner:
         # adjust_logits for S rows, run before it in steps with LogitsAdjustments (sampler.py)
         self.samplers: dict[tuple[int, bool], jax.stages.Compiled] = {}
         self._page_copy: jax.stages.Compiled | None = None  # compiled with the buckets
+        self._state_copy: jax.stages.Compiled | None = None  # hybrids: with the buckets
         self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
         self._hidden: Any = None  # the last step's hidden states [T, H], on the device
 
@@ -286,42 +289,32 @@ class Runner:
         self.executables.update(steps)
         self.samplers.update(samplers)
         if self._page_copy is None:
-            self._page_copy = self._compile_page_copy()
+            self._page_copy = cache_ops.compile_copy(self.kv_cache, ("k", "v"), PAGE_COPY_WIDTH)
+        if self._state_copy is None and self.num_state_slots:
+            self._state_copy = cache_ops.compile_copy(self.kv_cache, cache_ops.STATE_NAMES,
+                                                      cache_ops.STATE_COPY_WIDTH)
         if self._prompt_lp is None:
             self._prompt_lp = self._compile_prompt_logprobs()
         if self.leader is not None:
             self.leader.warm(self, buckets)
         return time.perf_counter() - t0
 
-    def _compile_page_copy(self) -> jax.stages.Compiled:
-        """cache, src i32[C], dst i32[C] -> cache with page dst[i] = page src[i] in every layer,
-        K and V (in place: the cache is donated). C = PAGE_COPY_WIDTH, padded with 0 -> 0 (the
-        dummy page onto itself)."""
-        def copy(kv_cache, src, dst):
-            # the paged K/V only (a hybrid's recurrent states are per slot, not per page)
-            return {name: c.at[:, dst].set(c[:, src]) if name in ("k", "v") else c
-                    for name, c in kv_cache.items()}
-
-        spec = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
-        idx = jax.ShapeDtypeStruct((PAGE_COPY_WIDTH,), jnp.int32)
-        out = jax.tree.map(lambda a: a.sharding, self.kv_cache)
-        return jax.jit(copy, donate_argnums=(0,), out_shardings=out).lower(
-            spec, idx, idx).compile()
-
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV pages (src, dst) on the device: the private copy of a prompt's last partial
         page for each choice forked off it (core/parallel_sampling.py). Queued before the next
         step, which therefore sees the copies."""
         assert self._page_copy is not None, "compile() first"
-        for k in range(0, len(pairs), PAGE_COPY_WIDTH):
-            chunk = pairs[k : k + PAGE_COPY_WIDTH]
-            src = np.zeros(PAGE_COPY_WIDTH, np.int32)
-            dst = np.zeros(PAGE_COPY_WIDTH, np.int32)
-            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
+        for src, dst in cache_ops.padded_pairs(pairs, PAGE_COPY_WIDTH):
             if self.leader is not None:
                 self.leader.copy(src, dst)
             self.copy_page_chunk(src, dst)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy a hybrid model's recurrent-state slots (src, dst) on the device: prefix-cache
+        checkpoints saved after a step or restored before one (core/state_checkpoints.py)."""
+        assert self._state_copy is not None, "compile() first, on a hybrid model"
+        for src, dst in cache_ops.padded_pairs(pairs, cache_ops.STATE_COPY_WIDTH):
+            self.kv_cache = self._state_copy(self.kv_cache, src, dst)
 
     def copy_page_chunk(self, src: np.ndarray, dst: np.ndarray) -> None:
         """One compiled page copy: src, dst i32[PAGE_COPY_WIDTH]."""

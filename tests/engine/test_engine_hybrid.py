@@ -49,11 +49,37 @@ def test_hybrid_limits_are_said(tiny_models, caplog):
         LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
             planner="fixed:[(8,4)]", max_num_seqs=4, max_num_batched_tokens=8, **ENGINE)
     llm = LLM(path, planner="fixed:[(8,4)]", max_num_seqs=4, num_pages=64, page_size=16,
-              max_num_batched_tokens=8,
-              **ENGINE)
+              max_num_batched_tokens=8, state_checkpoints=0, **ENGINE)
     assert not llm.engine.pages.enable_caching and "prefix caching is off" in caplog.text
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(n=2, temperature=0,
                                                                         max_tokens=4),
                        use_tqdm=False)[0]
     assert len(out.outputs) == 2 and out.outputs[0].token_ids == out.outputs[1].token_ids
     slots_back(llm)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_hybrid_prefix_cache_resumes_from_state_checkpoints(tiny_models, kind):
+    """Conversations on one long system prompt: later requests resume from the recurrent state
+    checkpointed at the prompt's page boundaries (the KV pages shared), and every answer equals
+    HF's greedy, as with the prefix cache off."""
+    path, hf = tiny_models(kind)
+    system = prompts_of([53], seed=5)[0]
+    turns = [system + t for t in prompts_of([4, 9, 17, 2], seed=6)]
+    outs = {}
+    for checkpoints in (0, 6):
+        llm = LLM(path, page_size=8, max_num_batched_tokens=24, max_num_seqs=4, num_pages=90,
+                  planner="fixed:[(8,4),(24,4)]", state_checkpoints=checkpoints, **ENGINE)
+        first = check_exact(llm, hf, turns[:1], [6])  # computes the system prompt
+        rest = check_exact(llm, hf, turns[1:], [6, 6, 6])
+        outs[checkpoints] = [o.outputs[0].token_ids for o in first + rest]
+        eng = llm.engine
+        if checkpoints:
+            assert eng.pages.hits > 0 and eng.scheduler.checkpoints.resumed == 3
+            assert all(r.num_cached_tokens >= 48 for r in list(eng.last_finished)[-3:])
+            eng.scheduler.checkpoints.check()
+        else:
+            assert eng.pages.hits == 0
+        assert eng.compiles_since_warmup == 0
+        slots_back(llm)
+    assert outs[0] == outs[6]
