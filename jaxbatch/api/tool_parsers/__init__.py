@@ -5,6 +5,7 @@ out; `parse` over a finished text gives the same).
 | name | format | models |
 |---|---|---|
 | `hermes` | `<tool_call>{"name", "arguments"}</tool_call>` | Hermes 2/3, Qwen 2.5/3, SmolLM, default |
+| `qwen3_coder` | `<tool_call><function=N><parameter=P>v</parameter></function></tool_call>` | Qwen3-Coder, Qwen3.5, Qwen3.6 |
 
 The server's parser is `--tool-call-parser NAME` (vLLM's flag and names), else the one the
 model's chat template shows (`choose_tool_parser`).
@@ -16,9 +17,10 @@ from typing import Any
 
 from jaxbatch.api.tool_parsers.base import ToolParser, new_call_id
 from jaxbatch.api.tool_parsers.hermes import HermesParser, call_text
+from jaxbatch.api.tool_parsers.qwen3_coder import FN_OPEN, P_OPEN, Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
-    HermesParser,)}
+    HermesParser, Qwen3CoderParser)}
 ALIASES: dict[str, str] = {}  # vLLM's other names
 TOOL_PARSER_NAMES = (*PARSERS, *ALIASES)
 
@@ -45,6 +47,8 @@ def choose_tool_parser(chat_template: Any, model_type: str | None = None) -> str
     template = chat_template if isinstance(chat_template, str) else ""
     if isinstance(chat_template, dict):  # several named templates: the default one
         template = str(chat_template.get("default") or "")
+    if FN_OPEN in template and P_OPEN in template:
+        return "qwen3_coder"
     return "hermes"
 
 
