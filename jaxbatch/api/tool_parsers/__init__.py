@@ -8,6 +8,7 @@ out; `parse` over a finished text gives the same).
 | `qwen3_coder` | `<tool_call><function=N><parameter=P>v</parameter></function></tool_call>` | Qwen3-Coder, Qwen3.5, Qwen3.6 |
 | `llama3_json` | `{"name", "parameters"}` (after `<|python_tag|>`), `;` between | Llama 3.1-3.3 |
 | `mistral` | `[TOOL_CALLS][{...}]`, `[TOOL_CALLS]N[ARGS]{...}` | Mistral, Mixtral, Magistral, Devstral |
+| `gpt_oss` (vLLM: `openai`) | harmony: commentary `to=functions.N` | gpt-oss |
 
 The server's parser is `--tool-call-parser NAME` (vLLM's flag and names), else the one the
 model's chat template shows (`choose_tool_parser`).
@@ -18,14 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 from jaxbatch.api.tool_parsers.base import ToolParser, new_call_id
+from jaxbatch.api.tool_parsers.gpt_oss import GptOssParser
 from jaxbatch.api.tool_parsers.hermes import HermesParser, call_text
 from jaxbatch.api.tool_parsers.llama3_json import PYTHON_TAG, Llama3JsonParser
 from jaxbatch.api.tool_parsers.mistral import TOOL_CALLS, MistralParser
 from jaxbatch.api.tool_parsers.qwen3_coder import FN_OPEN, P_OPEN, Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
-    HermesParser, Qwen3CoderParser, Llama3JsonParser, MistralParser)}
-ALIASES: dict[str, str] = {}  # vLLM's other names
+    HermesParser, Qwen3CoderParser, Llama3JsonParser, MistralParser, GptOssParser)}
+ALIASES = {"openai": "gpt_oss"}  # vLLM's name for gpt-oss's parser
 TOOL_PARSER_NAMES = (*PARSERS, *ALIASES)
 
 __all__ = ["ALIASES", "PARSERS", "TOOL_PARSER_NAMES", "ToolParser", "call_text",
@@ -53,6 +55,8 @@ def choose_tool_parser(chat_template: Any, model_type: str | None = None) -> str
         template = str(chat_template.get("default") or "")
     if FN_OPEN in template and P_OPEN in template:
         return "qwen3_coder"
+    if model_type == "gpt_oss" or "<|channel|>" in template:
+        return "gpt_oss"
     if TOOL_CALLS in template:
         return "mistral"
     if PYTHON_TAG in template:
