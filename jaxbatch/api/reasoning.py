@@ -14,7 +14,9 @@ Parsers:
                after `<|start|>assistant`; the `analysis` channel is the reasoning, `final` (and
                `commentary`) the answer. These markers are special tokens, so the request's
                output keeps special tokens (skip_special_tokens false) and the reader drops
-               every marker and header.
+               every marker and header. A message addressed to a function (`to=functions.NAME`)
+               is a tool call: handed on in the answer with its own markers, for the gpt_oss
+               tool-call reader (tool_parsers/gpt_oss.py).
 (qwen3's and deepseek_r1's markers are plain text in their vocabularies.) An output that ends
 inside the reasoning (max_tokens) is all reasoning, streamed or not. The answer after `</think>`
 is given as the model wrote it (its leading newlines too, as vLLM). `ReasoningStream` reads
