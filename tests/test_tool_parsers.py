@@ -313,3 +313,16 @@ def test_request_settings_per_format(tok):
     assert e.value.status == 400 and e.value.param == "tool_choice"
     parsed = P.parse_chat_request({"messages": msgs, "tools": TOOLS}, tok, 512)
     assert parsed.tool_parser == "hermes" and parsed.sampling_params.skip_special_tokens
+
+
+def test_serve_flags():
+    from jaxbatch.cli.serve import build_parser, check_output_formats
+
+    args = build_parser().parse_args(["--tool-call-parser", "openai", "--enable-auto-tool-choice"])
+    check_output_formats(args)  # no reasoning parser: gpt_oss's is turned on with it
+    args = build_parser().parse_args(["--tool-call-parser", "gpt_oss", "--reasoning-parser",
+                                      "qwen3"])
+    with pytest.raises(SystemExit, match="needs --reasoning-parser gpt_oss"):
+        check_output_formats(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tool-call-parser", "pythonic"])  # not one of ours

@@ -120,6 +120,15 @@ def warn_if_open(host: str, api_key: str | None) -> bool:
     return True
 
 
+def check_output_formats(args: argparse.Namespace) -> None:
+    """gpt-oss's tool calls are harmony messages, which only the gpt_oss reasoning parser
+    reads: another one with them is refused before the engine starts."""
+    if args.tool_call_parser in ("gpt_oss", "openai") and \
+            args.reasoning_parser not in (None, "gpt_oss"):
+        raise SystemExit(f"--tool-call-parser {args.tool_call_parser} needs --reasoning-parser "
+                         f"gpt_oss (or none), not {args.reasoning_parser}")
+
+
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     from jaxbatch.server.state import ServerLimits
 
@@ -201,6 +210,7 @@ def main(argv: list[str] | None = None,
     logging.getLogger("jaxbatch").setLevel(args.log_level.upper())
     require_readable(args.config, "config file", "jaxbatch serve")  # before the slow start
     limits = limits_from_args(args)  # refuse bad limits before the (slow) engine start
+    check_output_formats(args)
     api_key = api_key_from_args(args)  # and an unreadable key file
     _raise_fd_limit(limits.max_connections)
     if distributed.enabled(args):  # several processes: process 0 serves, the others follow
