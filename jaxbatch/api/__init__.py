@@ -8,6 +8,7 @@ offline batch jobs (batch/) share.
 | `parsed` | `ParsedRequest` |
 | `responses` | response bodies and streaming chunks from `RequestOutput`s |
 | `structured` | `response_format` / `structured_outputs` / `guided_*` -> grammar params |
-| `tools`, `tool_calls` | tools in the chat template; the model's `<tool_call>` text <-> OpenAI `tool_calls` |
+| `tools` | tools, tool_choice and tool messages -> the chat template and a forced call's grammar |
+| `tool_parsers/` | each model family's tool-call text <-> OpenAI `tool_calls` (hermes, qwen3_coder, llama3_json, mistral, gpt_oss) |
 | `tokenize` | vLLM's /v1/tokenize and /v1/detokenize bodies |
 """

@@ -24,7 +24,7 @@ from typing import Any
 from jaxbatch.api.body import bad_request
 from jaxbatch.api.protocol import template_variables
 from jaxbatch.api.surface import finish, neutral
-from jaxbatch.api.tool_calls import new_call_id
+from jaxbatch.api.tool_parsers import new_call_id
 from jaxbatch.core.sampling_params import show
 
 _OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_p": "top_p",
@@ -194,28 +194,44 @@ def from_chat(generate: bool, body: dict, chat: dict[str, Any]) -> dict[str, Any
 
 
 class OllamaStream:
-    """Chat deltas -> Ollama's JSON lines."""
+    """Chat deltas -> Ollama's JSON lines. Ollama streams each tool call whole: a call's
+    streamed arguments are gathered, and it goes out once the next call, text or the end
+    shows it complete."""
 
     def __init__(self, generate: bool, body: dict, model: str) -> None:
         self.generate, self.model = generate, body.get("model") or model
         self.t0 = time.monotonic_ns()
+        self.open_call: dict[str, Any] | None = None  # the call whose arguments are streaming
 
     def start(self) -> list:
         return []
 
+    def _line(self, content: str, thinking: str | None, calls: list[dict]) -> dict[str, Any]:
+        return {"model": self.model, "created_at": _now(),
+                **_answer(self.generate, content, thinking, _calls(calls)), "done": False}
+
+    def _flush(self) -> list:
+        call, self.open_call = self.open_call, None
+        return [] if call is None else [self._line("", None, [call])]
+
     def feed(self, delta: dict[str, Any]) -> list:
         content = delta.get("content") or ""
         thinking = delta.get("reasoning_content")
-        calls = _calls(delta.get("tool_calls"))
-        if not (content or thinking or calls):
-            return []
-        return [{"model": self.model, "created_at": _now(),
-                 **_answer(self.generate, content, thinking, calls), "done": False}]
+        lines = self._flush() if content or thinking else []
+        if content or thinking:
+            lines.append(self._line(content, thinking, []))
+        for entry in delta.get("tool_calls") or []:
+            if entry.get("id"):
+                lines += self._flush()
+                self.open_call = {"function": dict(entry["function"])}
+            elif self.open_call is not None:
+                self.open_call["function"]["arguments"] += entry["function"]["arguments"]
+        return lines
 
     def finish(self, reason: str | None, usage: dict[str, int], stop: Any = None) -> list:
-        return [{"model": self.model, "created_at": _now(),
-                 **_answer(self.generate, "", None, []),
-                 **_done(reason, usage, time.monotonic_ns() - self.t0)}]
+        return self._flush() + [{"model": self.model, "created_at": _now(),
+                                 **_answer(self.generate, "", None, []),
+                                 **_done(reason, usage, time.monotonic_ns() - self.t0)}]
 
     def error(self, err: Any) -> list:
         return [{"error": err.message}]

@@ -22,7 +22,9 @@ class ParsedRequest:
     top_logprobs: int | None = None  # None: no logprobs; else top-n per token (0: sampled only)
     echo: bool = False  # completions: the prompt (and its logprobs) before each choice
     prompt_logprobs: int | None = None  # as the body asked (echo with logprobs computes them too)
-    tool_calls: bool = False  # chat with tools: the output is read for calls (tool_calls.py)
+    tool_calls: bool = False  # chat with tools: the output is read for calls (tool_parsers/)
+    tool_parser: str = "hermes"  # the calls' format (a tool_parsers name)
+    tools: list[dict[str, Any]] | None = None  # the request's tools (their schemas type values)
     # chat with a reasoning parser (reasoning.py): its name, and where the output starts (the
     # reader's state after the prompt: reasoning.start_state)
     reasoning_parser: str | None = None

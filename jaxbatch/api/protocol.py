@@ -47,7 +47,15 @@ from jaxbatch.api.responses import (  # noqa: F401 - re-exported: one protocol m
 )
 from jaxbatch.api.structured import KEYS as STRUCTURED_OUTPUT_KEYS
 from jaxbatch.api.structured import with_structured_outputs
-from jaxbatch.api.tools import is_tool_message, parse_tools, render_tool_chat, tool_message
+from jaxbatch.api.tool_parsers import parser_class
+from jaxbatch.api.tools import (
+    forced_call,
+    is_tool_message,
+    parse_tools,
+    render_tool_chat,
+    tool_format,
+    tool_message,
+)
 from jaxbatch.core.prompts import encode_text
 from jaxbatch.core.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams, show
 
@@ -440,9 +448,11 @@ def _template_kwargs(body: dict, tokenizer: Any) -> dict[str, Any] | None:
 def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
                        served_models: Sequence[str] | None = None,
                        limits: RequestLimits = DEFAULT_LIMITS,
-                       reasoning_parser: str | None = None) -> ParsedRequest:
+                       reasoning_parser: str | None = None,
+                       tool_parser: str | None = None) -> ParsedRequest:
     """POST /v1/chat/completions body -> ParsedRequest (messages through the chat template;
-    `reasoning_parser`: the server's --reasoning-parser, reasoning.py)."""
+    `reasoning_parser`: the server's --reasoning-parser, reasoning.py; `tool_parser`: its
+    --tool-call-parser, else the chat template's format, tool_parsers/)."""
     body = _check_keys(body, _CHAT_KEYS, limits)
     model, stream, include_usage, continuous = _common(body, tokenizer, served_models)
     want_logprobs = _get(body, "logprobs", bool, False)
@@ -453,7 +463,10 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
     max_tokens = _max_tokens(body, ["max_completion_tokens", "max_tokens"], None)
     sp = _sampling_params(body, max_tokens, top_logprobs, limits)
     tools = parse_tools(body)  # tools, tool_choice (a forced call is a grammar)
-    sp = with_structured_outputs(sp, body, tokenizer, tools.forced_grammar() if tools else None)
+    tool_parser, reasoning_parser = tool_format(tool_parser, tokenizer, reasoning_parser)
+    sp = with_structured_outputs(sp, body, tokenizer, forced_call(tools, tool_parser, tokenizer))
+    if tools is not None and parser_class(tool_parser).keeps_special_tokens:
+        sp = dataclasses.replace(sp, skip_special_tokens=False)  # the calls' markers
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -478,6 +491,7 @@ def parse_chat_request(body: Any, tokenizer: Any, max_model_len: int,
             raise bad_request(str(e), "response_format", "unsupported_parameter") from None
     return ParsedRequest("chat", model, [{"prompt_token_ids": ids, "prompt": text}], sp, stream,
                          include_usage, top_logprobs, tool_calls=tools is not None,
+                         tool_parser=tool_parser, tools=tools.tools if tools else None,
                          continuous_usage=continuous,
                          prompt_logprobs=sp.prompt_logprobs, reasoning_parser=reasoning_parser,
                          reasoning_start=start_state(reasoning_parser, text)

@@ -14,7 +14,9 @@ Parsers:
                after `<|start|>assistant`; the `analysis` channel is the reasoning, `final` (and
                `commentary`) the answer. These markers are special tokens, so the request's
                output keeps special tokens (skip_special_tokens false) and the reader drops
-               every marker and header.
+               every marker and header. A message addressed to a function (`to=functions.NAME`)
+               is a tool call: handed on in the answer with its own markers, for the gpt_oss
+               tool-call reader (tool_parsers/gpt_oss.py).
 (qwen3's and deepseek_r1's markers are plain text in their vocabularies.) An output that ends
 inside the reasoning (max_tokens) is all reasoning, streamed or not. The answer after `</think>`
 is given as the model wrote it (its leading newlines too, as vLLM). `ReasoningStream` reads
@@ -37,6 +39,9 @@ H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 H_MARKERS = (H_START, H_CHANNEL, H_MESSAGE, "<|constrain|>", *H_ENDS)
 H_REASONING_CHANNELS = ("analysis",)
+# a message to a function (`to=functions.NAME` in its header) is a tool call: its body is given
+# on in the answer between these, for the gpt_oss tool-call reader (tool_parsers/gpt_oss.py)
+H_CALL_OPEN, H_CALL_CLOSE = H_CHANNEL + "commentary to=functions.", "<|call|>"
 
 
 def opens_reasoning(parser: str, prompt_text: str | None) -> bool:
@@ -92,6 +97,7 @@ class _Harmony:
         # channel's name, a recipient, <|constrain|>...), "body:NAME" (after <|message|>)
         self.state = state
         self._header = ""
+        self._role = ""  # the text after <|start|>: the role, maybe a recipient (to=...)
         self._pending = ""
         # text outside any message: given as the answer at the end if the output never opened
         # a message (a model off the format: nothing is dropped)
@@ -129,27 +135,50 @@ class _Harmony:
                 text = text[2:]
                 continue
             text = text[len(marker):]
+            if self.state.startswith("call:") and (marker in H_ENDS or marker == H_START):
+                content.append(H_CALL_CLOSE)
             if marker == H_CHANNEL:
                 self.state, self._header = "header", ""
             elif marker == H_MESSAGE and self.state == "header":
-                name = self._header.strip().split()[0] if self._header.strip() else ""
-                self.state = "body:" + name.split("<")[0]
+                self.state = self._message_state()
+                if self.state.startswith("call:"):
+                    content.append(H_CALL_OPEN + self.state[5:] + H_MESSAGE)
             elif marker in H_ENDS or marker == H_START:
                 self.state = "between"
+                if marker == H_START:
+                    self._role = ""
+        if final and self.state.startswith("call:"):  # the output ended with the call (<|call|>
+            content.append(H_CALL_CLOSE)  # is a stop token, not in the text)
+            self.state = "between"
         if final and not self._seen_body and self._stray:
             content.append("".join(self._stray))
             self._stray = []
         return "".join(reasoning), "".join(content)
 
+    def _message_state(self) -> str:
+        """At <|message|>: "body:CHANNEL", or "call:NAME" for a message to functions.NAME
+        (the recipient is in the header or after the role: `<|start|>assistant
+        to=functions.f<|channel|>commentary json<|message|>`)."""
+        words = self._header.split()
+        name = words[0].split("<")[0] if words else ""
+        to = next((w[3:] for w in self._role.split() + words[1:] if w.startswith("to=")), "")
+        if to.startswith("functions.") and len(to) > len("functions."):
+            return "call:" + to[len("functions."):]
+        return "body:" + name
+
     def _take(self, piece: str, reasoning: list[str], content: list[str]) -> None:
         if self.state == "header":
             self._header += piece
+        elif self.state.startswith("call:"):
+            self._seen_body = True
+            content.append(piece)
         elif self.state.startswith("body:"):
             self._seen_body = True
             channel = self.state[5:]
             (reasoning if channel in H_REASONING_CHANNELS else content).append(piece)
         else:  # "between": a role name, or text outside a message
             self._stray.append(piece)
+            self._role += piece
 
 
 def _partial(text: str, marker: str) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxbatch.api.parsed import ParsedRequest
 from jaxbatch.api.reasoning import ReasoningStream, split_reasoning
-from jaxbatch.api.tool_calls import ToolCallStream, parse_tool_calls
+from jaxbatch.api.tool_parsers import ToolParser, parse_tool_calls
 from jaxbatch.core.outputs import CompletionOutput, RequestOutput
 
 
@@ -143,8 +143,8 @@ def response_body(parsed: ParsedRequest, outputs: Sequence[RequestOutput], token
 def _chat_message(parsed: ParsedRequest, c: CompletionOutput, finish: str | None
                   ) -> tuple[dict[str, Any], str | None]:
     """The assistant message; with a reasoning parser, the reasoning as `reasoning_content`;
-    with tools, the answer's <tool_call> blocks as `tool_calls` (finish reason "tool_calls"
-    when it stopped by itself)."""
+    with tools, the answer's calls (in the request's tool-call format) as `tool_calls` (finish
+    reason "tool_calls" when it stopped by itself)."""
     text: str | None = c.text
     thought: dict[str, Any] = {}
     if parsed.reasoning_parser is not None:
@@ -152,7 +152,7 @@ def _chat_message(parsed: ParsedRequest, c: CompletionOutput, finish: str | None
                                           parsed.reasoning_start)
         thought = {"reasoning_content": reasoning}
     if parsed.tool_calls and text:
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_tool_calls(text, parsed.tool_parser, parsed.tools)
         if calls:
             return ({"role": "assistant", **thought, "content": content, "tool_calls": calls},
                     "tool_calls" if finish == "stop" else finish)
@@ -181,12 +181,12 @@ def completion_chunk(parsed: ParsedRequest, response_id: str, created: int, mode
 
 def chat_chunk(parsed: ParsedRequest, response_id: str, created: int, model: str,
                index: int, out: RequestOutput | None, tokenizer: Any,
-               first: bool = False, tools: ToolCallStream | None = None,
+               first: bool = False, tools: ToolParser | None = None,
                reasoning: ReasoningStream | None = None) -> dict[str, Any]:
     """One streamed chat delta; `first` adds the assistant role (out may then be None);
     `reasoning` (with a reasoning parser: one reader per choice) puts the reasoning in
     delta.reasoning_content; `tools` (with tools: one reader per choice) turns the answer's
-    <tool_call> blocks into delta.tool_calls."""
+    calls into delta.tool_calls."""
     delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
     lp, finish = None, None
     if out is not None:

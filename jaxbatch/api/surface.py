@@ -6,8 +6,9 @@ answer: the non-streamed chat message, or the streamed chat deltas.
 
 - `answer_parts(message)`: a chat message -> its parts in order: reasoning, text, tool calls.
 - `BlockStream`: chat deltas in -> blocks out (a run of reasoning, a run of text, one tool
-  call), each opened, fed and closed once, in the order the model wrote them; each API's
-  streaming writer subclasses it and says what opening, feeding and closing a block sends.
+  call: opened by its first delta, fed its arguments' fragments), each opened, fed and closed
+  once, in the order the model wrote them; each API's streaming writer subclasses it and says
+  what opening, feeding and closing a block sends.
 - `finish(finish_reason)`: why the answer ended, in words every API maps to its own.
 """
 
@@ -73,27 +74,39 @@ class BlockStream:
         if self.open_kind is not None and (kind != self.open_kind or kind == "tool_call"):
             events += self.close_block(self.parts[-1])
             self.open_kind = None
-        if self.open_kind is None:
-            self.parts.append(Part(kind, call=call))
+        if self.open_kind is None:  # a call opens without arguments: they follow
+            self.parts.append(Part(kind, call=None if call is None else {**call, "arguments": ""}))
             self.open_kind = kind
             events += self.open_block(self.parts[-1])
         part = self.parts[-1]
         if kind == "tool_call":
             assert call is not None
-            part.call = call
-            return events + self.add(part, call["arguments"])
+            return events + self._arguments(call["arguments"])
         part.text += text
         return events + self.add(part, text)
 
+    def _arguments(self, fragment: str) -> list:
+        """More of the open tool call's arguments (JSON text)."""
+        if not fragment:
+            return []
+        part = self.parts[-1]
+        assert part.call is not None and self.open_kind == "tool_call"
+        part.call["arguments"] += fragment
+        return self.add(part, fragment)
+
     def feed(self, delta: dict[str, Any]) -> list:
-        """One chat chunk's delta -> this API's events."""
+        """One chat chunk's delta -> this API's events. A tool-call entry with an id opens a
+        call; one without (OpenAI's later deltas of a call: index and arguments) adds to it."""
         events: list = []
         if delta.get("reasoning_content"):
             events += self._piece("reasoning", delta["reasoning_content"])
         if delta.get("content"):
             events += self._piece("text", delta["content"])
         for entry in delta.get("tool_calls") or []:
-            events += self._piece("tool_call", call=_call(entry))
+            if entry.get("id"):
+                events += self._piece("tool_call", call=_call(entry))
+            else:
+                events += self._arguments(entry["function"]["arguments"])
         return events
 
     def end(self) -> list:

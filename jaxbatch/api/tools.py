@@ -4,9 +4,10 @@
   description, parameters, strict}}`) and tool_choice: "auto" (the default with tools: the
   model decides, its output is read for calls), "none" (the tools are left out of the prompt,
   the output is plain content), "required" or `{"type": "function", "function": {"name": N}}`
-  (a call is forced through a grammar: the `<tool_call>` wrapper around a JSON schema of
-  `{"name": N, "arguments": <N's parameters>}`, so even a small model returns valid arguments;
-  at most one space or newline between JSON tokens, structured.COMPACT, so the call closes).
+  (a call is forced through a grammar in the model's tool-call format, tool_parsers/: for
+  Hermes the `<tool_call>` wrapper around a JSON schema of `{"name": N, "arguments": <N's
+  parameters>}`, so even a small model returns valid arguments; at most one space or newline
+  between JSON tokens, structured.COMPACT, so the call closes).
   `parallel_tool_calls: false` allows one forced call, otherwise one or more.
 - `tool_message(msg, i)`: a `role: "tool"` message (`tool_call_id`, content) or an assistant
   message with `tool_calls`, for the template.
@@ -25,8 +26,8 @@ import re
 from typing import Any
 
 from jaxbatch.api.body import bad_request
-from jaxbatch.api.structured import compact_schema
-from jaxbatch.api.tool_calls import CLOSE, OPEN, call_text
+from jaxbatch.api.tool_parsers import call_text, choose_tool_parser, parser_class
+from jaxbatch.api.tool_parsers.hermes import CLOSE, OPEN
 from jaxbatch.core.prompts import render_chat
 from jaxbatch.core.sampling_params import show
 from jaxbatch.core.structured_outputs import StructuredOutputsParams
@@ -41,21 +42,46 @@ class ChatTools:
     name: str | None = None  # the named function
     parallel: bool = True
 
-    def forced_grammar(self) -> StructuredOutputsParams | None:
-        """The grammar of a forced call ("required" / named), None for "auto"."""
+    def forced_grammar(self, parser: str = "hermes", chat_template: Any = None
+                       ) -> StructuredOutputsParams | None:
+        """The grammar of a forced call ("required" / named) in the tool-call format of
+        `parser` (tool_parsers/), None for "auto"; ValueError where the format has none."""
         if self.choice == "auto":
             return None
         fns = [t["function"] for t in self.tools
                if self.choice == "required" or t["function"]["name"] == self.name]
-        calls = [{"type": "object", "additionalProperties": False,
-                  "required": ["name", "arguments"],
-                  "properties": {"name": {"const": f["name"]},
-                                 "arguments": f.get("parameters") or {"type": "object"}}}
-                 for f in fns]
-        schema = compact_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
-        one = f'"{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
-        more = ' ("\\n" call)*' if self.parallel and self.choice == "required" else ""
-        return StructuredOutputsParams(grammar=f"start: call{more}\ncall: {one}\n")
+        many = self.parallel and self.choice == "required"
+        template = chat_template if isinstance(chat_template, str) else None
+        return StructuredOutputsParams(
+            grammar=parser_class(parser).forced_grammar(fns, many, template))
+
+
+def tool_format(tool_parser: str | None, tokenizer: Any, reasoning_parser: str | None
+                ) -> tuple[str, str | None]:
+    """-> (the tool-call format: the server's --tool-call-parser, else the one the chat template
+    shows; the reasoning parser: gpt-oss's calls are harmony messages, read by the gpt_oss
+    reasoning parser, which they turn on). ValueError for an unknown name or a reasoning
+    parser that cannot read gpt-oss's output."""
+    name = parser_class(tool_parser).name if tool_parser else \
+        choose_tool_parser(getattr(tokenizer, "chat_template", None))
+    if name == "gpt_oss":
+        if reasoning_parser not in (None, "gpt_oss"):
+            raise ValueError(f"the gpt_oss tool-call parser needs the gpt_oss reasoning parser "
+                             f"(harmony's messages), not {reasoning_parser!r}")
+        reasoning_parser = "gpt_oss"
+    return name, reasoning_parser
+
+
+def forced_call(tools: ChatTools | None, parser: str, tokenizer: Any
+                ) -> StructuredOutputsParams | None:
+    """The forced call's grammar in `parser`'s format (None: nothing forced); a 400 where the
+    format has none."""
+    if tools is None:
+        return None
+    try:
+        return tools.forced_grammar(parser, getattr(tokenizer, "chat_template", None))
+    except ValueError as e:
+        raise bad_request(str(e), "tool_choice", "unsupported_parameter") from None
 
 
 def parse_tools(body: dict) -> ChatTools | None:

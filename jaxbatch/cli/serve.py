@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from jaxbatch.api.reasoning import REASONING_PARSERS
+from jaxbatch.api.tool_parsers import TOOL_PARSER_NAMES
 from jaxbatch.cli import distributed
 from jaxbatch.cli.distributed import add_distributed_args
 from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args, require_readable
@@ -54,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="a thinking model's reasoning apart from its answer: chat messages get "
                         "it as reasoning_content (streamed as delta.reasoning_content)")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None,
+                   help="the format of the model's tool calls, read into OpenAI tool_calls "
+                        "(default: the one the chat template shows: qwen3_coder for "
+                        "<function=...> XML, llama3_json for Llama 3, mistral for [TOOL_CALLS], "
+                        "gpt_oss (vLLM: openai) for harmony, else hermes)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
     g = p.add_argument_group("limits")
     g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                    help="429 with Retry-After when this many requests already wait for the "
@@ -112,6 +120,15 @@ def warn_if_open(host: str, api_key: str | None) -> bool:
     return True
 
 
+def check_output_formats(args: argparse.Namespace) -> None:
+    """gpt-oss's tool calls are harmony messages, which only the gpt_oss reasoning parser
+    reads: another one with them is refused before the engine starts."""
+    if args.tool_call_parser in ("gpt_oss", "openai") and \
+            args.reasoning_parser not in (None, "gpt_oss"):
+        raise SystemExit(f"--tool-call-parser {args.tool_call_parser} needs --reasoning-parser "
+                         f"gpt_oss (or none), not {args.reasoning_parser}")
+
+
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     from jaxbatch.server.state import ServerLimits
 
@@ -133,7 +150,8 @@ async def _serve(args: argparse.Namespace, engine: EngineClient, api_key: str | 
     names = args.served_model_name or [engine.config.model.model]
     warn_if_open(args.host, api_key)
     server = await Server.start(engine, args.host, args.port, names, api_key,
-                                limits_from_args(args), args.reasoning_parser)
+                                limits_from_args(args), args.reasoning_parser,
+                                args.tool_call_parser)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -192,6 +210,7 @@ def main(argv: list[str] | None = None,
     logging.getLogger("jaxbatch").setLevel(args.log_level.upper())
     require_readable(args.config, "config file", "jaxbatch serve")  # before the slow start
     limits = limits_from_args(args)  # refuse bad limits before the (slow) engine start
+    check_output_formats(args)
     api_key = api_key_from_args(args)  # and an unreadable key file
     _raise_fd_limit(limits.max_connections)
     if distributed.enabled(args):  # several processes: process 0 serves, the others follow

@@ -24,6 +24,8 @@ from aiohttp import web
 
 from jaxbatch.api import protocol as protocol
 from jaxbatch.api.protocol import ApiError
+from jaxbatch.api.tool_parsers import choose_tool_parser
+from jaxbatch.api.tools import tool_format
 from jaxbatch.engine.client import EngineClient
 from jaxbatch.lora import admin as lora_admin
 from jaxbatch.server import ollama, surfaces
@@ -93,6 +95,23 @@ def create_app(state: ServerState) -> web.Application:
     return app
 
 
+def _output_formats(engine: EngineClient, reasoning_parser: str | None,
+                    tool_call_parser: str | None) -> tuple[str, str | None]:
+    """-> (the tool-call format: the one given, else the one the chat template or the model
+    type shows; the reasoning parser, gpt_oss where the calls are harmony messages)."""
+    first = (getattr(engine, "replicas", None) or [engine])[0]  # data parallel: one model
+    arch = getattr(getattr(first, "runner", None), "arch", None)
+    chosen = tool_call_parser or choose_tool_parser(
+        getattr(engine.tokenizer, "chat_template", None), getattr(arch, "model_type", None))
+    name, reasoning = tool_format(chosen, engine.tokenizer, reasoning_parser)
+    log.info("tool calls read in the %s format%s", name,
+             " (--tool-call-parser)" if tool_call_parser else " (from the chat template)")
+    if reasoning != reasoning_parser:
+        log.info("gpt-oss's tool calls are harmony messages: the output is read with the "
+                 "gpt_oss reasoning parser")
+    return name, reasoning
+
+
 class Server:
     """A running server: `await Server.start(engine, ...)`, then `await server.shutdown()`."""
 
@@ -107,8 +126,14 @@ class Server:
     async def start(cls, engine: EngineClient, host: str = "127.0.0.1", port: int = 8000,
                     served_names: list[str] | None = None, api_key: str | None = None,
                     limits: ServerLimits | None = None,
-                    reasoning_parser: str | None = None) -> Server:
+                    reasoning_parser: str | None = None,
+                    tool_call_parser: str | None = None) -> Server:
+        """`tool_call_parser`: the tool-call format (api/tool_parsers/; None: the one the chat
+        template or model type shows). gpt-oss's calls need the gpt_oss reasoning parser:
+        turned on with it (ValueError for another)."""
         limits = limits or ServerLimits()
+        tool_call_parser, reasoning_parser = _output_formats(engine, reasoning_parser,
+                                                             tool_call_parser)
         names = served_names or [engine.config.model.model]
         spec = getattr(getattr(engine.config, "speculation", None), "speculative_config", None)
         m = ServerMetrics(names[0], engine.max_model_len,
@@ -123,6 +148,7 @@ class Server:
                                      api_key, limits, pool,
                                      determinism=choice.describe() if choice else None,
                                      reasoning_parser=reasoning_parser,
+                                     tool_call_parser=tool_call_parser,
                                      lora_modules=lora_admin.served_adapters(engine)))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=5.0, keepalive_timeout=limits.header_timeout,

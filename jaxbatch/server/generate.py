@@ -22,7 +22,7 @@ from aiohttp import web
 from jaxbatch.api import protocol as protocol
 from jaxbatch.api.protocol import ApiError
 from jaxbatch.api.reasoning import ReasoningStream
-from jaxbatch.api.tool_calls import ToolCallStream
+from jaxbatch.api.tool_parsers import tool_stream
 from jaxbatch.core.outputs import RequestOutput
 from jaxbatch.server.async_engine import (
     EngineDeadError,
@@ -51,7 +51,7 @@ def _parse(st: ServerState, kind: str, raw: bytes) -> protocol.ParsedRequest:
     if kind == "chat":
         return protocol.parse_chat_request(body, st.tokenizer, st.max_model_len,
                                            st.model_names(), st.limits.request,
-                                           st.reasoning_parser)
+                                           st.reasoning_parser, st.tool_call_parser)
     return protocol.parse_completion_request(body, st.tokenizer, st.max_model_len,
                                              st.model_names(), st.limits.request)
 
@@ -99,7 +99,7 @@ async def chat_deltas(st: ServerState, parsed: protocol.ParsedRequest, stream: R
                       response_id: str, model: str) -> AsyncIterator[dict[str, Any]]:
     """One choice's streamed chat chunks (reasoning and tool calls read), without the first
     role-only chunk: what the other APIs' streams are written from (server/surfaces.py)."""
-    tools = ToolCallStream() if parsed.tool_calls else None
+    tools = tool_stream(parsed.tool_parser, parsed.tools) if parsed.tool_calls else None
     thinking = ReasoningStream(parsed.reasoning_parser, parsed.reasoning_start) \
         if parsed.reasoning_parser else None
     async for i, out in stream:
@@ -173,7 +173,8 @@ async def _write_chunks(resp: web.StreamResponse, st: ServerState,
 
     offsets = [0] * len(stream.ids)  # per choice: every prompt's n choices (index i * n + j)
     started: set[int] = set()  # completions' choices that sent a chunk (the first echoes)
-    tools = [ToolCallStream() for _ in stream.ids] if parsed.tool_calls else None
+    tools = [tool_stream(parsed.tool_parser, parsed.tools) for _ in stream.ids] \
+        if parsed.tool_calls else None
     thinking = [ReasoningStream(parsed.reasoning_parser, parsed.reasoning_start)
                 for _ in stream.ids] if parsed.reasoning_parser else None
     if chat:

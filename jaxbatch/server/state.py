@@ -51,6 +51,9 @@ class ServerState:
     determinism: dict | None = None
     # --reasoning-parser (api/reasoning.py): chat answers' reasoning as reasoning_content
     reasoning_parser: str | None = None
+    # --tool-call-parser (api/tool_parsers/): the format of the model's tool calls, resolved at
+    # start (the flag, else the one the chat template shows)
+    tool_call_parser: str | None = None
     # the engine's LoRA adapters, {name: path} (a request names one as its `model`); None:
     # the engine has no LoRA slots (enable_lora off). Changed only on the event loop.
     lora_modules: dict[str, str] | None = None

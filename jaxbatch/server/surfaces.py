@@ -46,7 +46,7 @@ def _parse(st: ServerState, surface: Surface, raw: bytes
     chat = surface.to_chat(body, st.tokenizer, st.model_names())
     parsed = protocol.parse_chat_request(chat, st.tokenizer, st.max_model_len,
                                          st.model_names(), st.limits.request,
-                                         st.reasoning_parser)
+                                         st.reasoning_parser, st.tool_call_parser)
     return body, parsed
 
 
@@ -125,7 +125,8 @@ async def count_tokens(request: web.Request) -> web.Response:
         chat = messages_api.to_chat(body, st.tokenizer, count_only=True)
         parsed = protocol.parse_chat_request({**chat, "stream": False}, st.tokenizer,
                                              st.max_model_len, st.model_names(),
-                                             st.limits.request, st.reasoning_parser)
+                                             st.limits.request, st.reasoning_parser,
+                                             st.tool_call_parser)
         return len(parsed.prompts[0]["prompt_token_ids"])
 
     n = await asyncio.get_running_loop().run_in_executor(st.parse_pool, count)

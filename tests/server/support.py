@@ -166,13 +166,15 @@ def body_of(response: bytes) -> bytes:
 
 class ScriptedEngine(FakeEngine):
     """Answers as a model would, from a script: `answer(prompt_text)` is the whole output text,
-    given 3 characters a step (so deltas cut through every marker); it stops at its end
-    ("stop") or at max_tokens ("length", one token a step). `seen` keeps each request's prompt
-    text and SamplingParams, for the tests to check what reached the engine."""
+    given `chars` characters a step (3 by default, so deltas cut through every marker); it
+    stops at its end ("stop") or at max_tokens ("length", one token a step). `seen` keeps each
+    request's prompt text and SamplingParams, for the tests to check what reached the
+    engine."""
 
-    def __init__(self, tokenizer, answer) -> None:
+    def __init__(self, tokenizer, answer, chars: int = 3) -> None:
         super().__init__(tokenizer=tokenizer)
         self.answer = answer
+        self.chars = chars
         self.scripts: dict[str, str] = {}
         self.seen: list[tuple[str, object]] = []
 
@@ -193,15 +195,16 @@ class ScriptedEngine(FakeEngine):
         outs, self.pending = self.pending, []
         for rid, (ids, max_tokens, prompt) in list(self.running.items()):
             script = self.scripts[rid]
-            done_chars = 3 * len(ids)
+            k = self.chars
+            done_chars = k * len(ids)
             ids.append(7)
-            text = script[:done_chars + 3]
-            reason = "stop" if done_chars + 3 >= len(script) else \
+            text = script[:done_chars + k]
+            reason = "stop" if done_chars + k >= len(script) else \
                 "length" if len(ids) >= max_tokens else None
             comp = CompletionOutput(0, text, list(ids), reason)
             outs.append(RequestOutput(rid, None, list(prompt), [comp], reason is not None,
                                       RequestMetrics(0.0, None, None),
-                                      delta_text=script[done_chars:done_chars + 3],
+                                      delta_text=script[done_chars:done_chars + k],
                                       delta_token_ids=[7]))
             if reason is not None:
                 del self.running[rid]
