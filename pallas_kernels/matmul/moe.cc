@@ -32,7 +32,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -192,32 +191,34 @@ bool run_expert(const MoeCall& c, ffi::ThreadPool& pool, size_t i) {
 }
 
 // Few rows an expert (decode): each thread takes whole experts, one call each on its own thread
-// (no pool dispatch per expert: 8 experts x 3 matmuls x 48 layers a token). False: an expert's
-// mode is not in this build.
+// (no pool dispatch per expert: 8 experts x 3 matmuls x 48 layers a token), claimed one at a
+// time through ffi_safety.h's DrainItems and RunPooled: the call waits for its experts to be
+// done, not for its helpers to be scheduled, so that a helper still queued behind another
+// call's work (several calls at once on few cores) is not waited for; the calling thread runs
+// whatever experts no helper has claimed. False: an expert's mode is not in this build.
+struct ExpertJob {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t items = 0;
+  jaxbatch_ffi::TaskErrors errors;  // an expert's call threw (out of memory): the rest skip
+  std::atomic<bool> unsupported{false};
+  const MoeCall* call = nullptr;   // read only while an item runs: the caller waits for them
+  ffi::ThreadPool* pool = nullptr;
+};
+
 bool run_experts_whole(const MoeCall& c, ffi::ThreadPool& pool, int64_t threads) {
-  struct Claims {
-    std::atomic<size_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::atomic<bool> failed{false};
-    jaxbatch_ffi::TaskErrors errors;  // an expert's call threw (out of memory): the rest skip
-  };
-  auto claims = std::make_shared<Claims>();
-  auto drain = [&pool, &c, claims] {
-    tl_one_thread = true;
-    for (size_t i; (i = claims->next.fetch_add(1)) < c.routed.size();)
-      if (!claims->errors.failed())
-        claims->errors.run([&] {
-          if (!run_expert(c, pool, i)) claims->failed = true;
-        });
+  auto job = std::make_shared<ExpertJob>();
+  job->items = static_cast<int64_t>(c.routed.size());
+  job->call = &c;
+  job->pool = &pool;
+  auto drain = [](ExpertJob& j) {
+    tl_one_thread = true;  // the dense kernels split no work on this thread meanwhile
+    jaxbatch_ffi::DrainItems(j, [&j](int64_t i) {
+      if (!run_expert(*j.call, *j.pool, static_cast<size_t>(i))) j.unsupported = true;
+    });
     tl_one_thread = false;
-    claims->done.fetch_add(1, std::memory_order_release);
   };
-  const int64_t helpers = jaxbatch_ffi::ScheduleHelpers(
-      pool, std::min<int64_t>(threads, c.routed.size()) - 1, [drain] { drain(); });
-  drain();
-  while (claims->done.load(std::memory_order_acquire) < helpers + 1) std::this_thread::yield();
-  claims->errors.rethrow();
-  return !claims->failed;
+  jaxbatch_ffi::RunPooled(pool, std::min<int64_t>(threads, job->items) - 1, job, drain);
+  return !job->unsupported;
 }
 
 ffi::Error MoeMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
