@@ -179,22 +179,23 @@ def main() -> None:
             for shape in a.shapes.split(","):
                 n, k = (int(v) for v in shape.split("x"))
                 for fmt in a.fmts.split(","):
-                    size = n * row_bytes(fmt, k)
+                    cols = n
                     if where == "l2":  # a slice of the columns that fits L2 (~1 MB)
-                        n = max(8 * a.threads, min(n, (1 << 20) // row_bytes(fmt, k) // 8 * 8))
-                        size = n * row_bytes(fmt, k)
+                        cols = max(8 * a.threads,
+                                   min(n, (1 << 20) // row_bytes(fmt, k) // 8 * 8))
+                    size = cols * row_bytes(fmt, k)
                     target = size if where == "l2" else 300_000_000
                     rates: dict[str, list[str]] = {lv: [] for lv in levels}
                     for _ in range(a.rounds):
                         for lv, exe in exes.items():
                             out = subprocess.run(
-                                [exe, str(FORMATS[fmt]), str(n), str(k), str(a.m),
+                                [exe, str(FORMATS[fmt]), str(cols), str(k), str(a.m),
                                  str(a.threads), str(a.iters), str(target)],
                                 check=True, capture_output=True, text=True).stdout.split()
                             wall, cpu = (float(v) / 1e3 for v in out)
                             rates[lv].append(f"{size / wall / 1e9:.1f}|{size / cpu / 1e9:.1f}")
                     for lv in levels:
-                        print(f"{where:6s} {fmt} N={n:5d} K={k:5d} {lv:6s} "
+                        print(f"{where:6s} {fmt} N={cols:5d} K={k:5d} {lv:6s} "
                               f"{' '.join(rates[lv])}", flush=True)
 
 
