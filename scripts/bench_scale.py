@@ -39,7 +39,14 @@ Per MODEL, every measurement in its own child process (so its peak RSS, from wai
      ...); each figure is the median over rounds and each round's ratio is recorded (a VM's
      memory speed drifts by 10-20% over minutes: back-to-back figures compare fairer than
      figures minutes apart).
-  5. --bench64: bench64 steady throughput, jaxbatch through LLM.generate (greedy, ignore_eos;
+  5. the machine's read rate (scripts/bandwidth_probe.py: a STREAM-like read on os.cpu_count()
+     threads) of the .gguf file itself, mapped as the engine maps it, just before its warm child;
+     decode as a share of it: decode tok/s x the bytes of weights a token reads (every tensor
+     but the token embedding, which is read only where it is also the output matrix; routed
+     experts' tensors times experts used / experts) / that rate. llama.cpp's tg likewise.
+     Single-stream decode reads every active weight once a token: the share says how far a
+     figure is from the memory's limit.
+  6. --bench64: bench64 steady throughput, jaxbatch through LLM.generate (greedy, ignore_eos;
      (prompt + output tokens) / s, as bench_throughput.py; prefix caching at its default, on)
      and, with --llamacpp and a .gguf, `llama-server -np 16 -c 32768` on the same file (the
      build and repack that gave the best tg in 4; the 64 requests, 16 in flight, to
@@ -71,7 +78,8 @@ import sys
 import tempfile
 import time
 
-from llamacpp_peer import (  # scripts/ is on sys.path
+from bandwidth_probe import probe  # scripts/ is on sys.path
+from llamacpp_peer import (
     llama_bench,
     llama_server_bench64,
     wait_rusage,
@@ -230,9 +238,33 @@ def describe(model: str) -> dict:
             "MOSTLY_")
         out["tensor_types"] = dict(collections.Counter(t.tensor_type.name
                                                        for t in reader.tensors))
+        out["token_gb"] = token_bytes(reader) / 1e9
     except Exception as e:  # noqa: BLE001 - the file name's suffix stands in
         out["format_note"] = f"GGUF metadata not read: {e!r}"
     return out
+
+
+def token_bytes(reader) -> int:
+    """Bytes of weights one decode token reads from a GGUF file (a gguf.GGUFReader): every
+    tensor but token_embd (a row lookup) unless the file has no output.weight (tied: the
+    output matrix is token_embd, read whole); routed experts' tensors (*_exps) times
+    experts used / experts."""
+    names = {t.name for t in reader.tensors}
+
+    def meta(suffix: str) -> int | None:
+        for key, field in reader.fields.items():
+            if key.endswith(suffix):
+                return int(field.parts[field.data[0]][0])
+        return None
+
+    used, experts = meta(".expert_used_count"), meta(".expert_count")
+    total = 0.0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        share = used / experts if "_exps" in t.name and used and experts else 1.0
+        total += int(t.n_bytes) * share
+    return int(total)
 
 
 # ---- one model -------------------------------------------------------------------------------
@@ -257,6 +289,10 @@ def bench_model(model: str, args: argparse.Namespace, record) -> dict:
         row["first_s"] = (first["ready"] or {}).get("startup_s")
         row["first_rss_gb"] = first["peak_rss_gb"]
         row["dtype"] = (first["ready"] or {}).get("dtype")
+        if model.endswith(".gguf"):
+            bw = probe(file=model, repeat=7)
+            record("bandwidth_probe", bw)
+            row["read_gb_s"] = bw["file"]
         for i in range(args.rounds):  # alternating with llama-bench: the VM's speed drifts
             warm = jaxbatch_child("single", model, single_kw, args,
                                   os.path.join(logs, f"warm{i or ''}.log"))
@@ -312,6 +348,10 @@ def bench_model(model: str, args: argparse.Namespace, record) -> dict:
                                 ("bench64_tok_s", "server_tok_s", "bench64_ratio")):
         if row.get(ours) and row.get(theirs):
             row[ratio] = row[ours] / row[theirs]
+    if row.get("token_gb") and row.get("read_gb_s"):
+        for tok_s, share in (("decode_tok_s", "decode_share"), ("llama_tg", "llama_tg_share")):
+            if row.get(tok_s):
+                row[share] = row[tok_s] * row["token_gb"] / row["read_gb_s"]
     record("summary", row)
     return row
 
@@ -326,12 +366,16 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
             ("RSS GB first/serve", None, ""), ("prompt tok/s", "prompt_tok_s", ".1f"),
             ("llama pp", "llama_pp", ".1f"), ("x", "pp_ratio", ".2f"),
             ("decode tok/s", "decode_tok_s", ".2f"), ("llama tg", "llama_tg", ".2f"),
-            ("x", "tg_ratio", ".2f"), ("bench64 tok/s", "bench64_tok_s", ".1f"),
+            ("x", "tg_ratio", ".2f"), ("read GB/s", "read_gb_s", ".1f"),
+            ("decode/read", "decode_share", ".0%"), ("llama tg/read", "llama_tg_share", ".0%"),
+            ("bench64 tok/s", "bench64_tok_s", ".1f"),
             ("llama-server", "server_tok_s", ".1f"), ("x", "bench64_ratio", ".2f")]
     print(f"\nprompt {args.prompt} / decode {args.decode} tokens, medians of {args.repeat} "
           f"(and of {args.rounds} alternated rounds); "
           f"llama.cpp -t {args.threads}, its best build per figure; x = jaxbatch / llama.cpp")
     print(args.kernel_build)
+    print("read GB/s: the model file mapped, read on every core (scripts/bandwidth_probe.py); "
+          "decode/read: decode tok/s x the weight bytes a token reads / that rate")
     print(" | ".join(c[0] for c in cols))
     for r in rows:
         cells = []

@@ -604,6 +604,146 @@ void pv_fixed_order(const float* s, int64_t n, const float* vh, int64_t HD, floa
 }
 #endif
 
+// The item's queries as f32, score row (h, r) at q[(h * R + r) * D]: r = query row * G + head
+// in the group.
+inline void load_f32_queries(const Problem& p, const Item& it, int32_t start, int64_t G,
+                             int64_t R, int64_t D, float* q) {
+  for (int32_t i = 0; i < it.rows; ++i)
+    for (int64_t h = 0; h < p.Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g)
+        load_row(p.q, p.q16, ((start + it.row0 + i) * p.Hq + h * G + g) * D, D,
+                 &q[(h * R + i * G + g) * D]);
+}
+
+// Keys [a, b)'s K and V, every head, as f32 [b - a, Hkv, D] in sc.k and sc.v: whole pages read
+// in order, the page after next prefetched meanwhile (pages are scattered: the hardware
+// prefetcher restarts at each one).
+inline void sweep_split_f32(const Problem& p, const SeqRows& rows, int64_t a, int64_t b,
+                            Scratch& sc) {
+  const int64_t P = p.P, HD = rows.HD, n = b - a;
+  const int64_t elem = p.kv16 ? 2 : 4;
+  for (int64_t j = 0; j < n;) {
+    const int64_t pos = a + j;
+    const int64_t run = std::min<int64_t>(n - j, P - pos % P);  // tokens left in this page
+    const int64_t off = rows.offset(pos);
+    const int64_t ahead = pos / P + kPrefetchPages;
+    if (ahead * P < b) {
+      const int64_t first = std::max<int64_t>(ahead * P, a);
+      const int64_t last = std::min<int64_t>((ahead + 1) * P, b);
+      const int64_t poff = (static_cast<int64_t>(rows.pages[ahead]) * P + first % P) * HD;
+      const char* kp = static_cast<const char*>(p.k) + poff * elem;
+      const char* vp = static_cast<const char*>(p.v) + poff * elem;
+      for (int64_t byte = 0; byte < (last - first) * HD * elem; byte += 64) {
+        __builtin_prefetch(kp + byte);
+        __builtin_prefetch(vp + byte);
+      }
+    }
+    load_row(p.k, p.kv16, off, static_cast<int>(run * HD), &sc.k[j * HD]);
+    load_row(p.v, p.kv16, off, static_cast<int>(run * HD), &sc.v[j * HD]);
+    j += run;
+  }
+}
+
+// One KV head's score rows of a split through softmax_split_row: row r (query row r / G of the
+// item, at position qpos0 + r / G) at s + r * n, its state at index h * R + r of sc.m, sc.l and
+// sc.acc.
+inline void softmax_head_rows(const Problem& p, Scratch& sc, int64_t h, int64_t R, int64_t G,
+                              float* s, int64_t n, int64_t a, int64_t j0, int64_t kv_len,
+                              int32_t qpos0, int64_t D) {
+  for (int64_t r = 0; r < R; ++r)
+    softmax_split_row(p, s + r * n, n, a, j0, kv_len, qpos0 + static_cast<int32_t>(r / G),
+                      sc.m[h * R + r], sc.l[h * R + r], &sc.acc[(h * R + r) * D], D);
+}
+
+// s[r * n + j] = q_r . k_j for one KV head's R score rows (q [R, D]) and n keys (key j's row
+// at kh + j * HD). Decode rows (R <= kDecodeRows): dot() per score. Else K transposed into kt
+// [D, n] and tiles of kRowBlock rows x kKeyTile keys held in registers, the leftover keys and
+// rows by dot().
+template <int kD>
+void scores_f32(const float* q, const float* kh, int64_t HD, int64_t R, int64_t n, int64_t dim,
+                bool decode, float* kt, float* s) {
+  const int64_t D = kD > 0 ? kD : dim;
+  if (decode) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t r = 0; r < R; ++r) s[r * n + j] = dot(q + r * D, kh + j * HD, D);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) kt[d * n + j] = kh[j * HD + d];
+  int64_t r = 0;
+  for (; r + kRowBlock <= R; r += kRowBlock) {
+    int64_t j = 0;
+    for (; j + kKeyTile <= n; j += kKeyTile) {
+      float t[kRowBlock][kKeyTile] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float* kd = kt + d * n + j;
+        for (int rr = 0; rr < kRowBlock; ++rr) {
+          const float qd = q[(r + rr) * D + d];
+#pragma omp simd
+          for (int jj = 0; jj < kKeyTile; ++jj) t[rr][jj] += qd * kd[jj];
+        }
+      }
+      for (int rr = 0; rr < kRowBlock; ++rr)
+        std::memcpy(s + (r + rr) * n + j, t[rr], sizeof(t[rr]));
+    }
+    for (; j < n; ++j)
+      for (int rr = 0; rr < kRowBlock; ++rr)
+        s[(r + rr) * n + j] = dot(q + (r + rr) * D, kh + j * HD, D);
+  }
+  for (; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) s[r * n + j] = dot(q + r * D, kh + j * HD, D);
+}
+
+// acc[r] += p[r] @ v for one KV head's R score rows (p_r at s + r * n, acc_r at acc + r * D,
+// key j's V row at vh + j * HD): kRowBlock rows share each V row, their accumulators in a
+// register-sized copy.
+template <int kD>
+void pv_f32(const float* s, int64_t n, const float* vh, int64_t HD, int64_t R, float* acc,
+            int64_t dim) {
+  constexpr int kMaxD = kD > 0 ? kD : 1024;
+  const int64_t D = kD > 0 ? kD : dim;
+  int64_t r = 0;
+  for (; r + kRowBlock <= R; r += kRowBlock) {
+    float t[kRowBlock][kMaxD];
+    for (int rr = 0; rr < kRowBlock; ++rr) std::memcpy(t[rr], acc + (r + rr) * D, 4 * D);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = vh + j * HD;
+      for (int rr = 0; rr < kRowBlock; ++rr) {
+        const float pj = s[(r + rr) * n + j];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) t[rr][d] += pj * vj[d];
+      }
+    }
+    for (int rr = 0; rr < kRowBlock; ++rr) std::memcpy(acc + (r + rr) * D, t[rr], 4 * D);
+  }
+  for (; r < R; ++r) {
+    float t[kMaxD];
+    std::memcpy(t, acc + r * D, 4 * D);
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = s[r * n + j];
+      const float* vj = vh + j * HD;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) t[d] += pj * vj[d];
+    }
+    std::memcpy(acc + r * D, t, 4 * D);
+  }
+}
+
+#ifdef JAXBATCH_INVARIANT_F32
+// pv_fixed_order over R rows: blocks of 4, then the 1-3 left.
+inline void pv_fixed_order_rows(const float* s, int64_t n, const float* vh, int64_t HD,
+                                int64_t R, float* acc, int64_t D) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) pv_fixed_order<4>(s + r * n, n, vh, HD, acc + r * D, D);
+  switch (R - r) {
+    case 1: pv_fixed_order<1>(s + r * n, n, vh, HD, acc + r * D, D); break;
+    case 2: pv_fixed_order<2>(s + r * n, n, vh, HD, acc + r * D, D); break;
+    case 3: pv_fixed_order<3>(s + r * n, n, vh, HD, acc + r * D, D); break;
+    default: break;
+  }
+}
+#endif
+
 // One item: `rows` query positions of a sequence, every head, over the visible keys. Per split
 // of the keys, the pages are swept once in order (all KV heads of a token are contiguous) into
 // f32 scratch, then each KV head's G * rows score rows are computed from it.
@@ -611,8 +751,7 @@ void pv_fixed_order(const float* s, int64_t n, const float* vh, int64_t HD, floa
 // accumulators in registers), else 0 (p.D at run time).
 template <int kD>
 void run_item(const Problem& p, const Item& it, Scratch& sc) {
-  constexpr int kMaxD = kD > 0 ? kD : 1024;
-  const int64_t Hkv = p.Hkv, G = p.Hq / p.Hkv, P = p.P;
+  const int64_t Hkv = p.Hkv, G = p.Hq / p.Hkv;
   const int64_t D = kD > 0 ? kD : p.D;
   const int64_t HD = Hkv * D;  // elements of one token's K (or V), all heads
   const int32_t start = p.cu[it.seq];
@@ -628,7 +767,7 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   // AVX2 builds: the fixed-order sums are also the faster ones, so every item takes them (at
   // the avx2 level on SmolLM2 shapes, scripts/bench_cpu_kernel.py: 64 decode rows 1.13 -> 0.89
   // ms, a 512-row prefill 6.6 -> 3.7 ms, 184 rows after 700 keys 8.5 -> 4.0 ms; the register
-  // tiles below are sized for AVX-512's 32 registers)
+  // tiles of scores_f32 and pv_f32 are sized for AVX-512's 32 registers)
   constexpr bool fixed_order = true;
 #else
   constexpr bool fixed_order = false;
@@ -640,127 +779,33 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   sc.k.resize(split * HD);
   sc.v.resize(split * HD);
   sc.s.resize(R * split);
-  for (int32_t i = 0; i < it.rows; ++i)
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t g = 0; g < G; ++g)
-        load_row(p.q, p.q16, ((start + it.row0 + i) * p.Hq + h * G + g) * D, D,
-                 &sc.q[(h * R + i * G + g) * D]);
+  load_f32_queries(p, it, start, G, R, D, sc.q.data());
   int32_t lo, hi;  // keys [lo, hi) may be visible
   key_range(p, it, ctx, kv_len, lo, hi);
   const SeqRows rows = seq_rows(p, it.seq);
+  const int32_t qpos0 = ctx + it.row0;  // the item's first query row's position
   float* kt = sc.kt.data();
   float* s = sc.s.data();  // [R, n] for the head at hand
   for (int64_t j0 = (lo / split) * split; j0 < hi; j0 += split) {
     const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + split, hi);
     const int64_t n = b - a;
-    // the split's K and V, every head, as f32 [n, Hkv, D]: whole pages read in order, the
-    // page after next prefetched meanwhile (pages are scattered: the hardware prefetcher
-    // restarts at each one)
-    const int64_t elem = p.kv16 ? 2 : 4;
-    for (int64_t j = 0; j < n;) {
-      const int64_t pos = a + j;
-      const int64_t run = std::min<int64_t>(n - j, P - pos % P);  // tokens left in this page
-      const int64_t off = rows.offset(pos);
-      const int64_t ahead = pos / P + kPrefetchPages;
-      if (ahead * P < b) {
-        const int64_t first = std::max<int64_t>(ahead * P, a);
-        const int64_t last = std::min<int64_t>((ahead + 1) * P, b);
-        const int64_t poff = (static_cast<int64_t>(rows.pages[ahead]) * P + first % P) * HD;
-        const char* kp = static_cast<const char*>(p.k) + poff * elem;
-        const char* vp = static_cast<const char*>(p.v) + poff * elem;
-        for (int64_t byte = 0; byte < (last - first) * HD * elem; byte += 64) {
-          __builtin_prefetch(kp + byte);
-          __builtin_prefetch(vp + byte);
-        }
-      }
-      load_row(p.k, p.kv16, off, static_cast<int>(run * HD), &sc.k[j * HD]);
-      load_row(p.v, p.kv16, off, static_cast<int>(run * HD), &sc.v[j * HD]);
-      j += run;
-    }
+    sweep_split_f32(p, rows, a, b, sc);
     for (int64_t h = 0; h < Hkv; ++h) {
       const float* q = &sc.q[h * R * D];
       const float* kh = &sc.k[h * D];  // token j's K for head h at kh + j * HD
       const float* vh = &sc.v[h * D];
+      float* acc = &sc.acc[h * R * D];
 #ifdef JAXBATCH_INVARIANT_F32
       if (fixed_order) {
         scores_fixed_order<kD>(q, kh, HD, R, n, D, s);
-        for (int64_t r = 0; r < R; ++r)
-          softmax_split_row(p, s + r * n, n, a, j0, kv_len,
-                            ctx + it.row0 + static_cast<int32_t>(r / G),
-                            sc.m[h * R + r], sc.l[h * R + r], &sc.acc[(h * R + r) * D], D);
-        float* acc = &sc.acc[h * R * D];
-        int64_t r = 0;
-        for (; r + 4 <= R; r += 4) pv_fixed_order<4>(s + r * n, n, vh, HD, acc + r * D, D);
-        switch (R - r) {
-          case 1: pv_fixed_order<1>(s + r * n, n, vh, HD, acc + r * D, D); break;
-          case 2: pv_fixed_order<2>(s + r * n, n, vh, HD, acc + r * D, D); break;
-          case 3: pv_fixed_order<3>(s + r * n, n, vh, HD, acc + r * D, D); break;
-          default: break;
-        }
+        softmax_head_rows(p, sc, h, R, G, s, n, a, j0, kv_len, qpos0, D);
+        pv_fixed_order_rows(s, n, vh, HD, R, acc, D);
         continue;
       }
 #endif
-      if (decode) {
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t r = 0; r < R; ++r) s[r * n + j] = dot(q + r * D, kh + j * HD, D);
-      } else {
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t d = 0; d < D; ++d) kt[d * n + j] = kh[j * HD + d];
-        // s[r, j] = q_r . k_j: tiles of kRowBlock rows x kKeyTile keys held in registers
-        int64_t r = 0;
-        for (; r + kRowBlock <= R; r += kRowBlock) {
-          int64_t j = 0;
-          for (; j + kKeyTile <= n; j += kKeyTile) {
-            float t[kRowBlock][kKeyTile] = {};
-            for (int64_t d = 0; d < D; ++d) {
-              const float* kd = kt + d * n + j;
-              for (int rr = 0; rr < kRowBlock; ++rr) {
-                const float qd = q[(r + rr) * D + d];
-#pragma omp simd
-                for (int jj = 0; jj < kKeyTile; ++jj) t[rr][jj] += qd * kd[jj];
-              }
-            }
-            for (int rr = 0; rr < kRowBlock; ++rr)
-              std::memcpy(s + (r + rr) * n + j, t[rr], sizeof(t[rr]));
-          }
-          for (; j < n; ++j)
-            for (int rr = 0; rr < kRowBlock; ++rr)
-              s[(r + rr) * n + j] = dot(q + (r + rr) * D, kh + j * HD, D);
-        }
-        for (; r < R; ++r)
-          for (int64_t j = 0; j < n; ++j) s[r * n + j] = dot(q + r * D, kh + j * HD, D);
-      }
-      for (int64_t r = 0; r < R; ++r)
-        softmax_split_row(p, s + r * n, n, a, j0, kv_len,
-                          ctx + it.row0 + static_cast<int32_t>(r / G),
-                          sc.m[h * R + r], sc.l[h * R + r], &sc.acc[(h * R + r) * D], D);
-      // acc[r] += p[r] @ v: kRowBlock rows share each V row
-      float* acc = &sc.acc[h * R * D];
-      int64_t r = 0;
-      for (; r + kRowBlock <= R; r += kRowBlock) {
-        float t[kRowBlock][kMaxD];
-        for (int rr = 0; rr < kRowBlock; ++rr) std::memcpy(t[rr], acc + (r + rr) * D, 4 * D);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vj = vh + j * HD;
-          for (int rr = 0; rr < kRowBlock; ++rr) {
-            const float pj = s[(r + rr) * n + j];
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) t[rr][d] += pj * vj[d];
-          }
-        }
-        for (int rr = 0; rr < kRowBlock; ++rr) std::memcpy(acc + (r + rr) * D, t[rr], 4 * D);
-      }
-      for (; r < R; ++r) {
-        float t[kMaxD];
-        std::memcpy(t, acc + r * D, 4 * D);
-        for (int64_t j = 0; j < n; ++j) {
-          const float pj = s[r * n + j];
-          const float* vj = vh + j * HD;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) t[d] += pj * vj[d];
-        }
-        std::memcpy(acc + r * D, t, 4 * D);
-      }
+      scores_f32<kD>(q, kh, HD, R, n, D, decode, kt, s);
+      softmax_head_rows(p, sc, h, R, G, s, n, a, j0, kv_len, qpos0, D);
+      pv_f32<kD>(s, n, vh, HD, R, acc, D);
     }
   }
   write_out(p, it, sc, start, Hkv, G, R, D);
@@ -985,18 +1030,182 @@ void wide_pv(const Problem& p, Scratch& sc, int64_t R, int64_t a, int64_t n, con
   }
 }
 
+constexpr int64_t kAheadDecode = 32;  // keys ahead whose K rows narrow_scores prefetches
+
+// The K rows of the first kAheadDecode keys of the item this thread runs next, a 64-byte line
+// at a time: pass 2 of an item's last split prefetches them (else the next item's pass 1
+// would start on cold pages); that pass 1 prefetches the rest.
+class NextItemLines {
+ public:
+  NextItemLines(const Problem& p, const Item* next, int64_t row_lines)
+      : kbase_(static_cast<const uint16_t*>(p.k)), row_lines_(row_lines) {
+    if (next == nullptr) return;
+    const int32_t nkv = p.kv_lens[next->seq];
+    int32_t nlo, nhi;
+    key_range(p, *next, nkv - (p.cu[next->seq + 1] - p.cu[next->seq]), nkv, nlo, nhi);
+    lo_ = nlo;
+    lines_ = std::max<int64_t>(0, std::min<int64_t>(kAheadDecode, nhi - nlo)) * row_lines;
+    rows_ = seq_rows(p, next->seq);
+  }
+  // the next two lines not yet prefetched, if any
+  void prefetch_two() {
+    for (int t = 0; t < 2 && line_ < lines_; ++t, ++line_) {
+      const int64_t pos = lo_ + line_ / row_lines_;
+      _mm_prefetch(reinterpret_cast<const char*>(kbase_ + rows_.offset(pos)) +
+                       64 * (line_ % row_lines_),
+                   _MM_HINT_T1);
+    }
+  }
+
+ private:
+  const uint16_t* kbase_;
+  int64_t row_lines_;
+  SeqRows rows_{};
+  int64_t lo_ = 0, lines_ = 0, line_ = 0;
+};
+
+// Pass 1 of a decode item (at most kDecodeRows score rows per KV head):
+// s[(h * R + r) * n + j] = q_(h,r) . k_(a+j) over the split's keys [a, a + n) in order (hi: the
+// item's last visible key + 1). Per key, every head's K row dotted with its score rows, 16
+// keys' partial sums (part [HR, 16]) reduced together (sum16); the key's V row and the K row
+// kAheadDecode keys ahead are prefetched meanwhile.
+template <int kD>
+void narrow_scores(const Problem& p, const SeqRows& rows, const uint16_t* qb, int64_t R,
+                   int64_t a, int64_t n, int64_t hi, __m512* part, float* s) {
+  constexpr int kC = kD / 32;  // 64-byte chunks per head row
+  const int64_t Hkv = p.Hkv, HR = Hkv * R;
+  const int64_t row_lines = (rows.HD * 2 + 63) / 64;
+  const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
+  const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
+  for (int64_t jb = 0; jb < n; jb += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - jb);
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      const int slot = kSumSlot[jj];
+      if (jj >= nb) {
+        for (int64_t hr = 0; hr < HR; ++hr) part[hr * 16 + slot] = _mm512_setzero_ps();
+        continue;
+      }
+      const int64_t pos = a + jb + jj;
+      const int64_t off = rows.offset(pos);
+      if (pos + kAheadDecode < hi) {
+        const char* kp = reinterpret_cast<const char*>(kbase + rows.offset(pos + kAheadDecode));
+        for (int64_t c = 0; c < row_lines; ++c) _mm_prefetch(kp + 64 * c, _MM_HINT_T1);
+      }
+      const char* vp = reinterpret_cast<const char*>(vbase + off);
+      for (int64_t c = 0; c < row_lines; ++c) _mm_prefetch(vp + 64 * c, _MM_HINT_T1);
+      const uint16_t* kr = kbase + off;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        __m512bh kc[kC];
+        for (int c = 0; c < kC; ++c)
+          kc[c] = (__m512bh)_mm512_loadu_si512(kr + h * kD + 32 * c);
+        for (int64_t r = 0; r < R; ++r) {
+          const uint16_t* qr = qb + (h * R + r) * kD;
+          __m512 t = _mm512_setzero_ps();
+          for (int c = 0; c < kC; ++c)
+            t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(qr + 32 * c), kc[c]);
+          part[(h * R + r) * 16 + slot] = t;
+        }
+      }
+    }
+    for (int64_t hr = 0; hr < HR; ++hr) {
+      const __m512 sums = sum16(part + hr * 16);
+      _mm512_mask_storeu_ps(s + hr * n + jb, static_cast<__mmask16>((1u << nb) - 1), sums);
+    }
+  }
+}
+
+// Pass 1 of the batch-invariant mode's prefill items (more than kDecodeRows score rows per KV
+// head): narrow_scores's operations for each score, but row by row, the row's query in
+// registers and its 16 keys' partial sums too (no stores and reloads of them: narrow_scores's
+// order keeps HR x 16 of them in memory).
+template <int kD>
+void narrow_scores_by_row(const Problem& p, const SeqRows& rows, const uint16_t* qb, int64_t R,
+                          int64_t a, int64_t n, float* s) {
+  constexpr int kC = kD / 32;
+  const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
+  for (int64_t jb = 0; jb < n; jb += 16) {
+    const int64_t nb = std::min<int64_t>(16, n - jb);
+    const uint16_t* krow[16];
+    for (int64_t jj = 0; jj < nb; ++jj) krow[jj] = kbase + rows.offset(a + jb + jj);
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      for (int64_t r = 0; r < R; ++r) {
+        const uint16_t* qr = qb + (h * R + r) * kD;
+        __m512bh qc[kC];
+        for (int c = 0; c < kC; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+        __m512 t[16];
+        for (int64_t jj = 0; jj < 16; ++jj) {
+          __m512 u = _mm512_setzero_ps();
+          if (jj < nb) {
+            const uint16_t* kr = krow[jj] + h * kD;
+            for (int c = 0; c < kC; ++c)
+              u = _mm512_dpbf16_ps(u, qc[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+          }
+          t[kSumSlot[jj]] = u;
+        }
+        _mm512_mask_storeu_ps(s + (h * R + r) * n + jb,
+                              static_cast<__mmask16>((1u << nb) - 1), sum16(t));
+      }
+    }
+  }
+}
+
+// Pass 2 of a decode item: acc += p @ v over the split's keys [a, a + n), keys in pairs (their
+// V rows interleaved into bf16 pairs by ilo / ihi, the pair of probabilities broadcast), per
+// head and block of up to 4 score rows. `ahead` (the last split only, else null): two lines of
+// the next item's keys prefetched per pair of keys.
+template <int kD>
+void narrow_pv(const Problem& p, const SeqRows& rows, const float* s, int64_t R, int64_t a,
+               int64_t n, __m512i ilo, __m512i ihi, float* accs, NextItemLines* ahead) {
+  constexpr int kC = kD / 32;
+  const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
+  for (int64_t h = 0; h < p.Hkv; ++h) {
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t rb = std::min<int64_t>(4, R - r0);
+      __m512 acc[4][2 * kC];
+      for (int64_t r = 0; r < rb; ++r)
+        for (int c = 0; c < 2 * kC; ++c)
+          acc[r][c] = _mm512_loadu_ps(accs + (h * R + r0 + r) * kD + 16 * c);
+      for (int64_t j = 0; j < n; j += 2) {
+        if (ahead != nullptr) ahead->prefetch_two();
+        const bool pair = j + 1 < n;
+        const uint16_t* v0 = vbase + rows.offset(a + j) + h * kD;
+        const uint16_t* v1 = pair ? vbase + rows.offset(a + j + 1) + h * kD : v0;
+        __m512bh vv[2 * kC];
+        for (int c = 0; c < kC; ++c) {
+          const __m512i x0 = _mm512_loadu_si512(v0 + 32 * c);
+          // a missing second key gets zero rows (not v0's: 0 * inf would be NaN)
+          const __m512i x1 = pair ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
+          vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x0, ilo, x1);
+          vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x0, ihi, x1);
+        }
+        for (int64_t r = 0; r < rb; ++r) {
+          const float* pr = s + (h * R + r0 + r) * n + j;
+          uint32_t bits0, bits1 = 0;
+          std::memcpy(&bits0, pr, 4);
+          if (pair) std::memcpy(&bits1, pr + 1, 4);
+          // probabilities are already bf16-rounded f32: their top halves are the bf16 bits
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(
+              static_cast<int32_t>((bits0 >> 16) | (bits1 & 0xffff0000u)));
+          for (int c = 0; c < 2 * kC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pp);
+        }
+      }
+      for (int64_t r = 0; r < rb; ++r)
+        for (int c = 0; c < 2 * kC; ++c)
+          _mm512_storeu_ps(accs + (h * R + r0 + r) * kD + 16 * c, acc[r][c]);
+    }
+  }
+}
+
 // Decode items with a bf16 cache and bf16 queries (what a bf16 model runs): the pages are read
 // in place with AVX512-BF16 dot products (exact bf16 products, f32 sums) instead of being
 // converted into f32 scratch first. The f32 sweep spent ~45% of a decode layer storing the
 // converted copy and waiting on the loads behind it. Same splits and softmax as run_item.
-// Pass 1 walks the split's keys in order: per key, every head's K row dotted with its score
-// rows, 16 keys' partial sums reduced together (sum16); the V rows of the key and the K rows a
-// few pages ahead are prefetched meanwhile. Pass 2: acc += p @ v, two keys at a time (their V
-// rows interleaved into bf16 pairs, the pair of probabilities broadcast).
+// Pass 1 (narrow_scores) walks the split's keys in order; pass 2 (narrow_pv): acc += p @ v,
+// two keys at a time. Wide items (prefill rows without AMX) take wide_scores and wide_pv; the
+// batch-invariant mode's prefill items narrow_scores_by_row and wide_pv.
 template <int kD>
 void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* next) {
   static_assert(kD % 32 == 0, "head dim in chunks of 32 bf16");
-  constexpr int kC = kD / 32;  // 64-byte chunks per head row
   const int64_t Hkv = p.Hkv, G = p.Hq / p.Hkv, HD = Hkv * kD;
   const int32_t start = p.cu[it.seq];
   const int32_t q_len = p.cu[it.seq + 1] - start;
@@ -1017,27 +1226,9 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
   copy_bf16_queries(p, it, start, G, R, kD, sc.qb.data());
   int32_t lo, hi;
   key_range(p, it, ctx, kv_len, lo, hi);
-  const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
-  const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
   const SeqRows rows = seq_rows(p, it.seq);
   auto token = [&rows](int64_t pos) { return rows.offset(pos); };
-  constexpr int64_t kAhead = 32;  // keys ahead whose K rows pass 1 prefetches
-  const int64_t row_lines = (HD * 2 + 63) / 64;
-  // the next item's first kAhead keys (its pass 1 prefetches the rest), a line at a time
-  int64_t next_lines = 0, next_lo = 0;
-  SeqRows next_rows{};
-  if (next != nullptr) {
-    const int32_t nkv = p.kv_lens[next->seq];
-    int32_t nlo, nhi;
-    key_range(p, *next, nkv - (p.cu[next->seq + 1] - p.cu[next->seq]), nkv, nlo, nhi);
-    next_lo = nlo;
-    next_lines = std::max<int64_t>(0, std::min<int64_t>(kAhead, nhi - nlo)) * row_lines;
-    next_rows = seq_rows(p, next->seq);
-  }
-  auto next_line_addr = [&](int64_t line) {
-    const int64_t pos = next_lo + line / row_lines;
-    return reinterpret_cast<const char*>(kbase + next_rows.offset(pos)) + 64 * (line % row_lines);
-  };
+  NextItemLines ahead(p, next, (HD * 2 + 63) / 64);
   float* s = sc.s.data();  // pointers hoisted: the stores below could alias sc's own fields
   float* accs = sc.acc.data();
   const uint16_t* qb = sc.qb.data();
@@ -1049,127 +1240,24 @@ void run_decode_bf16(const Problem& p, const Item& it, Scratch& sc, const Item* 
     const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + split, hi);
     const int64_t n = b - a;
     // pass 1: s[(h*R + r) * n + j] = q . k_j
-    if (wide) {
+    if (wide)
       wide_scores<kD>(p, sc, R, a, n, s, token);
-    } else if (R > kDecodeRows) {
-      // the batch-invariant mode's prefill items: the loop below's operations for each score,
-      // but row by row, the row's query in registers and its 16 keys' partial sums too (no
-      // stores and reloads of them: the loop below's order keeps HR x 16 of them in memory)
-      for (int64_t jb = 0; jb < n; jb += 16) {
-        const int64_t nb = std::min<int64_t>(16, n - jb);
-        const uint16_t* krow[16];
-        for (int64_t jj = 0; jj < nb; ++jj) krow[jj] = kbase + token(a + jb + jj);
-        for (int64_t h = 0; h < Hkv; ++h) {
-          for (int64_t r = 0; r < R; ++r) {
-            const uint16_t* qr = qb + (h * R + r) * kD;
-            __m512bh qc[kC];
-            for (int c = 0; c < kC; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
-            __m512 t[16];
-            for (int64_t jj = 0; jj < 16; ++jj) {
-              __m512 u = _mm512_setzero_ps();
-              if (jj < nb) {
-                const uint16_t* kr = krow[jj] + h * kD;
-                for (int c = 0; c < kC; ++c)
-                  u = _mm512_dpbf16_ps(u, qc[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
-              }
-              t[kSumSlot[jj]] = u;
-            }
-            _mm512_mask_storeu_ps(s + (h * R + r) * n + jb,
-                                  static_cast<__mmask16>((1u << nb) - 1), sum16(t));
-          }
-        }
-      }
-    } else for (int64_t jb = 0; jb < n; jb += 16) {
-      const int64_t nb = std::min<int64_t>(16, n - jb);
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        const int slot = kSumSlot[jj];
-        if (jj >= nb) {
-          for (int64_t hr = 0; hr < HR; ++hr) part[hr * 16 + slot] = _mm512_setzero_ps();
-          continue;
-        }
-        const int64_t pos = a + jb + jj;
-        const int64_t off = token(pos);
-        if (pos + kAhead < hi) {
-          const char* kp = reinterpret_cast<const char*>(kbase + token(pos + kAhead));
-          for (int64_t c = 0; c < row_lines; ++c) _mm_prefetch(kp + 64 * c, _MM_HINT_T1);
-        }
-        const char* vp = reinterpret_cast<const char*>(vbase + off);
-        for (int64_t c = 0; c < row_lines; ++c) _mm_prefetch(vp + 64 * c, _MM_HINT_T1);
-        const uint16_t* kr = kbase + off;
-        for (int64_t h = 0; h < Hkv; ++h) {
-          __m512bh kc[kC];
-          for (int c = 0; c < kC; ++c)
-            kc[c] = (__m512bh)_mm512_loadu_si512(kr + h * kD + 32 * c);
-          for (int64_t r = 0; r < R; ++r) {
-            const uint16_t* qr = qb + (h * R + r) * kD;
-            __m512 t = _mm512_setzero_ps();
-            for (int c = 0; c < kC; ++c)
-              t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(qr + 32 * c), kc[c]);
-            part[(h * R + r) * 16 + slot] = t;
-          }
-        }
-      }
-      for (int64_t hr = 0; hr < HR; ++hr) {
-        const __m512 sums = sum16(part + hr * 16);
-        _mm512_mask_storeu_ps(s + hr * n + jb, static_cast<__mmask16>((1u << nb) - 1), sums);
-      }
-    }
+    else if (R > kDecodeRows)
+      narrow_scores_by_row<kD>(p, rows, qb, R, a, n, s);
+    else
+      narrow_scores<kD>(p, rows, qb, R, a, n, hi, part, s);
     for (int64_t hr = 0; hr < HR; ++hr)
       softmax_split_row(p, s + hr * n, n, a, j0, kv_len,
                         ctx + it.row0 + static_cast<int32_t>((hr % R) / G),
                         sc.m[hr], sc.l[hr], &sc.acc[hr * kD], kD);
-    // pass 2: acc += p @ v, keys in pairs, per head and block of up to 4 score rows; the
-    // first keys of the item this thread runs next are prefetched meanwhile (else its pass 1
-    // would start on cold pages), two lines per pair of keys
-    const bool last_split = j0 + split >= hi;
-    int64_t next_line = 0;
-    // wide_pv does each accumulator's operations of the loop below, in the same order (the
+    // pass 2. wide_pv does each accumulator's operations of narrow_pv, in the same order (the
     // same pair-interleaved V vectors and probability pair words), with V interleaved once per
     // head rather than once per block of 4 rows: the batch-invariant mode's prefill items take
     // it too, their bits unchanged
-    if (R > kDecodeRows) {
+    if (R > kDecodeRows)
       wide_pv<kD>(p, sc, R, a, n, s, token, ilo, ihi);
-      continue;
-    }
-    for (int64_t h = 0; h < Hkv; ++h) {
-      for (int64_t r0 = 0; r0 < R; r0 += 4) {
-        const int64_t rb = std::min<int64_t>(4, R - r0);
-        __m512 acc[4][2 * kC];
-        for (int64_t r = 0; r < rb; ++r)
-          for (int c = 0; c < 2 * kC; ++c)
-            acc[r][c] = _mm512_loadu_ps(accs + (h * R + r0 + r) * kD + 16 * c);
-        for (int64_t j = 0; j < n; j += 2) {
-          if (next != nullptr && last_split && next_line < next_lines) {
-            for (int t = 0; t < 2 && next_line < next_lines; ++t, ++next_line)
-              _mm_prefetch(next_line_addr(next_line), _MM_HINT_T1);
-          }
-          const bool pair = j + 1 < n;
-          const uint16_t* v0 = vbase + token(a + j) + h * kD;
-          const uint16_t* v1 = pair ? vbase + token(a + j + 1) + h * kD : v0;
-          __m512bh vv[2 * kC];
-          for (int c = 0; c < kC; ++c) {
-            const __m512i x0 = _mm512_loadu_si512(v0 + 32 * c);
-            // a missing second key gets zero rows (not v0's: 0 * inf would be NaN)
-            const __m512i x1 = pair ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
-            vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(x0, ilo, x1);
-            vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(x0, ihi, x1);
-          }
-          for (int64_t r = 0; r < rb; ++r) {
-            const float* pr = s + (h * R + r0 + r) * n + j;
-            uint32_t bits0, bits1 = 0;
-            std::memcpy(&bits0, pr, 4);
-            if (pair) std::memcpy(&bits1, pr + 1, 4);
-            // probabilities are already bf16-rounded f32: their top halves are the bf16 bits
-            const __m512bh pp =
-                (__m512bh)_mm512_set1_epi32(static_cast<int32_t>((bits0 >> 16) | (bits1 & 0xffff0000u)));
-            for (int c = 0; c < 2 * kC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pp);
-          }
-        }
-        for (int64_t r = 0; r < rb; ++r)
-          for (int c = 0; c < 2 * kC; ++c)
-            _mm512_storeu_ps(accs + (h * R + r0 + r) * kD + 16 * c, acc[r][c]);
-      }
-    }
+    else
+      narrow_pv<kD>(p, rows, s, R, a, n, ilo, ihi, accs, j0 + split >= hi ? &ahead : nullptr);
   }
   write_out(p, it, sc, start, Hkv, G, R, kD);
 }
@@ -1198,6 +1286,165 @@ inline void prefetch_rows(const Problem& p, const SeqRows& rows, int64_t pos, in
   }
 }
 
+// The item's bf16 queries (qb, Rs rows a head) as the tiles' B operands for kKeysAsA: per head
+// and block of 16 rows, [kD / 2 pairs][16 rows] u32 pairs in qp (padding rows past R hold stale
+// queries: their scores are never read).
+template <int kD>
+void amx_query_pairs(const uint16_t* qb, int64_t Hkv, int64_t Rs, uint32_t* qp) {
+  constexpr int kD2 = kD / 2;
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qb);
+  for (int64_t hr = 0; hr < Hkv * Rs; ++hr) {
+    const int64_t h = hr / Rs, r = hr % Rs;
+    uint32_t* blk = qp + (h * Rs + (r / 16) * 16) * kD2;
+    for (int d2 = 0; d2 < kD2; ++d2) blk[d2 * 16 + r % 16] = q32[hr * kD2 + d2];
+  }
+}
+
+// Head h's V rows of the split's keys [a, a + n) as key pairs, zero past n up to npad:
+// v2[(j / 2) * kD + d] = (v_j[d], v_j+1[d]). The head's V and K rows kAheadAmx keys ahead are
+// prefetched meanwhile (this loop and the scores' read them in order; a head's rows are 2 * kD
+// bytes every 2 * Hkv * kD, which the hardware prefetcher does not follow from one page to the
+// next): 30-layer decode from DRAM 40.7 -> 26 ms (scripts/bench_cpu_kernel.py --invariant).
+template <int kD>
+void amx_interleave_v(const Problem& p, const SeqRows& rows, int64_t h, int64_t a, int64_t n,
+                      int64_t npad, __m512i ilo, __m512i ihi, uint32_t* v2) {
+  const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
+  const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
+  for (int64_t j = 0; j < npad; j += 2) {
+    const bool have0 = j < n, have1 = j + 1 < n;
+    if (j + kAheadAmx + 1 < n) {
+      for (int64_t t = 0; t < 2; ++t) {
+        const int64_t ahead = rows.offset(a + j + t + kAheadAmx) + h * kD;
+        const char* vn = reinterpret_cast<const char*>(vbase + ahead);
+        const char* kn = reinterpret_cast<const char*>(kbase + ahead);
+        for (int64_t c = 0; c < 2 * kD; c += 64) {
+          _mm_prefetch(vn + c, _MM_HINT_T0);
+          _mm_prefetch(kn + c, _MM_HINT_T1);
+        }
+      }
+    }
+    const uint16_t* r0 = have0 ? vbase + rows.offset(a + j) + h * kD : nullptr;
+    const uint16_t* r1 = have1 ? vbase + rows.offset(a + j + 1) + h * kD : nullptr;
+    for (int c = 0; c < kD / 32; ++c) {
+      const __m512i x0 = have0 ? _mm512_loadu_si512(r0 + 32 * c) : _mm512_setzero_si512();
+      const __m512i x1 = have1 ? _mm512_loadu_si512(r1 + 32 * c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(v2 + (j / 2) * kD + 32 * c, _mm512_permutex2var_epi16(x0, ilo, x1));
+      _mm512_storeu_si512(v2 + (j / 2) * kD + 32 * c + 16,
+                          _mm512_permutex2var_epi16(x0, ihi, x1));
+    }
+  }
+}
+
+// Few rows (Rs <= kKeysAsA): s[r * npad + j] = q_r . k_(a+j) for head h as C[j][r]: A = 16 K
+// rows read in place (one page) or gathered into kc (zero past n), B = the queries as pairs
+// (qph: amx_query_pairs' block of the head), C transposed into s. This skips transposing
+// every K row (decode items: 2.2x faster than the kt2 form).
+template <int kD>
+void amx_scores_keys_as_a(const Problem& p, const SeqRows& rows, const uint32_t* qph,
+                          int64_t h, int64_t R, int64_t Rs, int64_t a, int64_t n, int64_t npad,
+                          uint16_t* kc, float* s) {
+  constexpr int kD2 = kD / 2;
+  const int64_t Hkv = p.Hkv;
+  const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
+  alignas(64) float ct[16 * 16];
+  for (int64_t j = 0; j < npad; j += 16) {
+    const uint16_t* ka = kc;
+    int64_t kstride = 2 * kD;
+    const int64_t pos = a + j;
+    if (j + 16 <= n && rows.offset(pos + 15) - rows.offset(pos) == 15 * Hkv * kD) {
+      ka = kbase + rows.offset(pos) + h * kD;
+      kstride = 2 * Hkv * kD;
+    } else {
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        if (j + jj < n)
+          std::memcpy(kc + jj * kD, kbase + rows.offset(pos + jj) + h * kD, 2 * kD);
+        else
+          std::memset(kc + jj * kD, 0, 2 * kD);
+      }
+    }
+    for (int64_t r = 0; r < Rs; r += 16) {
+      _tile_zero(0);
+      for (int c = 0; c < kD / 32; ++c) {
+        _tile_loadd(4, ka + 32 * c, kstride);
+        _tile_loadd(5, qph + (r / 16) * 16 * kD2 + 16 * 16 * c, 64);
+        _tile_dpbf16ps(0, 4, 5);
+      }
+      _tile_stored(0, ct, 64);
+      const int64_t rn = std::min<int64_t>(16, R - r);
+      for (int64_t rr = 0; rr < rn; ++rr)
+        for (int jj = 0; jj < 16; ++jj) s[(r + rr) * npad + j + jj] = ct[jj * 16 + rr];
+    }
+  }
+}
+
+// More rows: s[r * npad + j] = q_r . k_(a+j) for head h in tiles of 16 rows x 16 keys, A = the
+// head's q rows (qh16, Rs rows of kD bf16), B = K transposed into pairs, kt2[d2 * npad + j] =
+// K row j's pair d2 (zero past n).
+template <int kD>
+void amx_scores_kt2(const Problem& p, const SeqRows& rows, const uint16_t* qh16, int64_t h,
+                    int64_t Rs, int64_t a, int64_t n, int64_t npad, uint32_t* kt2, float* s) {
+  constexpr int kD2 = kD / 2;
+  const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kbase + rows.offset(a + j) + h * kD);
+    for (int d2 = 0; d2 < kD2; ++d2) kt2[d2 * npad + j] = k32[d2];
+  }
+  for (int d2 = 0; d2 < kD2; ++d2) std::memset(kt2 + d2 * npad + n, 0, 4 * (npad - n));
+  for (int64_t r = 0; r < Rs; r += 16)
+    for (int64_t j = 0; j < npad; j += 16) {
+      _tile_zero(0);
+      for (int c = 0; c < kD / 32; ++c) {
+        _tile_loadd(4, qh16 + r * kD + 32 * c, 2 * kD);
+        _tile_loadd(5, kt2 + 16 * c * npad + j, 4 * npad);
+        _tile_dpbf16ps(0, 4, 5);
+      }
+      _tile_stored(0, s + r * npad + j, 4 * npad);
+    }
+}
+
+// A row's (bf16-rounded) probabilities sr[n] as a bf16 row pr[npad], zero past n.
+inline void probs_to_bf16(const float* sr, int64_t n, int64_t npad, uint16_t* pr) {
+  for (int64_t j = 0; j < npad; j += 32) {
+    const __mmask16 m0 = static_cast<__mmask16>(
+        n - j >= 16 ? 0xffff : (n - j <= 0 ? 0 : (1u << (n - j)) - 1));
+    const __mmask16 m1 = static_cast<__mmask16>(
+        n - j - 16 >= 16 ? 0xffff : (n - j - 16 <= 0 ? 0 : (1u << (n - j - 16)) - 1));
+    const __m512 x0 = _mm512_maskz_loadu_ps(m0, sr + j);
+    const __m512 x1 = _mm512_maskz_loadu_ps(m1, sr + j + 16);
+    _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+  }
+}
+
+// acc += p @ v for a head's Rs rows (acc_h [Rs, kD]): 16 rows x 64 d in tiles 0-3, A = p rows
+// (pb [Rs, npad] bf16), B = v2 rows (key pairs, amx_interleave_v).
+template <int kD>
+void amx_pv(const uint16_t* pb, const uint32_t* v2, int64_t Rs, int64_t npad, float* acc_h) {
+  for (int64_t r = 0; r < Rs; r += 16)
+    for (int dc = 0; dc < kD; dc += 64) {
+      float* acc0 = acc_h + r * kD + dc;
+      _tile_loadd(0, acc0, 4 * kD);
+      _tile_loadd(1, acc0 + 16, 4 * kD);
+      _tile_loadd(2, acc0 + 32, 4 * kD);
+      _tile_loadd(3, acc0 + 48, 4 * kD);
+      for (int64_t t = 0; t < npad; t += 32) {
+        const uint32_t* vt = v2 + (t / 2) * kD + dc;
+        _tile_loadd(4, pb + r * npad + t, 2 * npad);
+        _tile_loadd(5, vt, 4 * kD);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, vt + 16, 4 * kD);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, vt + 32, 4 * kD);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, vt + 48, 4 * kD);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, acc0, 4 * kD);
+      _tile_stored(1, acc0 + 16, 4 * kD);
+      _tile_stored(2, acc0 + 32, 4 * kD);
+      _tile_stored(3, acc0 + 48, 4 * kD);
+    }
+}
+
 template <int kD>
 void run_prefill_amx(const Problem& p, const Item& it, Scratch& sc, const Item* next) {
   static_assert(kD % 32 == 0, "head dim in chunks of 32 bf16");
@@ -1220,30 +1467,17 @@ void run_prefill_amx(const Problem& p, const Item& it, Scratch& sc, const Item* 
   sc.v2.resize((npad_max / 2) * kD);
   sc.pb.resize(Rs * npad_max);
   copy_bf16_queries(p, it, start, G, Rs, kD, sc.qb.data());
-  // few rows: the queries as B operands, per head and block of 16 rows, [d2][16 rows] pairs
-  // (padding rows past R hold stale queries: their scores are never read), and 16 K rows
-  if (Rs <= kKeysAsA) {
+  const bool keys_as_a = Rs <= kKeysAsA;
+  if (keys_as_a) {  // few rows: the queries as B operands, and 16 K rows gathered
     sc.qp.resize(Hkv * Rs * kD2);
     sc.kc.resize(16 * kD);
-    const uint32_t* q32 = reinterpret_cast<const uint32_t*>(sc.qb.data());
-    for (int64_t hr = 0; hr < Hkv * Rs; ++hr) {
-      const int64_t h = hr / Rs, r = hr % Rs;
-      uint32_t* blk = sc.qp.data() + (h * Rs + (r / 16) * 16) * kD2;
-      for (int d2 = 0; d2 < kD2; ++d2) blk[d2 * 16 + r % 16] = q32[hr * kD2 + d2];
-    }
+    amx_query_pairs<kD>(sc.qb.data(), Hkv, Rs, sc.qp.data());
   }
-  const uint32_t* qp = sc.qp.data();
-  uint16_t* kc = sc.kc.data();
   int32_t lo, hi;
   key_range(p, it, ctx, kv_len, lo, hi);
-  const uint16_t* kbase = static_cast<const uint16_t*>(p.k);
-  const uint16_t* vbase = static_cast<const uint16_t*>(p.v);
   const SeqRows rows = seq_rows(p, it.seq);
-  auto token = [&rows](int64_t pos) { return rows.offset(pos); };
   float* s = sc.s.data();  // [Rs, npad] for the head at hand
   float* accs = sc.acc.data();
-  uint32_t* kt2 = sc.kt2.data();
-  uint32_t* v2 = sc.v2.data();
   uint16_t* pb = sc.pb.data();
   __m512i ilo, ihi;
   pair_indices(ilo, ihi);
@@ -1253,131 +1487,20 @@ void run_prefill_amx(const Problem& p, const Item& it, Scratch& sc, const Item* 
     const int64_t npad = (n + kKeyTile - 1) / kKeyTile * kKeyTile;  // keys, zero-padded
     prefetch_rows(p, rows, a, std::min<int64_t>(n, kAheadAmx));  // the loops prefetch the rest
     for (int64_t h = 0; h < Hkv; ++h) {
-      // v2[(j / 2) * kD + d] = (v_j[d], v_j+1[d])
-      for (int64_t j = 0; j < npad; j += 2) {
-        const bool have0 = j < n, have1 = j + 1 < n;
-        // the head's V and K rows kAheadAmx keys ahead (this loop and the scores' read them
-        // in order; a head's rows are 2 * kD bytes every 2 * Hkv * kD, which the hardware
-        // prefetcher does not follow from one page to the next): 30-layer decode from DRAM
-        // 40.7 -> 26 ms (scripts/bench_cpu_kernel.py --invariant)
-        if (j + kAheadAmx + 1 < n) {
-          for (int64_t t = 0; t < 2; ++t) {
-            const char* vn = reinterpret_cast<const char*>(vbase + token(a + j + t + kAheadAmx) + h * kD);
-            const char* kn = reinterpret_cast<const char*>(kbase + token(a + j + t + kAheadAmx) + h * kD);
-            for (int64_t c = 0; c < 2 * kD; c += 64) {
-              _mm_prefetch(vn + c, _MM_HINT_T0);
-              _mm_prefetch(kn + c, _MM_HINT_T1);
-            }
-          }
-        }
-        const uint16_t* r0 = have0 ? vbase + token(a + j) + h * kD : nullptr;
-        const uint16_t* r1 = have1 ? vbase + token(a + j + 1) + h * kD : nullptr;
-        for (int c = 0; c < kD / 32; ++c) {
-          const __m512i x0 = have0 ? _mm512_loadu_si512(r0 + 32 * c) : _mm512_setzero_si512();
-          const __m512i x1 = have1 ? _mm512_loadu_si512(r1 + 32 * c) : _mm512_setzero_si512();
-          _mm512_storeu_si512(v2 + (j / 2) * kD + 32 * c, _mm512_permutex2var_epi16(x0, ilo, x1));
-          _mm512_storeu_si512(v2 + (j / 2) * kD + 32 * c + 16,
-                              _mm512_permutex2var_epi16(x0, ihi, x1));
-        }
-      }
-      if (Rs <= kKeysAsA) {
-        // s[r, j] = q_r . k_j as C[j][r]: A = 16 K rows read in place (one page) or gathered,
-        // B = the queries as pairs (qp), C transposed into s; for few rows this skips
-        // transposing every K row (decode items: 2.2x faster than the kt2 form)
-        const uint32_t* qph = qp + h * Rs * kD2;
-        alignas(64) float ct[16 * 16];
-        for (int64_t j = 0; j < npad; j += 16) {
-          const uint16_t* ka = kc;
-          int64_t kstride = 2 * kD;
-          const int64_t pos = a + j;
-          if (j + 16 <= n && token(pos + 15) - token(pos) == 15 * Hkv * kD) {
-            ka = kbase + token(pos) + h * kD;
-            kstride = 2 * Hkv * kD;
-          } else {
-            for (int64_t jj = 0; jj < 16; ++jj) {
-              if (j + jj < n)
-                std::memcpy(kc + jj * kD, kbase + token(pos + jj) + h * kD, 2 * kD);
-              else
-                std::memset(kc + jj * kD, 0, 2 * kD);
-            }
-          }
-          for (int64_t r = 0; r < Rs; r += 16) {
-            _tile_zero(0);
-            for (int c = 0; c < kD / 32; ++c) {
-              _tile_loadd(4, ka + 32 * c, kstride);
-              _tile_loadd(5, qph + (r / 16) * 16 * kD2 + 16 * 16 * c, 64);
-              _tile_dpbf16ps(0, 4, 5);
-            }
-            _tile_stored(0, ct, 64);
-            const int64_t rn = std::min<int64_t>(16, R - r);
-            for (int64_t rr = 0; rr < rn; ++rr)
-              for (int jj = 0; jj < 16; ++jj) s[(r + rr) * npad + j + jj] = ct[jj * 16 + rr];
-          }
-        }
-      } else {
-        // kt2[d2 * npad + j] = K row j's pair d2
-        for (int64_t j = 0; j < n; ++j) {
-          const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kbase + token(a + j) + h * kD);
-          for (int d2 = 0; d2 < kD2; ++d2) kt2[d2 * npad + j] = k32[d2];
-        }
-        for (int d2 = 0; d2 < kD2; ++d2)
-          std::memset(kt2 + d2 * npad + n, 0, 4 * (npad - n));
-        // s[r, j] = q_r . k_j: 16 rows x 16 keys per tile, A = q rows, B = kt2 rows
-        const uint16_t* qh16 = sc.qb.data() + h * Rs * kD;
-        for (int64_t r = 0; r < Rs; r += 16)
-          for (int64_t j = 0; j < npad; j += 16) {
-            _tile_zero(0);
-            for (int c = 0; c < kD / 32; ++c) {
-              _tile_loadd(4, qh16 + r * kD + 32 * c, 2 * kD);
-              _tile_loadd(5, kt2 + 16 * c * npad + j, 4 * npad);
-              _tile_dpbf16ps(0, 4, 5);
-            }
-            _tile_stored(0, s + r * npad + j, 4 * npad);
-          }
-      }
+      amx_interleave_v<kD>(p, rows, h, a, n, npad, ilo, ihi, sc.v2.data());
+      if (keys_as_a)
+        amx_scores_keys_as_a<kD>(p, rows, sc.qp.data() + h * Rs * kD2, h, R, Rs, a, n, npad,
+                                 sc.kc.data(), s);
+      else
+        amx_scores_kt2<kD>(p, rows, sc.qb.data() + h * Rs * kD, h, Rs, a, n, npad,
+                           sc.kt2.data(), s);
       for (int64_t r = 0; r < R; ++r) {
         float* sr = s + r * npad;
         softmax_split_row(p, sr, n, a, j0, kv_len, ctx + it.row0 + static_cast<int32_t>(r / G),
                           sc.m[h * Rs + r], sc.l[h * Rs + r], accs + (h * Rs + r) * kD, kD);
-        // the (bf16-rounded) probabilities as a bf16 row, zero past n
-        uint16_t* pr = pb + r * npad;
-        for (int64_t j = 0; j < npad; j += 32) {
-          const __mmask16 m0 = static_cast<__mmask16>(
-              n - j >= 16 ? 0xffff : (n - j <= 0 ? 0 : (1u << (n - j)) - 1));
-          const __mmask16 m1 = static_cast<__mmask16>(
-              n - j - 16 >= 16 ? 0xffff : (n - j - 16 <= 0 ? 0 : (1u << (n - j - 16)) - 1));
-          const __m512 x0 = _mm512_maskz_loadu_ps(m0, sr + j);
-          const __m512 x1 = _mm512_maskz_loadu_ps(m1, sr + j + 16);
-          _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-        }
+        probs_to_bf16(sr, n, npad, pb + r * npad);
       }
-      // acc[r] += p[r] @ v: kRowBlock rows x the head dim per register tile, key pairs
-      {  // acc += p @ v: 16 rows x 64 d in tiles 0-3, A = p rows, B = v2 rows
-        for (int64_t r = 0; r < Rs; r += 16)
-          for (int dc = 0; dc < kD; dc += 64) {
-            float* acc0 = accs + (h * Rs + r) * kD + dc;
-            _tile_loadd(0, acc0, 4 * kD);
-            _tile_loadd(1, acc0 + 16, 4 * kD);
-            _tile_loadd(2, acc0 + 32, 4 * kD);
-            _tile_loadd(3, acc0 + 48, 4 * kD);
-            for (int64_t t = 0; t < npad; t += 32) {
-              const uint32_t* vt = v2 + (t / 2) * kD + dc;
-              _tile_loadd(4, pb + r * npad + t, 2 * npad);
-              _tile_loadd(5, vt, 4 * kD);
-              _tile_dpbf16ps(0, 4, 5);
-              _tile_loadd(6, vt + 16, 4 * kD);
-              _tile_dpbf16ps(1, 4, 6);
-              _tile_loadd(7, vt + 32, 4 * kD);
-              _tile_dpbf16ps(2, 4, 7);
-              _tile_loadd(5, vt + 48, 4 * kD);
-              _tile_dpbf16ps(3, 4, 5);
-            }
-            _tile_stored(0, acc0, 4 * kD);
-            _tile_stored(1, acc0 + 16, 4 * kD);
-            _tile_stored(2, acc0 + 32, 4 * kD);
-            _tile_stored(3, acc0 + 48, 4 * kD);
-          }
-      }
+      amx_pv<kD>(pb, sc.v2.data(), Rs, npad, accs + h * Rs * kD);
     }
   }
   if (next != nullptr) {  // the next item's first keys, while this one's output is written

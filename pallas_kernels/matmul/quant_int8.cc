@@ -346,8 +346,23 @@ JB_INLINE __m512i sums4(__m512i q) {
 // ---- one call ----
 
 // rows shorter than this are prefetched a tile ahead (into L2) by the few-row paths; longer
-// rows are left to the hardware prefetcher (measured: tree_tile's comment)
+// rows are left to the hardware prefetcher (measured: tree_tile's comment), except by the tree
+// path on AMD (PrefetchLongRows)
 constexpr int64_t kPrefetchMaxRowBytes = 4096;
+
+// Whether the tree path prefetches rows of any length: on AMD CPUs. On a Zen 4 VM (2 vCPUs,
+// M = 1, bf16 x, [2048 x 8192] from a 300 MB stack, 2 threads, GB/s of weight bytes from the
+// threads' CPU time, medians of 9 runs alternating with the 4 KB limit; scripts/
+// quant_kernel_rates.py's driver) prefetching the long rows too read Q4_K 25.8 -> 31.6, Q6_K
+// 25.2 -> 35.1, Q8_0 28.8 -> 33.5 (the hardware prefetcher there follows 8 long rows side by
+// side badly); on the Intel Xeon the limit's measurement stands (long rows up to 10% slower).
+inline bool PrefetchLongRows() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
+}
 
 struct Job {
   const uint8_t* w;  // the layer's [N, RB]
@@ -501,6 +516,7 @@ void tree_tile(const Job& j, int64_t n0) {
   const __m512i ridx =
       tree_lanes<R, C>([](int r, int, bool hi) { return r + (D::kPairs && hi ? 8 : 0); });
   const __mmask16 rm = static_cast<__mmask16>((1u << R) - 1);
+  const bool prefetch = rb < kPrefetchMaxRowBytes || PrefetchLongRows();
   __m512 acc = _mm512_setzero_ps();   // lanes o: A_I; 8 + o: A_J (mins)
   __m256 acc2 = _mm256_setzero_ps();  // pairs: A_I
   for (int64_t g = 0; g < j.ng; ++g, w += D::GB) {
@@ -509,7 +525,7 @@ void tree_tile(const Job& j, int64_t n0) {
     // slower; long rows (>= 4 KB) are left to the hardware (prefetching them ran up to 10%
     // slower). Measured at one row on the Intel Xeon (AMX) VM, 8B Q4_K/Q6_K shapes in a layer
     // loop: [14336, 4096] Q4_K 1.46 -> 1.28 ms, [4096, 14336] Q6_K 2.32 -> 1.77 ms.
-    if (rb < kPrefetchMaxRowBytes)
+    if (prefetch)
       for (int64_t l = g * C * D::GB / 64; l < (g + 1) * C * D::GB / 64; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
     const bool two = !D::kPairs || 2 * g + 1 < nb;
@@ -799,7 +815,8 @@ void wide_decode_tile(const Job& j, int64_t n0, uint8_t* buf) {
   const uint8_t* w[CG];
   for (int c = 0; c < CG; ++c) w[c] = buf + c * wstride;
   for (int64_t g = 0; g < j.ng; ++g) {
-    // as the tree path (M = 6: [4096, 14336] Q6_K 3.6 -> 2.9 ms)
+    // as the tree path (M = 6: [4096, 14336] Q6_K 3.6 -> 2.9 ms); long rows on AMD not
+    // measured here: left to the hardware, as elsewhere
     if (j.rb < kPrefetchMaxRowBytes)
       for (int64_t l = g * 16 * CG * D::GB / 64; l < (g + 1) * 16 * CG * D::GB / 64; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);

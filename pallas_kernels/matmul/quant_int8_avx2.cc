@@ -88,6 +88,11 @@ JB_INLINE uint32_t u16(const uint8_t* p) {
   std::memcpy(&v, p, 2);
   return v;
 }
+JB_INLINE uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
 // a * b rounded once, never fused with what follows (the header's note on FMA)
 JB_INLINE __m256 mul_once(__m256 a, __m256 b) {
@@ -251,21 +256,27 @@ struct K4 {
   static JB_INLINE void codes(const uint8_t* p, __m256i* v) {
     for (int g = 0; g < 4; ++g) code_pair(p, g, v[2 * g], v[2 * g + 1]);
   }
+  // mins: column c's m_0..7 as words (the tile's J), from the same unpacking of the scales
   template <int R, int C>
   static JB_INLINE void dots(const uint8_t* const* w, const int8_t* const* x, const int16_t* const*,
-                             __m256i* acc) {
+                             __m256i* acc, __m128i* mins) {
     // column c's sc_j as a dword of two words (sc_j, sc_j): broadcast from memory (a load, no
     // shuffle) it is sub-block j's VPMADDWD operand
     alignas(32) int32_t sc[C][8];
     for (int c = 0; c < C; ++c) {
-      const __m128i s = _mm_unpacklo_epi8(k4_bytes(w[c]), _mm_setzero_si128());
+      const __m128i k = k4_bytes(w[c]);
+      const __m128i s = _mm_unpacklo_epi8(k, _mm_setzero_si128());
+      mins[c] = _mm_unpackhi_epi8(k, _mm_setzero_si128());
       _mm_store_si128(reinterpret_cast<__m128i*>(sc[c]), _mm_unpacklo_epi16(s, s));
       _mm_store_si128(reinterpret_cast<__m128i*>(sc[c] + 4), _mm_unpackhi_epi16(s, s));
     }
-    for (int o = 0; o < R * C; ++o) acc[o] = _mm256_setzero_si256();
+    // column by column: only the column's R sums live (with the loops the other way round, the
+    // C * R sums and the codes spilled to the stack; M = 1 from L2 on one Zen 4 core, 20.1 ->
+    // 21.9 GB/s [1024 x 2048], 20.4 -> 23.1 [256 x 8192]: scripts/quant_kernel_rates.py)
+    for (int c = 0; c < C; ++c) {
+      for (int r = 0; r < R; ++r) acc[r * C + c] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g)
-      for (int c = 0; c < C; ++c) {
+      for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
         code_pair(w[c], g, lo, hi);
         const __m256i slo = _mm256_set1_epi32(sc[c][2 * g]);
@@ -276,12 +287,10 @@ struct K4 {
               _mm256_add_epi32(dot_scaled(lo, load256(x[r] + 64 * g), slo),
                                dot_scaled(hi, load256(x[r] + 64 * g + 32), shi)));
       }
+    }
   }
   static JB_INLINE uint32_t d(const uint8_t* p) { return u16(p); }
   static JB_INLINE uint32_t dmin(const uint8_t* p) { return u16(p + 2); }
-  static JB_INLINE __m128i mins(const uint8_t* p) {
-    return _mm_cvtepu8_epi16(_mm_srli_si128(k4_bytes(p), 8));
-  }
   static void wide_scales(const uint8_t* const* p, int32_t (*it)[8]) {
     for (int c = 0; c < 8; ++c) {
       if (!p[c]) continue;
@@ -325,25 +334,25 @@ struct Q6_K {
   template <int R, int C>
   static JB_INLINE void dots(const uint8_t* const* w, const int8_t* const* x,
                              const int16_t* const* aux, __m256i* acc) {
-    __m256i s[C][2];  // column c's scales as words: [sc_0..7 | sc_0..7], [sc_8..15 | sc_8..15]
+    // column by column: only the column's R sums and scales live (with the loops the other way
+    // round, all C of each spilled to the stack)
     for (int c = 0; c < C; ++c) {
+      __m256i s[2];  // the column's scales as words: [sc_0..7 | sc_0..7], [sc_8..15 | sc_8..15]
       const __m256i sw = _mm256_cvtepi8_epi16(load128(w[c] + 192));
-      s[c][0] = _mm256_permute2x128_si256(sw, sw, 0x00);
-      s[c][1] = _mm256_permute2x128_si256(sw, sw, 0x11);
+      s[0] = _mm256_permute2x128_si256(sw, sw, 0x00);
+      s[1] = _mm256_permute2x128_si256(sw, sw, 0x11);
       // -32 sum_g sc_g (q sum of group g): the rows' group sums (< 2^11) times sc_g, in words
       for (int r = 0; r < R; ++r)
         acc[r * C + c] = _mm256_sub_epi32(
             _mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sw, load256(aux[r])), 5));
-    }
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h)
-      for (int c = 0; c < C; ++c) {
+      for (int h = 0; h < 2; ++h) {
         __m256i v[4];
         code_half(w[c], h, v);
         for (int k = 0; k < 4; ++k) {
           // weights 128h + 32k..: groups 8h + 2k (words 0-7) and 8h + 2k + 1 (words 8-15)
           const __m256i sk = _mm256_shuffle_epi8(
-              s[c][h], _mm256_setr_epi8(4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,
+              s[h], _mm256_setr_epi8(4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,
                                         4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1,
                                         4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3,
                                         4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2,
@@ -354,6 +363,7 @@ struct Q6_K {
                 acc[r * C + c], dot_scaled(v[k], load256(x[r] + 128 * h + 32 * k), sk));
         }
       }
+    }
   }
   static JB_INLINE uint32_t d(const uint8_t* p) { return u16(p + 208); }
   static void wide_scales(const uint8_t* const* p, int32_t (*it)[8]) {
@@ -445,8 +455,20 @@ JB_INLINE __m256i sums4(const int8_t* q) {
 // ---- one call ----
 
 // rows shorter than this are prefetched a tile ahead (into L2) by the few-row path; longer ones
-// are left to the hardware prefetcher (quant_int8.cc's measurement)
+// are left to the hardware prefetcher (quant_int8.cc's measurement), except on AMD
 constexpr int64_t kPrefetchMaxRowBytes = 4096;
+
+// Whether the few-row path prefetches rows of any length: on AMD CPUs (quant_int8.cc's
+// PrefetchLongRows; this path on a Zen 4 VM, [2048 x 8192] from memory, 2 threads, GB/s from the
+// threads' CPU time, medians of 9 alternating runs: Q4_K 25.1 -> 35.7, Q6_K 18.1 -> 35.0, Q8_0
+// 29.5 -> 34.4)
+inline bool PrefetchLongRows() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
+}
 
 struct Job {
   const uint8_t* w;  // the layer's [N, RB]
@@ -507,9 +529,10 @@ void tile(const Job& j, int64_t m0, int64_t n0) {
   const uint8_t* next = w + C * rb;  // prefetches do not fault
   const XQ& xq = j.xq;
   const __m256i ridx = _mm256_setr_epi32(0, 1 / C, 2 / C, 3 / C, 4 / C, 5 / C, 6 / C, 7 / C);
+  const bool prefetch = kPrefetch && (rb < kPrefetchMaxRowBytes || PrefetchLongRows());
   __m256 ai = _mm256_setzero_ps(), aj = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (kPrefetch && rb < kPrefetchMaxRowBytes)
+    if (prefetch)
       for (int64_t l = b * C * D::BYTES / 64; l < (b + 1) * C * D::BYTES / 64; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
     const uint8_t* wc[C];
@@ -521,7 +544,11 @@ void tile(const Job& j, int64_t m0, int64_t n0) {
       aux[r] = D::kQ6 ? xq.gsum + ((m0 + r) * nb + b) * 16 : nullptr;
     }
     __m256i acc[8];
-    D::template dots<R, C>(wc, xr, aux, acc);
+    __m128i mins[C];  // kMins: column c's m_0..7 as words
+    if constexpr (D::kMins)
+      D::template dots<R, C>(wc, xr, aux, acc, mins);
+    else
+      D::template dots<R, C>(wc, xr, aux, acc);
     for (int o = R * C; o < 8; ++o) acc[o] = _mm256_setzero_si256();
     __m256i s = reduce8(acc);
     // lane o's row: o / C (lanes past R * C: rows past the tile's, not stored)
@@ -531,8 +558,20 @@ void tile(const Job& j, int64_t m0, int64_t n0) {
       s = _mm256_add_epi32(s, R == 1 ? _mm256_set1_epi32(xq.off[b * Mp + m0])
                                      : _mm256_permutevar8x32_epi32(
                                            load256(xq.off + b * Mp + m0), ridx));
-    __m256 ddx;
-    if constexpr (D::kE8M0)
+    __m256 ddx, dmx;
+    if constexpr (D::kMins) {
+      // the K-quants' f16 pair (d, dmin) of column o % C as one dword each: d in the low words
+      alignas(32) uint32_t pair[8];
+      for (int o = 0; o < 8; ++o) pair[o] = u32(wc[o % C]);
+      const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(pair));
+      // [d 0-3, dmin 0-3 | d 4-7, dmin 4-7] -> [d 0-7 | dmin 0-7]
+      const __m256i h = _mm256_permute4x64_epi64(
+          _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
+                              _mm256_srli_epi32(v, 16)),
+          0xD8);
+      ddx = mul_once(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), dx);
+      dmx = mul_once(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), dx);
+    } else if constexpr (D::kE8M0)
       ddx = e8m0_times_dx(_mm256_setr_epi32(wc[0][0], wc[1 % C][0], wc[2 % C][0], wc[3 % C][0],
                                             wc[4 % C][0], wc[5 % C][0], wc[6 % C][0],
                                             wc[7 % C][0]),
@@ -542,13 +581,10 @@ void tile(const Job& j, int64_t m0, int64_t n0) {
     ai = _mm256_add_ps(ai, mul_once(ddx, _mm256_cvtepi32_ps(s)));
     if constexpr (D::kMins) {
       __m128i jv[8];
-      for (int c = 0; c < C; ++c) {
-        const __m128i m = D::mins(wc[c]);
+      for (int c = 0; c < C; ++c)
         for (int r = 0; r < R; ++r)
-          jv[r * C + c] = _mm_madd_epi16(m, load128(xq.bsum + ((m0 + r) * nb + b) * 8));
-      }
+          jv[r * C + c] = _mm_madd_epi16(mins[c], load128(xq.bsum + ((m0 + r) * nb + b) * 8));
       for (int o = R * C; o < 8; ++o) jv[o] = _mm_setzero_si128();
-      const __m256 dmx = mul_once(f16_lanes([&](int o) { return D::dmin(wc[o % C]); }), dx);
       aj = _mm256_add_ps(aj, mul_once(dmx, _mm256_cvtepi32_ps(reduce8x4(jv))));
     }
   }
