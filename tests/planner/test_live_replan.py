@@ -120,7 +120,7 @@ def test_background_compile_waits_for_a_lull(monkeypatch):
     compiled = threading.Event()
 
     class Runner:
-        def compile_buckets(self, buckets):
+        def compile_buckets_planned(self, buckets):
             compiled.set()
             return {}, {}
 
