@@ -235,7 +235,8 @@ def converted(tmp_path_factory):
             model = make_tiny_model(kind, d, cfg=cfg)
             tok.save_pretrained(d)
             path = os.path.join(d, "model.f32.gguf")
-            env = {**os.environ, "PYTHONPATH": os.path.join(LLAMA_CPP, "gguf-py")}
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [os.path.join(LLAMA_CPP, "gguf-py"), LLAMA_CPP])}
             r = subprocess.run([sys.executable, "-c", _RUN_CONVERTER, CONVERTER, d, "--outfile",
                                 path, "--outtype", "f32", "--no-mtp"], env=env,
                                capture_output=True, text=True, timeout=600)
