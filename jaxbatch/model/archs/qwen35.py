@@ -245,14 +245,23 @@ def forward(
 
 
 def _linear_layer(h: jax.Array, lp: dict, cache: dict[str, jax.Array], li: jax.Array,
-                  lay: deltanet.StepLayout, arch: ModelArch
+                  lay: deltanet.StepLayout, arch: ModelArch,
+                  rule: deltanet.RuleFn | None = None
                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """A DeltaNet layer with its states read from and written to the slots of `cache`."""
+    """A DeltaNet layer with its states read from and written to the slots of `cache`.
+    `rule`: None, the jnp recurrence on the gathered states (deltanet.delta_rule), scattered
+    back; or one that takes and returns the whole recurrent-state cache [L_linear, slots, Hv,
+    dk, dv] (the C++ kernel, partial'd with the layer `li`: it reads and writes the slots in
+    place)."""
     fresh = lay.fresh[:, None, None]
     conv = jnp.where(fresh, np.float32(0), cache["conv"][li, lay.read_slot])  # [S, C, Kc-1]
-    ssm = jnp.where(fresh[..., None], np.float32(0), cache["ssm"][li, lay.read_slot])
-    o, conv, ssm = deltanet.gated_delta_net(h, lp, conv, ssm, lay, arch, _mm, rms_norm)
     cache = dict(cache)
+    if rule is None:
+        ssm = jnp.where(fresh[..., None], np.float32(0), cache["ssm"][li, lay.read_slot])
+        o, conv, ssm = deltanet.gated_delta_net(h, lp, conv, ssm, lay, arch, _mm, rms_norm)
+        cache["ssm"] = cache["ssm"].at[li, lay.write_slot].set(ssm, mode="drop")
+    else:
+        o, conv, cache["ssm"] = deltanet.gated_delta_net(h, lp, conv, cache["ssm"], lay, arch,
+                                                         _mm, rms_norm, rule)
     cache["conv"] = cache["conv"].at[li, lay.write_slot].set(conv, mode="drop")
-    cache["ssm"] = cache["ssm"].at[li, lay.write_slot].set(ssm, mode="drop")
     return o, cache
