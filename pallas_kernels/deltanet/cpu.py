@@ -41,7 +41,8 @@ def delta_rule_in_place(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(v.shape, f32),
                                      jax.ShapeDtypeStruct(state.shape, f32)),
                             input_output_aliases={5: 1}, vmap_method="sequential")
-    return call(q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32),
-                state, jnp.asarray(layer, i32).reshape(1), lay.start.astype(i32),
-                lay.new.astype(i32), lay.read_slot.astype(i32), lay.write_slot.astype(i32),
-                lay.fresh.astype(i32))
+    o, new_state = call(q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32),
+                        beta.astype(f32), state, jnp.asarray(layer, i32).reshape(1),
+                        lay.start.astype(i32), lay.new.astype(i32), lay.read_slot.astype(i32),
+                        lay.write_slot.astype(i32), lay.fresh.astype(i32))
+    return o, new_state
