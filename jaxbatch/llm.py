@@ -20,7 +20,9 @@ class LLM:
                  **kwargs: Any) -> None:
         """LLM(model=..., dtype=..., page_size=16, num_pages=None, kv_cache_memory_gb=None,
         max_model_len=..., max_num_batched_tokens=..., max_num_seqs=..., batching_policy="mixed",
-        planner=..., max_compiled_shapes=..., attention_backend="auto", seed=0)."""
+        planner=..., max_compiled_shapes=..., attention_backend="auto", seed=0). `model`: a local
+        path, a built-in name, or a Hugging Face Hub name `OWNER/NAME` / `OWNER/NAME:QUANT`
+        (downloaded into huggingface_hub's cache; `revision=`, `download_dir=`: model/hub.py)."""
         if isinstance(config, EngineConfig):
             cfg = config.replace(**({"model": model} if model else {}), **kwargs)
         else:
