@@ -144,7 +144,7 @@ def _best_match(groups: dict[str, list[str]], tag: str) -> str | None:
     longer = [k for k in keys if start.search(k.lower())]
     preferred = [k for k in longer if re.search(r"(?:^|[^a-z0-9])q4_k_m(?:[^a-z0-9_]|\.gguf$)",
                                                  k.lower())]
-    return (preferred or longer or [None])[0]
+    return next(iter(preferred or longer), None)
 
 
 def _listing(files: list[str]) -> str:
@@ -231,7 +231,7 @@ def _cached_files(repo_id: str, revision: str | None, cache: str) -> list[str]:
         with open(ref) as f:
             commit = f.read().strip()
     snapshot = os.path.join(storage, "snapshots", commit) if commit else ""
-    if not snapshot or not os.path.isdir(snapshot):
+    if commit is None or not os.path.isdir(snapshot):
         raise HubError(f"{repo_id!r} is not a local file or directory, and revision {rev} of "
                        f"the repository is not in the Hugging Face cache {cache} while the Hub "
                        f"cannot be used ({_why_offline()}); download it once online, or name a "
