@@ -40,10 +40,12 @@ class EmbeddingRequest:
     dimensions: int | None
 
 
-def parse_embedding_request(body: Any, tokenizer: Any, max_model_len: int, hidden_size: int,
-                            served_models: Sequence[str] | None = None,
+def parse_embedding_request(body: Any, tokenizer: Any, max_model_len: int,
+                            hidden_size: int | None, served_models: Sequence[str] | None = None,
                             limits: RequestLimits = DEFAULT_LIMITS) -> EmbeddingRequest:
-    """A /v1/embeddings body -> its inputs as token ids; ApiError (400/404) on a bad body."""
+    """A /v1/embeddings body -> its inputs as token ids; ApiError (400/404) on a bad body.
+    `hidden_size` None (an engine that does not tell, Ray replicas): `dimensions` is checked
+    against the pooled state's width when the response is built."""
     body = _check_keys(body, _KEYS, limits)
     model = _check_model(body, served_models)
     fmt = _get(body, "encoding_format", str, "float")
@@ -51,9 +53,9 @@ def parse_embedding_request(body: Any, tokenizer: Any, max_model_len: int, hidde
         raise bad_request(f"'encoding_format' must be one of {list(ENCODINGS)}, got {show(fmt)}",
                           "encoding_format")
     dims = _get(body, "dimensions", int)
-    if dims is not None and not 1 <= dims <= hidden_size:
-        raise bad_request(f"'dimensions' must be between 1 and this model's {hidden_size}, got "
-                          f"{dims}", "dimensions")
+    if dims is not None and not 1 <= dims <= (hidden_size or dims):
+        raise bad_request(f"'dimensions' must be between 1 and this model's "
+                          f"{hidden_size or 'width'}, got {dims}", "dimensions")
     special = _get(body, "add_special_tokens", bool, True)
     inputs = [_ids(x, tokenizer, special) for x in _inputs(body.get("input"), limits)]
     for i, ids in enumerate(inputs):
@@ -125,6 +127,10 @@ def embedding_response(req: EmbeddingRequest, pooled: Sequence[np.ndarray], mode
                        ) -> dict[str, Any]:
     """The response body for the inputs' pooled states (in input order)."""
     n = sum(len(ids) for ids in req.inputs)
+    width = min(len(p) for p in pooled)
+    if req.dimensions is not None and req.dimensions > width:
+        raise bad_request(f"'dimensions' must be between 1 and this model's {width}, got "
+                          f"{req.dimensions}", "dimensions")
     data = [{"object": "embedding", "index": i,
              "embedding": encode(finish(p, req.dimensions), req.encoding_format)}
             for i, p in enumerate(pooled)]
