@@ -216,3 +216,32 @@ def test_pooling_mode_from_the_sentence_transformers_config(tmp_path):
     cfg.update(pooling_mode_mean_tokens=False, pooling_mode_lasttoken=True)
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(cfg))
     assert pooling.pooling_mode(str(tmp_path)) == "last"
+
+
+def test_pooling_mode_from_gguf_metadata(tmp_path):
+    import transformers
+
+    from tests.helpers import gguf_files
+    from tests.helpers.tiny_models import make_hf_config
+
+    model = transformers.AutoModelForCausalLM.from_config(make_hf_config("llama_gqa")).eval()
+    plain = gguf_files.write_gguf(str(tmp_path / "plain.gguf"), model)
+    assert pooling.pooling_mode(plain) == "last"
+    mean = gguf_files.write_gguf(str(tmp_path / "mean.gguf"), model,
+                                 extra=lambda w: w.add_uint32("llama.pooling_type", 1))
+    assert pooling.pooling_mode(mean) == "mean"
+    last = gguf_files.write_gguf(str(tmp_path / "last.gguf"), model,
+                                 extra=lambda w: w.add_uint32("llama.pooling_type", 3))
+    assert pooling.pooling_mode(last) == "last"
+
+
+def test_a_model_that_pools_otherwise_is_refused_by_name(tmp_path):
+    from jaxbatch.api.protocol import ApiError
+    from jaxbatch.server.embeddings import EmbeddingModel
+
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_cls_token": True}))
+    with pytest.raises(ApiError, match="pools its embeddings by 'cls'") as e:
+        EmbeddingModel(64, str(tmp_path)).check_pooling()
+    assert e.value.status == 400
