@@ -207,15 +207,9 @@ needs_converter = pytest.mark.skipif(
     not os.path.isfile(CONVERTER),
     reason=f"llama.cpp's convert_hf_to_gguf.py not found at {CONVERTER} (set LLAMA_CPP_DIR)")
 
-# the converter reads the tokenizer through AutoTokenizer, which for a Qwen3.5-MoE config picks
-# Qwen's class over the saved SmolLM2 tokenizer.json, whose pre-tokenizer hash it then refuses:
-# it is run with AutoTokenizer reading the tokenizer.json as it is (weights are unaffected)
-_RUN_CONVERTER = """
-import runpy, sys, transformers
-transformers.AutoTokenizer.from_pretrained = transformers.PreTrainedTokenizerFast.from_pretrained
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+# the converter run with the tokenizer.json read as saved (see the script)
+_AS_SAVED = os.path.join(os.path.dirname(__file__), "..", "..", "scripts",
+                         "convert_hf_to_gguf_as_saved.py")
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +231,7 @@ def converted(tmp_path_factory):
             path = os.path.join(d, "model.f32.gguf")
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                 [os.path.join(LLAMA_CPP, "gguf-py"), LLAMA_CPP])}
-            r = subprocess.run([sys.executable, "-c", _RUN_CONVERTER, CONVERTER, d, "--outfile",
+            r = subprocess.run([sys.executable, _AS_SAVED, CONVERTER, d, "--outfile",
                                 path, "--outtype", "f32", "--no-mtp"], env=env,
                                capture_output=True, text=True, timeout=600)
             assert r.returncode == 0, r.stderr[-3000:]
