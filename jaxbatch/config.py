@@ -47,6 +47,10 @@ class ModelConfig:
     cache_dir: str | None = None  # None: $JAXBATCH_CACHE or ~/.cache/jaxbatch
     # int8: linear weights stored int8 with per-output-column scales, converted in the step
     quantization: str | None = None
+    # a Hugging Face Hub model name's branch, tag or commit, and the huggingface_hub cache
+    # folder it is downloaded into (None: $HF_HUB_CACHE / $HF_HOME/hub); model/hub.py
+    revision: str | None = None
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

@@ -5,8 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jaxbatch.api.embeddings import finish
 from jaxbatch.config import EngineConfig, config_from_sources
-from jaxbatch.core.outputs import RequestMetrics, RequestOutput
+from jaxbatch.core.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from jaxbatch.core.parallel_sampling import choice_request_ids
 from jaxbatch.core.prompts import Prompt, render_chat
 from jaxbatch.core.request import LoRARequest, NewRequest
@@ -20,7 +26,9 @@ class LLM:
                  **kwargs: Any) -> None:
         """LLM(model=..., dtype=..., page_size=16, num_pages=None, kv_cache_memory_gb=None,
         max_model_len=..., max_num_batched_tokens=..., max_num_seqs=..., batching_policy="mixed",
-        planner=..., max_compiled_shapes=..., attention_backend="auto", seed=0)."""
+        planner=..., max_compiled_shapes=..., attention_backend="auto", seed=0). `model`: a local
+        path, a built-in name, or a Hugging Face Hub name `OWNER/NAME` / `OWNER/NAME:QUANT`
+        (downloaded into huggingface_hub's cache; `revision=`, `download_dir=`: model/hub.py)."""
         if isinstance(config, EngineConfig):
             cfg = config.replace(**({"model": model} if model else {}), **kwargs)
         else:
@@ -69,6 +77,22 @@ class LLM:
         # n > 1: the choices of one prompt in one RequestOutput (vLLM's shape)
         return [_merge(rid, [done[c] for c in choice_request_ids(rid, sp.n)])
                 for rid, sp in zip(ids, params)]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None,
+              normalize: bool = True, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding (`.outputs.embedding`), its last token's
+        hidden state after the final norm (engine/pooling.py), cut to `dimensions` and
+        L2-normalised (api/embeddings.py `finish`), as /v1/embeddings answers."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (text, token-id dict, or a bare id list)
+        prompts = list(prompts)
+        ids = [f"llm-{self._counter + i}" for i in range(len(prompts))]
+        self.engine.add_requests([NewRequest(rid, p, embed=True) for rid, p in zip(ids, prompts)])
+        self._counter += len(prompts)
+        done = self._run(ids, use_tqdm)
+        return [EmbeddingRequestOutput(rid, done[rid].prompt_token_ids, EmbeddingOutput(
+            finish(done[rid].pooled, dimensions, normalize).tolist())) for rid in ids]
 
     def _ensure_lora(self, lr: LoRARequest) -> None:
         if lr.lora_name in self.engine.lora_modules():

@@ -53,6 +53,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
            os.path.join(_HERE, "matmul", "quant_panel_avx2.cc"),
            os.path.join(_HERE, "matmul", "quant_neon.cc"),
            os.path.join(_HERE, "matmul", "moe.cc"),
+           os.path.join(_HERE, "deltanet", "cpu_deltanet.cc"),
            os.path.join(_HERE, "zeros.cc"))
 # included by the sources (every handler's exception guard, ffi_safety.h; the quantised matmul's
 # format codes, matmul/quant_format_codes.h; the panel mode's work split,
@@ -172,6 +173,7 @@ TARGETS = {
     "jaxbatch_quant_matmul": "JaxbatchQuantMatmul",
     "jaxbatch_moe_matmul": "JaxbatchMoeMatmul",
     "jaxbatch_untouched_zeros": "JaxbatchUntouchedZeros",
+    "jaxbatch_delta_rule": "JaxbatchDeltaRule",
 }
 # feature name -> an exported `int f(void)` saying whether this build has it (what the CPU's
 # instruction set allowed the compiler to emit)

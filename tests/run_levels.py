@@ -22,7 +22,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY_TESTS = ("test_library_builds.py", "test_cpu_kernel.py", "test_cpu_attention_invariant.py",
                  "test_quant_matmul.py", "test_quant_matmul_int8.py",
                  "test_quant_matmul_bf16_rows.py", "test_moe_matmul.py", "test_small_matmul.py",
-                 "test_zeros.py", "test_handler_fuzz.py", "test_int8_only_route.py")
+                 "test_zeros.py", "test_handler_fuzz.py", "test_int8_only_route.py",
+                 "test_delta_rule.py")
 
 
 def lesser_levels() -> list[str]:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Container, Iterator, Sequence
 from typing import Any
 
+from jaxbatch.api.embeddings import EmbeddingRequest
 from jaxbatch.api.protocol import (
     DEFAULT_LIMITS,
     ApiError,
@@ -125,7 +126,10 @@ class BatchJob:
         item.response_id = new_id("chat" if url.endswith("/chat/completions") else "completion")
         try:
             parsed = item.parsed = parse_body(url, body, eng.tokenizer, eng.max_model_len,
-                                              self.served_models, self.limits)
+                                              self.served_models, self.limits, _width(eng))
+            if isinstance(parsed, EmbeddingRequest):  # one embedding request per input
+                item.request_ids = self._add_embeddings(item, parsed)
+                return
             sp = parsed.sampling_params
             # prompt i's choices (n > 1) run as engine requests choice_request_ids(...-i, n)
             rids = [cid for i in range(len(parsed.prompts))
@@ -140,12 +144,19 @@ class BatchJob:
             if isinstance(e, ApiError):
                 err = e
             elif isinstance(e, ValueError):  # the engine refused a prompt (KV capacity ...)
-                err = bad_request(str(e), "messages" if item.parsed and item.parsed.kind == "chat"
-                                  else "prompt")
+                err = bad_request(str(e), _param(item.parsed))
             else:  # the server's middleware answers anything unexpected with a 500
                 item.record = self._internal_error(item, e)
                 return
             item.record = api_error(item, err)
+
+    def _add_embeddings(self, item: Item, parsed: EmbeddingRequest) -> list[str]:
+        rids = [f"{item.response_id}-{i}" for i in range(len(parsed.inputs))]
+        self.engine.add_requests([NewRequest(rid, {"prompt_token_ids": ids}, embed=True)
+                                  for rid, ids in zip(rids, parsed.inputs)])
+        for rid in rids:
+            self._by_rid[rid] = item
+        return rids
 
     @staticmethod
     def _internal_error(item: Item, cause: BaseException | str) -> dict:
@@ -183,6 +194,8 @@ class BatchJob:
         elif len(item.outputs) == len(item.request_ids):
             try:
                 record = success(item, self.engine.tokenizer, self.served_models[0])
+            except ApiError as e:  # an embedding's `dimensions` past the model's width
+                record = api_error(item, e)
             except Exception as e:  # noqa: BLE001 - this line fails, the job goes on
                 record = self._internal_error(item, e)
             self._finish(item, record)
@@ -252,3 +265,16 @@ class BatchJob:
             postfix()
             self._bar.close()
         return self.stats
+
+
+def _param(parsed: Any) -> str:
+    """The body's field a refused prompt is named by."""
+    if isinstance(parsed, EmbeddingRequest):
+        return "input"
+    return "messages" if parsed is not None and parsed.kind == "chat" else "prompt"
+
+
+def _width(engine: Any) -> int | None:
+    """The model's hidden size where the engine tells it (an Engine, a replica router)."""
+    first = (getattr(engine, "replicas", None) or [engine])[0]
+    return getattr(getattr(first, "arch", None), "hidden_size", None)

@@ -1,7 +1,7 @@
 """One input line of an OpenAI Batch file -> an engine request, and the output records (host only).
 
-Input:  {"custom_id": str, "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
-         "body": {...}}
+Input:  {"custom_id": str, "method": "POST", "url": "/v1/completions" | "/v1/chat/completions"
+         | "/v1/embeddings", "body": {...}}
 Output: {"id": "batch_req_...", "custom_id": str, "response": {"status_code", "request_id",
          "body"} | null, "error": {"code", "message"} | null}
 The response body is built by jaxbatch.api.protocol, exactly as the server's non-streaming
@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from jaxbatch.api.embeddings import EmbeddingRequest, embedding_response, parse_embedding_request
 from jaxbatch.api.protocol import (
     DEFAULT_LIMITS,
     ApiError,
@@ -32,6 +33,8 @@ from jaxbatch.core.outputs import RequestOutput
 
 PARSERS = {"/v1/completions": parse_completion_request,
            "/v1/chat/completions": parse_chat_request}
+EMBEDDINGS = "/v1/embeddings"  # parsed by api/embeddings.py: one embedding request per input
+URLS = sorted([*PARSERS, EMBEDDINGS])
 
 
 class LineError(Exception):
@@ -51,7 +54,7 @@ class Item:
     key: Key
     custom_id: Any  # as given (may be missing or not a string on a bad line)
     response_id: str = ""
-    parsed: ParsedRequest | None = None
+    parsed: ParsedRequest | EmbeddingRequest | None = None
     request_ids: list[str] = dataclasses.field(default_factory=list)
     outputs: dict[str, RequestOutput] = dataclasses.field(default_factory=dict)
     record: dict | None = None
@@ -92,8 +95,8 @@ def parse_envelope(obj: Any) -> tuple[str, Any]:
     if method != "POST":
         raise LineError("invalid_method", f"'method' must be \"POST\", got {method!r}")
     url = obj.get("url")
-    if url not in PARSERS:
-        raise LineError("invalid_url", f"'url' must be one of {sorted(PARSERS)}, got {url!r}")
+    if url not in URLS:
+        raise LineError("invalid_url", f"'url' must be one of {URLS}, got {url!r}")
     extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
     if extra:
         raise LineError("invalid_request", f"unknown field(s) {extra} in the batch line")
@@ -102,11 +105,15 @@ def parse_envelope(obj: Any) -> tuple[str, Any]:
 
 def parse_body(url: str, body: Any, tokenizer: Any, max_model_len: int,
                served_models: Sequence[str] | None,
-               limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+               limits: RequestLimits = DEFAULT_LIMITS, hidden_size: int | None = None
+               ) -> ParsedRequest | EmbeddingRequest:
     """The request body, exactly as the server parses it (under the same limits); ApiError on a
-    bad body."""
+    bad body. `hidden_size`: the model's width, for an embedding's `dimensions`."""
     if not isinstance(body, dict):
         raise bad_request("'body' must be a JSON object with the request")
+    if url == EMBEDDINGS:
+        return parse_embedding_request(body, tokenizer, max_model_len, hidden_size,
+                                       served_models, limits)
     parsed = PARSERS[url](body, tokenizer, max_model_len, served_models, limits)
     if parsed.stream:
         raise bad_request("streaming is not available in batch jobs; remove 'stream'",
@@ -124,8 +131,12 @@ def success(item: Item, tokenizer: Any, default_model: str) -> dict:
     parsed = item.parsed
     assert parsed is not None, "only a parsed line has engine requests"
     outs = [item.outputs[rid] for rid in item.request_ids]
-    body = response_body(parsed, outs, tokenizer, parsed.model or default_model,
-                         item.response_id)
+    if isinstance(parsed, EmbeddingRequest):
+        body = embedding_response(parsed, [o.pooled for o in outs],
+                                  parsed.model or default_model)
+    else:
+        body = response_body(parsed, outs, tokenizer, parsed.model or default_model,
+                             item.response_id)
     return {"id": _record_id(), "custom_id": item.custom_id,
             "response": {"status_code": 200, "request_id": item.response_id, "body": body},
             "error": None}

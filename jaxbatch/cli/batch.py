@@ -21,7 +21,12 @@ from collections.abc import Container, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args, require_readable
+from jaxbatch.cli.engine_args import (
+    add_engine_args,
+    engine_config_from_args,
+    fetch_model,
+    require_readable,
+)
 from jaxbatch.cli.request_limits import add_request_limit_args, request_limits_from_args
 from jaxbatch.config import EngineConfig
 from jaxbatch.engine.client import EngineClient
@@ -120,6 +125,12 @@ def run(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
     if stray:
         _say(f"warning: {stray} line(s) of {args.output} match no line of {args.input}")
     ok, failed, code = prev_ok, prev_failed, EXIT_OK
+    if todo and engine is None:
+        try:  # a Hub name: downloaded before the job starts; one the Hub cannot give refuses it
+            fetch_model(config, "jaxbatch batch")
+        except SystemExit:
+            writer.close()
+            return EXIT_REFUSED
     old_term = signal.signal(signal.SIGTERM, _on_sigterm)
     stats = None
     try:

@@ -32,6 +32,19 @@ def require_readable(path: str | None, what: str, prog: str) -> None:
         print(f"{prog}: cannot read {what} {path}: {why}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_BAD_FILE)
 
+def fetch_model(config: EngineConfig, prog: str) -> None:
+    """A Hugging Face Hub model name (`OWNER/NAME[:QUANT]`) downloaded, or found in the cache,
+    before the slow start (the loader then finds it resolved); one the Hub cannot give is one
+    line on stderr naming what the repository has, and exit 2. Other names: nothing to do."""
+    from jaxbatch.model.hub import HubError, resolve  # host only: huggingface_hub, no jax
+
+    try:
+        resolve(config.model.model, config.model.revision, config.model.download_dir)
+    except HubError as e:
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_BAD_FILE) from None
+
+
 _ENGINE_ARGS = [
     ("--model", str), ("--dtype", str), ("--max-model-len", int), ("--page-size", int),
     ("--num-pages", int), ("--kv-cache-memory-gb", float), ("--kv-cache-dtype", str),
@@ -46,14 +59,25 @@ _ENGINE_ARGS = [
     ("--quantization", str), ("--speculative-config", str), ("--kv-events-config", str),
     ("--replan-interval-steps", int), ("--replan-window-steps", int), ("--replan-min-gain", float),
     ("--max-loras", int), ("--max-lora-rank", int),
+    ("--revision", str), ("--download-dir", str),
 ]
+
+
+_HELP = {
+    "--model": "a built-in name (smollm2-135m-instruct), a .gguf file, a local HF directory, or "
+               "a Hugging Face Hub name: OWNER/NAME (safetensors) or OWNER/NAME:QUANT (a GGUF "
+               "file by its quant tag, as llama.cpp's -hf)",
+    "--revision": "the Hub model's branch, tag or commit (default main)",
+    "--download-dir": "the huggingface_hub cache to download Hub models into (default "
+                      "$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
+}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (override the --config preset)")
     g.add_argument("--config", help="YAML preset, e.g. configs/smollm2-cpu.yaml")
     for flag, typ in _ENGINE_ARGS:
-        g.add_argument(flag, type=typ, default=None)
+        g.add_argument(flag, type=typ, default=None, help=_HELP.get(flag))
     g.add_argument("--compile-guard", action="store_true", default=None,
                    help="raise if anything compiles after warm-up")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args
+from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args, fetch_model
 
 
 def main(argv: list[str]) -> int:
@@ -17,7 +17,9 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from jaxbatch import LLM, SamplingParams
 
-    llm = LLM(config=engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    fetch_model(config, "jaxbatch generate")
+    llm = LLM(config=config)
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     if args.raw:
         outs = llm.generate(args.prompt, sp, use_tqdm=False)

@@ -40,7 +40,8 @@ FAMILY_NOTES: dict[str, str] = {
     "qwen3_next": "DeltaNet hybrid (fused qkvz projections, split at load), routed and shared "
                   "experts",
 }
-SOURCES = ("a built-in name", "a .gguf file", "a local HF directory (config.json + safetensors)")
+SOURCES = ("a built-in name", "a .gguf file", "a local HF directory (config.json + safetensors)",
+           "a Hugging Face Hub name (OWNER/NAME, or OWNER/NAME:QUANT for a GGUF file)")
 
 
 def listing(cache: str) -> dict[str, Any]:

@@ -20,7 +20,12 @@ from jaxbatch.api.reasoning import REASONING_PARSERS
 from jaxbatch.api.tool_parsers import TOOL_PARSER_NAMES
 from jaxbatch.cli import distributed
 from jaxbatch.cli.distributed import add_distributed_args
-from jaxbatch.cli.engine_args import add_engine_args, engine_config_from_args, require_readable
+from jaxbatch.cli.engine_args import (
+    add_engine_args,
+    engine_config_from_args,
+    fetch_model,
+    require_readable,
+)
 from jaxbatch.cli.request_limits import add_request_limit_args, request_limits_from_args
 from jaxbatch.engine.client import EngineClient
 
@@ -39,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = ServerLimits()
     p = argparse.ArgumentParser(prog="jaxbatch serve",
                                 description="OpenAI-compatible server (completions, chat)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model (vLLM's `vllm serve MODEL`): e.g. OWNER/NAME or "
+                        "OWNER/NAME-GGUF:Q4_K_M from the Hugging Face Hub")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -190,10 +198,22 @@ def _raise_fd_limit(max_connections: int) -> None:
                         max_connections)
 
 
+def take_model_tag(args: argparse.Namespace) -> None:
+    """`jaxbatch serve MODEL` is `--model MODEL`; both, naming different models, is refused."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise SystemExit(f"jaxbatch serve: the model is given twice: {args.model_tag!r} and "
+                         f"--model {args.model!r}")
+    args.model = args.model_tag
+
+
 def _default_engine(args: argparse.Namespace) -> EngineClient:
     from jaxbatch.executor.replicas import ReplicaRouter, build_engine
 
-    engine = build_engine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    fetch_model(config, "jaxbatch serve")  # a name the Hub cannot give: before the slow start
+    engine = build_engine(config)
     for e in engine.replicas if isinstance(engine, ReplicaRouter) else [engine]:
         log.info("engine ready in %.1fs (warm-up %.1fs)", getattr(e, "startup_seconds", 0.0),
                  getattr(e, "warmup_seconds", 0.0))
@@ -204,6 +224,7 @@ def main(argv: list[str] | None = None,
          make_engine: Callable[[argparse.Namespace], EngineClient] | None = None) -> int:
     """`make_engine(args)` builds the engine (tests pass a fake); default: Engine.from_config."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    take_model_tag(args)
     # our loggers at --log-level; libraries (absl, orbax, aiohttp) only warnings and worse
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -215,6 +236,7 @@ def main(argv: list[str] | None = None,
     _raise_fd_limit(limits.max_connections)
     if distributed.enabled(args):  # several processes: process 0 serves, the others follow
         config = distributed.start(args, engine_config_from_args(args))
+        fetch_model(config, "jaxbatch serve")
         if not distributed.is_leader(args):
             return distributed.follow(config)
         from jaxbatch.engine.engine import Engine

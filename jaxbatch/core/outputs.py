@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -54,6 +55,23 @@ class RequestOutput:
     # when asked (SamplingParams.prompt_logprobs), vLLM's shape: None for the first prompt token,
     # then {token id: Logprob} per prompt token, the token itself with its rank and the top-n
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # an embedding request's (NewRequest.embed) last hidden state at its prompt's last position,
+    # f32[H] after the final norm (engine/pooling.py); None for every other request
+    pooled: Any = None
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's `LLM.embed` output shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
 
 
 def logprob_dict(tok: int, chosen: float, top: list[tuple[int, float]]) -> dict[int, Logprob]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Any
 
 from jaxbatch.core.outputs import Logprob
 from jaxbatch.core.prompts import Prompt
@@ -73,6 +74,10 @@ class Request:
     choice_index: int = 0
     forks: list[Request] = dataclasses.field(default_factory=list, repr=False, compare=False)
     fork_parent: Request | None = dataclasses.field(default=None, repr=False, compare=False)
+    # an embedding request (NewRequest.embed): its pooled hidden state, f32[H], once the step
+    # that computes its prompt's last position has run (engine/pooling.py)
+    embed: bool = False
+    pooled: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -119,6 +124,9 @@ class NewRequest:
     sampling_params: SamplingParams | None = None
     arrival_time: float | None = None
     lora_name: str | None = None  # a LoRA adapter the engine has (None: the base model)
+    # an embedding: run the prompt as one greedy token's request and hand back its last
+    # position's hidden state (RequestOutput.pooled; engine/pooling.py), sampling_params ignored
+    embed: bool = False
 
 
 def lora_cache_key(name: str, load_id: int) -> str:

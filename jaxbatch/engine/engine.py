@@ -34,7 +34,7 @@ from jaxbatch.core.prompts import Prompt, encode_prompt
 from jaxbatch.core.request import NewRequest, Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import ScheduledBatch, ScheduledSeq, Scheduler
-from jaxbatch.engine import compile_guard, isolation, prompt_logprobs
+from jaxbatch.engine import compile_guard, isolation, pooling, prompt_logprobs
 from jaxbatch.engine.client import EngineStats
 from jaxbatch.engine.kv_events import ZmqEventPublisher, open_publisher
 from jaxbatch.engine.kv_events import release as release_publisher
@@ -187,7 +187,7 @@ class Engine:
         return self.lora
 
     def _add(self, new: NewRequest) -> list[Request]:
-        sp = new.sampling_params or SamplingParams()
+        sp = pooling.EMBED_PARAMS if new.embed else new.sampling_params or SamplingParams()
         request_id = new.request_id if new.request_id is not None else f"req-{next(self._ids)}"
         text, ids = encode_prompt(self.tokenizer, new.prompt)
         if not ids:
@@ -216,8 +216,8 @@ class Engine:
             self.grammars.check(sp.structured_outputs)  # ValueError: llguidance's message
         lora_key = None if new.lora_name is None else \
             self._lora_adapters().key(new.lora_name)  # ValueError: not loaded
-        return self._add_choices(request_id, ids, text, sp, new.arrival_time, new.lora_name,
-                                 lora_key)
+        return pooling.marked(self._add_choices(request_id, ids, text, sp, new.arrival_time,
+                                                new.lora_name, lora_key), new.embed)
 
     def _add_choices(self, request_id: str, ids: list[int], text: str | None,
                      sp: SamplingParams, arrival: float | None = None,
@@ -315,6 +315,7 @@ class Engine:
             targets = prompt_logprobs.prompt_targets(sub.seqs, sub.bucket.num_tokens)
             if targets is not None:  # some row asked for its prompt's logprobs
                 prompt_logprobs.collect(sub.seqs, self.runner.prompt_logprobs(targets))
+            pooling.collect(sub.seqs, self.runner)  # embedding requests' last hidden states
             ran.extend(sub.seqs)
             row = 0  # a sequence's first logit row (a speculating one has one per proposal too)
             for s in sub.seqs:
@@ -455,7 +456,7 @@ class Engine:
                            req.first_scheduled_time),
             delta_text=delta, delta_token_ids=new_ids or [],
             prompt_logprobs=None if req.sampling_params.prompt_logprobs is None else
-            list(req.prompt_logprobs or [None]),
+            list(req.prompt_logprobs or [None]), pooled=req.pooled,
         )
 
     def _forget(self, req: Request) -> None:

@@ -196,7 +196,8 @@ def run_follower(config: EngineConfig) -> int:
     root = cache_dir(config.model.cache_dir)
     compile_guard.enable_persistent_cache(root)
     model = load_model(config.model.model, config.model.dtype, cache_dir=root,
-                       tokenizer=config.model.tokenizer)
+                       tokenizer=config.model.tokenizer, revision=config.model.revision,
+                       download_dir=config.model.download_dir)
     config = resolve(config, model.arch.max_position_embeddings)
     assert config.model.max_model_len is not None
     runner = Runner(model.arch, model.params, config.cache, config.model.max_model_len,

@@ -42,6 +42,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    # the base model alone, without its LM head: embedding checkpoints (transformers' AutoModel,
+    # sentence-transformers), served for /v1/embeddings (model/hf.py `base_model_tensors`)
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(SUPPORTED_ARCHITECTURES.values()))
 GEMMA_TYPES = ("gemma2", "gemma3_text")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -127,8 +128,24 @@ def load_hf_dir(path: str, dtype: Any, bf16_rows: bool = False,
     `stacks`: where their stacks are kept as files (model/stack_files.py)."""
     arch = ModelArch.from_hf_config(load_hf_config(path))
     tensors: Mapping[str, Any] = read_safetensors_dir(path, bf16_rows)
+    arch, tensors = base_model_tensors(arch, tensors)
     if arch.model_type == "gpt_oss":  # its fused experts, split as hf_names names them
         tensors = gpt_oss.checkpoint_tensors(tensors, arch.num_experts)
     elif arch.is_hybrid:  # wrapped text models, fused projections and experts
         tensors = qwen35_checkpoint.checkpoint_tensors(tensors, arch)
     return arch, assemble_params(arch, tensors, dtype, stacks)
+
+
+def base_model_tensors(arch: ModelArch, tensors: Mapping[str, Any]
+                       ) -> tuple[ModelArch, Mapping[str, Any]]:
+    """A checkpoint of the base model alone (`embed_tokens.weight`, `layers.N...`, `norm.weight`
+    with no `model.` prefix and no `lm_head`: what transformers' AutoModel and
+    sentence-transformers save, as Qwen3-Embedding ships) -> its tensors under the `model.` names
+    and an arch whose head is the embedding (tied): such a model has no LM head, and only its
+    hidden states are read (/v1/embeddings). Any other checkpoint is returned unchanged."""
+    if "embed_tokens.weight" not in tensors or any(k.startswith("model.") for k in tensors):
+        return arch, tensors
+    names = {k if k == "lm_head.weight" else f"model.{k}": k for k in tensors}
+    if "lm_head.weight" not in tensors and not arch.tie_word_embeddings:
+        arch = dataclasses.replace(arch, tie_word_embeddings=True)
+    return arch, LazyTensors(names, tensors.__getitem__)

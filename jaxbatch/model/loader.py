@@ -3,7 +3,10 @@
 `model` may be
   * a built-in name (`smollm2-135m-instruct`): fetched once into the cache, then a GGUF;
   * a `.gguf` file: converted once, then restored from the orbax param cache;
-  * a local HF directory: config.json + safetensors (single or sharded), tokenizer if present.
+  * a local HF directory: config.json + safetensors (single or sharded), tokenizer if present;
+  * a Hugging Face Hub name, `OWNER/NAME` (safetensors) or `OWNER/NAME:QUANT` (a GGUF file picked
+    by its quant tag): downloaded into huggingface_hub's cache, then one of the above
+    (model/hub.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 
 from jaxbatch.config import DTYPES, canonical_dtype
 from jaxbatch.config import cache_dir as default_cache_dir
-from jaxbatch.model import param_cache, registry
+from jaxbatch.model import hub, param_cache, registry
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.hf import load_hf_config, load_hf_dir
 from jaxbatch.model.quantize import QuantWeight, bf16_rows_params, quantize_params
@@ -81,16 +84,17 @@ def resolve_dtype(dtype: str | Any) -> Any:
 
 
 def load_model(model: str, dtype: str | Any, cache_dir: str | None = None,
-               tokenizer: str | None = None, bf16_rows: bool = False) -> LoadedModel:
+               tokenizer: str | None = None, bf16_rows: bool = False,
+               revision: str | None = None, download_dir: str | None = None) -> LoadedModel:
     """`tokenizer`: a directory whose tokenizer replaces the model's own (or supplies one to a
     model directory that has none). `bf16_rows` (bfloat16 only): an HF directory's linear
     weights, embedding and head held as BF16 rows, one copy that the quantised matmul kernel
-    reads (model/hf.py `bf16_blocks`), as a bf16 GGUF's are."""
+    reads (model/hf.py `bf16_blocks`), as a bf16 GGUF's are. `revision`, `download_dir`: a Hub
+    name's branch, tag or commit and huggingface_hub cache folder (model/hub.py)."""
     t0 = time.perf_counter()
     dt = resolve_dtype(dtype)
     cache_dir = default_cache_dir(cache_dir)
-    if registry.is_builtin(model):
-        model = registry.builtin_model_path(model, cache_dir)
+    model = _local_path(model, cache_dir, revision, download_dir)
     gen_config_dir: str | None = None
     if os.path.isdir(model):
         rows = bf16_rows and dt == jnp.bfloat16
@@ -111,12 +115,12 @@ def load_model(model: str, dtype: str | Any, cache_dir: str | None = None,
                        eos_token_ids=eos)
 
 
-def load_arch(model: str, cache_dir: str | None = None) -> ModelArch:
+def load_arch(model: str, cache_dir: str | None = None, revision: str | None = None,
+              download_dir: str | None = None) -> ModelArch:
     """The model's architecture without its weights (config.json, or the GGUF's metadata,
     cached), so that the compute dtype can be chosen before the weights are read."""
     cache_dir = default_cache_dir(cache_dir)
-    if registry.is_builtin(model):
-        model = registry.builtin_model_path(model, cache_dir)
+    model = _local_path(model, cache_dir, revision, download_dir)
     if os.path.isdir(model):
         return ModelArch.from_hf_config(load_hf_config(model))
     if model.endswith(".gguf") and os.path.isfile(model):
@@ -134,10 +138,25 @@ def load_arch(model: str, cache_dir: str | None = None) -> ModelArch:
     raise FileNotFoundError(_not_a_model(model))
 
 
+def _local_path(model: str, cache_dir: str, revision: str | None,
+                download_dir: str | None) -> str:
+    """A built-in name or a Hub name -> its local file or folder (fetched on first use); a
+    split GGUF's part refused (the reader reads one file); anything else unchanged."""
+    if registry.is_builtin(model):
+        return registry.builtin_model_path(model, cache_dir)
+    model = hub.resolve(model, revision, download_dir)
+    split = hub.SPLIT_GGUF.search(model)
+    if split is not None and int(split.group(2)) > 1 and os.path.isfile(model):
+        raise ValueError(f"{model} is part {int(split.group(1))} of a GGUF split into "
+                         f"{int(split.group(2))} files; jaxbatch reads one GGUF file: merge the "
+                         f"parts with llama.cpp's `llama-gguf-split --merge {model} OUT.gguf`")
+    return model
+
+
 def _not_a_model(model: str) -> str:
     return (f"model {model!r} is neither a built-in name "
-            f"({', '.join(sorted(registry.BUILTIN_MODELS))}), an existing .gguf file nor a local "
-            f"HF directory with config.json")
+            f"({', '.join(sorted(registry.BUILTIN_MODELS))}), an existing .gguf file, a local "
+            f"HF directory with config.json nor a Hugging Face Hub name (OWNER/NAME[:QUANT])")
 
 
 def _dir_tokenizer(path: str) -> Any:

@@ -3,7 +3,7 @@
 POST /v1/completions, POST /v1/chat/completions (JSON or SSE; `generate.py`), POST /v1/responses,
 /v1/messages and /v1/messages/count_tokens (`surfaces.py`), Ollama's /api/* (`ollama.py`),
 POST /v1/tokenize
-and /v1/detokenize (`tokenize.py`), GET /v1/models, POST /v1/load_lora_adapter and
+and /v1/detokenize (`tokenize.py`), POST /v1/embeddings (`embeddings.py`), GET /v1/models, POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (`lora_admin.py`),
 GET /health, GET /metrics. Parsing and bodies come from `jaxbatch.api.protocol`; errors are
 OpenAI's shape everywhere (`middleware.py`). A client that goes away cancels its handler
@@ -31,6 +31,7 @@ from jaxbatch.lora import admin as lora_admin
 from jaxbatch.server import ollama, surfaces
 from jaxbatch.server.async_engine import AsyncEngine
 from jaxbatch.server.connections import LimitedTCPSite
+from jaxbatch.server.embeddings import EmbeddingModel, embeddings
 from jaxbatch.server.generate import chat_completions, completions
 from jaxbatch.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxbatch.server.middleware import middleware
@@ -86,6 +87,7 @@ def create_app(state: ServerState) -> web.Application:
     ollama.add_routes(app)
     app.router.add_post("/v1/tokenize", tokenize)
     app.router.add_post("/v1/detokenize", detokenize)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     if state.lora_modules is not None and lora_admin.warn_if_allowed(state.api_key):
         app.router.add_post("/v1/load_lora_adapter", lora_admin.load_lora_adapter)
@@ -149,7 +151,8 @@ class Server:
                                      determinism=choice.describe() if choice else None,
                                      reasoning_parser=reasoning_parser,
                                      tool_call_parser=tool_call_parser,
-                                     lora_modules=lora_admin.served_adapters(engine)))
+                                     lora_modules=lora_admin.served_adapters(engine),
+                                     embedding_model=EmbeddingModel.of(engine)))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=5.0, keepalive_timeout=limits.header_timeout,
                                lingering_time=LINGER_S)

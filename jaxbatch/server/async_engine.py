@@ -56,6 +56,7 @@ class AddRequests:
     accepted: asyncio.Future[None]
     arrival: float
     lora_name: str | None = None
+    embed: bool = False  # embedding requests (engine/pooling.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,9 +195,10 @@ class AsyncEngine:
         return await done
 
     async def add(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams,
-                  lora_name: str | None = None) -> RequestStream:
+                  lora_name: str | None = None, embed: bool = False) -> RequestStream:
         """Submit one engine request per prompt (ids request_id-0, -1, ...; params.n choices
-        each; `lora_name`: the LoRA adapter they run with), all or none.
+        each; `lora_name`: the LoRA adapter they run with; `embed`: embeddings, whose outputs
+        carry `pooled`), all or none.
         Raises ValueError (bad prompt, from the engine: none was added; RequestTooLargeError),
         QueueFullError or EngineDeadError; on success the requests are in the engine."""
         if not self.healthy or self.stopped:
@@ -221,7 +223,7 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = self._loop.create_future()
         self._submitted += n
         self._cmds.put(AddRequests(ids, tuple(prompts), params, accepted, time.time(),
-                                   lora_name))
+                                   lora_name, embed))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -289,10 +291,10 @@ class AsyncEngine:
         """Apply one command; False when the thread should stop."""
         eng = self.engine
         match cmd:
-            case AddRequests(ids, prompts, params, accepted, arrival, lora_name):
+            case AddRequests(ids, prompts, params, accepted, arrival, lora_name, embed):
                 error: Exception | None = None
                 try:  # all or nothing: a refused prompt leaves none of them in the engine
-                    eng.add_requests([NewRequest(rid, p, params, arrival, lora_name)
+                    eng.add_requests([NewRequest(rid, p, params, arrival, lora_name, embed)
                                       for rid, p in zip(ids, prompts)])
                 except Exception as e:  # noqa: BLE001 -- a bad prompt fails the call, not us
                     error = e

@@ -57,6 +57,9 @@ class ServerState:
     # the engine's LoRA adapters, {name: path} (a request names one as its `model`); None:
     # the engine has no LoRA slots (enable_lora off). Changed only on the event loop.
     lora_modules: dict[str, str] | None = None
+    # /v1/embeddings' view of the model (server/embeddings.py EmbeddingModel); None: an engine
+    # that cannot embed (a test's fake)
+    embedding_model: Any = None
 
     def model_names(self) -> list[str]:
         """Every name a request's `model` may take: the served names, then the adapters."""

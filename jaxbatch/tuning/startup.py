@@ -116,7 +116,8 @@ def _load_in_dtype(config: EngineConfig, model: LoadedModel | None, root: str, o
     resolved from the model."""
     precision: PrecisionChoice | None = None
     if config.model.dtype == "auto":  # decided before the weights are read (one copy)
-        arch = model.arch if model is not None else load_arch(config.model.model, root)
+        arch = model.arch if model is not None else load_arch(
+            config.model.model, root, config.model.revision, config.model.download_dir)
         if on_cpu:  # the build done first: it would skew the timings
             cpu_library.available(root)
         precision = choose_compute_dtype(arch.hidden_size, arch.intermediate_size, root,
@@ -128,7 +129,9 @@ def _load_in_dtype(config: EngineConfig, model: LoadedModel | None, root: str, o
         # quantised matmul (as a bf16 GGUF's), not an array plus a small-matmul packed copy
         rows = config.runner.tensor_parallel_size == 1 and config.model.quantization is None
         model = load_model(config.model.model, config.model.dtype, cache_dir=root,
-                           tokenizer=config.model.tokenizer, bf16_rows=on_cpu and rows)
+                           tokenizer=config.model.tokenizer, bf16_rows=on_cpu and rows,
+                           revision=config.model.revision,
+                           download_dir=config.model.download_dir)
     model = model.with_dtype(config.model.dtype)
     model = model.quantized(config.model.quantization)  # after the dtype (model/quantize.py)
     if on_cpu and config.runner.tensor_parallel_size == 1 and \

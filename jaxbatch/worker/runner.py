@@ -472,6 +472,11 @@ class Runner:
                 getattr(out, name)[idx] = getattr(got, name)[: len(idx)]
         return out
 
+    def hidden_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows i64[N] of the last step's hidden states [T, H] (before the final norm), on the
+        host in the compute dtype: embedding requests' last positions (engine/pooling.py)."""
+        return np.asarray(jax.device_get(self._hidden))[rows]
+
     def time_bucket(self, bucket: Bucket, repeats: int = 3) -> float:
         """Median seconds of an all-padding step of this bucket (for the planner's cost model)."""
         host = dummy_step_inputs(bucket, self.pages_per_seq, self.arch.vocab_size)

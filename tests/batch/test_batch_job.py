@@ -61,7 +61,7 @@ def test_round_trip_good_and_bad_lines(llm, tmp_path, capsys):
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
         json.dumps({"custom_id": 7, "method": "POST", "url": "/v1/completions", "body": {}}),
         {"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}},
-        line("embed", "/v1/embeddings", input="x"),
+        line("images", "/v1/images/generations", prompt="x"),
         {"custom_id": "nobody", "method": "POST", "url": "/v1/completions", "body": "x"},
         "   ",  # blank lines are skipped
         *[line(cid, **b) for cid, b in bad_bodies.items()],
@@ -94,8 +94,8 @@ def test_round_trip_good_and_bad_lines(llm, tmp_path, capsys):
     assert by[("line", 7)]["error"]["code"] == "missing_custom_id"
     assert by[("line", 8)]["custom_id"] == 7
     assert by["get"]["error"]["code"] == "invalid_method"
-    assert by["embed"]["error"]["code"] == "invalid_url"
-    for k in [("line", 5), ("line", 6), ("line", 7), "get", "embed"]:
+    assert by["images"]["error"]["code"] == "invalid_url"
+    for k in [("line", 5), ("line", 6), ("line", 7), "get", "images"]:
         assert by[k]["response"] is None
     assert by["get"]["error"]["message"].startswith("line 9: ")
     # bad bodies: exactly the server protocol's status and error body
@@ -122,6 +122,37 @@ def test_round_trip_good_and_bad_lines(llm, tmp_path, capsys):
     assert out.read_bytes() == before
     assert "19 of 19 lines already" in capsys.readouterr().err
     assert by["othermodel"]["response"]["status_code"] == 404
+
+
+def test_embedding_lines_equal_llm_embed(llm, tmp_path):
+    """/v1/embeddings lines (the OpenAI Batch API allows them) beside completions: each body is
+    api/embeddings.py's response on the same engine's LLM.embed values; a bad one is the
+    server's 400."""
+    tok = llm.engine.tokenizer
+    lines = [line("e1", "/v1/embeddings", input=["Hello there", "a second one"]),
+             comp("c1", "Hello there", 4),
+             line("e2", "/v1/embeddings", input=[5, 6, 7, 8], dimensions=8,
+                  encoding_format="float"),
+             line("bad", "/v1/embeddings", input="x", dimensions=0),
+             line("oov", "/v1/embeddings", input=[[5], [10**9]])]
+    out = tmp_path / "out.jsonl"
+    assert run_main(llm, write_jsonl(tmp_path / "in.jsonl", lines), out) == 1
+    by = {key(r): r for r in read_jsonl(out)}
+    want = llm.embed(["Hello there", "a second one"], use_tqdm=False)
+    body = by["e1"]["response"]["body"]
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1]
+    for d, w in zip(body["data"], want):
+        assert d["embedding"] == pytest.approx(w.outputs.embedding, abs=1e-6)
+    n = sum(len(tok(t)["input_ids"]) for t in ["Hello there", "a second one"])
+    assert body["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    e2 = by["e2"]["response"]["body"]["data"][0]["embedding"]
+    assert e2 == pytest.approx(llm.embed([[5, 6, 7, 8]], dimensions=8, use_tqdm=False)[0]
+                               .outputs.embedding, abs=1e-6)
+    assert by["c1"]["response"]["body"]["object"] == "text_completion"
+    assert by["bad"]["response"]["body"]["error"]["param"] == "dimensions"
+    assert by["oov"]["response"]["status_code"] == 400
+    assert by["oov"]["response"]["body"]["error"]["param"] == "input"
+    assert_idle(llm)
 
 
 def test_bodies_equal_server_protocol_on_llm_generate(llm, tmp_path):

@@ -269,6 +269,61 @@ def moe_cases(rng: np.random.Generator, variants: int) -> list[Case]:
     ]
 
 
+# ---- the delta rule: 3 sequences of 2, 3 and 0 tokens in 6 rows, a cache of 2 layers x 4 slots -
+DT, DHK, DHV, DDK, DDV, DL, DN = 6, 1, 2, 8, 16, 2, 4
+
+
+def delta_rule(q, k, v, g, beta, state, layer, start, length, read, write, fresh
+               ) -> tuple[jax.Array, jax.Array]:
+    outs = (jax.ShapeDtypeStruct(v.shape, jnp.float32),
+            jax.ShapeDtypeStruct(state.shape, jnp.float32))
+    return jax.ffi.ffi_call("jaxbatch_delta_rule", outs, input_output_aliases={5: 1})(
+        q, k, v, g, beta, state, _i32(layer), _i32(start), _i32(length), _i32(read),
+        _i32(write), _i32(fresh))
+
+
+def deltanet_cases(rng: np.random.Generator, variants: int) -> list[Case]:
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
+    x = {"q": f(DT, DHK, DDK), "k": f(DT, DHK, DDK), "v": f(DT, DHV, DDV), "g": -jnp.abs(
+        f(DT, DHV)), "beta": jax.nn.sigmoid(f(DT, DHV)), "state": f(DL, DN, DHV, DDK, DDV),
+        "layer": [1], "start": [0, 2, 5], "length": [2, 3, 0], "read": [1, 2, 0],
+        "write": [1, 2, 2**31 - 1], "fresh": [0, 1, 0]}
+
+    def case(name, error, **kw):
+        a = {**x, **kw}
+        return Case("deltanet", name, _run(lambda: delta_rule(**a)[0]), error)
+
+    cases = [case("good", None), case("not written", None, write=[2**31 - 1, -1, 0]),
+             case("no tokens", None, length=[0, 0, 0], read=[-5, 99, 0])]
+    for _ in range(variants):
+        s = int(rng.integers(0, 2))
+        bad = list(x["read"])
+        bad[0] = rng.choice([-1, DN, int(rng.integers(DN, 2**31)), -(2**31)])
+        cases.append(case("read slot out of range", "read slot out of range", read=bad))
+        cases.append(case("layer out of range", "layer out of range",
+                          layer=[rng.choice([DL, int(rng.integers(DL, 2**31)), -1])]))
+        ln = list(x["length"])
+        ln[s] = int(rng.integers(DT, 2**31 - 8))
+        cases.append(case("tokens past the rows", "past q's rows", length=ln))
+        ln = list(x["length"])
+        ln[s] = int(rng.integers(-(2**31), 0))
+        cases.append(case("negative token count", "negative token count", length=ln))
+        cases.append(case("overlapping tokens", "out of order or overlapping",
+                          start=[0, int(rng.integers(0, 2)), 5]))
+    return cases + [
+        case("one slot written twice", "two sequences write one state slot", write=[1, 1, 3]),
+        case("a slot read and written by others", "reads the slot another writes",
+             write=[2, 3, 0], fresh=[0, 0, 0]),
+        case("heads", "multiple of Hk", v=f(DT, 3, DDV), g=f(DT, 3), beta=f(DT, 3),
+             state=f(DL, DN, 3, DDK, DDV), q=f(DT, 2, DDK), k=f(DT, 2, DDK)),
+        case("k's shape", "k's shape is not q's", k=f(DT, DHK, DDK + 1)),
+        case("g's shape", "g, beta [T, Hv]", g=f(DT + 1, DHV)),
+        case("state's dims", "state's heads or dims", state=f(DL, DN, DHV, DDK, DDV + 1)),
+        case("per-sequence arrays", "one value a sequence", fresh=[0, 1]),
+        case("layer words", "one layer index", layer=[1, 0]),
+    ]
+
+
 def zeros_cases(rng: np.random.Generator, variants: int) -> list[Case]:
     del rng, variants
     make = lambda shape: _run(lambda: jax.ffi.ffi_call(
@@ -279,7 +334,7 @@ def zeros_cases(rng: np.random.Generator, variants: int) -> list[Case]:
 
 
 ALL = {"attention": attention_cases, "quant": quant_cases, "small": small_cases,
-       "moe": moe_cases, "zeros": zeros_cases}
+       "moe": moe_cases, "zeros": zeros_cases, "deltanet": deltanet_cases}
 
 
 # what jax raises for a handler's error: ValueError for INVALID_ARGUMENT, JaxRuntimeError for the

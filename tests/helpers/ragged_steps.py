@@ -30,7 +30,8 @@ class _Seq:
 
 class RaggedSteps:
     def __init__(self, arch, params, tokens: int, seqs: int, num_pages: int = 64,
-                 num_slots: int = 6, max_pages: int = 16, poison: bool = True):
+                 num_slots: int = 6, max_pages: int = 16, poison: bool = True,
+                 deltanet_kernel: bool | None = None):
         self.arch, self.params = arch, params
         self.tokens, self.seqs, self.max_pages = tokens, seqs, max_pages
         cache = dispatch.init_cache(arch, num_pages, PAGE, jnp.float32, num_slots)
@@ -39,7 +40,7 @@ class RaggedSteps:
         self.free_pages = list(range(1, num_pages))
         self.free_slots = list(range(1, num_slots))
         self.live: dict[str, _Seq] = {}
-        self._step = _jitted_step(arch)
+        self._step = _jitted_step(arch, deltanet_kernel)
 
     def state_slot(self, sid: str) -> int:
         return self.live[sid].slot
@@ -87,10 +88,13 @@ class RaggedSteps:
 
 
 @functools.cache
-def _jitted_step(arch):
-    """One jitted step (forward + logits of every row) per model, shared by the instances."""
+def _jitted_step(arch, deltanet_kernel: bool | None = None):
+    """One jitted step (forward + logits of every row) per model, shared by the instances
+    (`deltanet_kernel`: a hybrid's recurrence by the C++ kernel or the jnp forms; None: the
+    forward's choice, the kernel where its library is registered)."""
+    kw = {} if deltanet_kernel is None else {"deltanet_kernel": deltanet_kernel}
     fwd = functools.partial(dispatch.forward_fn(arch), arch=arch,
-                            attention_fn=ragged_paged_attention_reference)
+                            attention_fn=ragged_paged_attention_reference, **kw)
 
     def step(params, cache, ids, pos, attn):
         h, cache = fwd(params, cache, ids, pos, attn)

@@ -198,3 +198,28 @@ def make_tiny_chat_model(path: str, seed: int = 0, hidden: int = 64, intermediat
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return model, tok
+
+
+def make_tiny_embedding_model(path: str, seed: int = 0):
+    """A tiny random Qwen3 saved as an embedding checkpoint is: the base model alone
+    (transformers' AutoModel: `layers.N...` with no `model.` prefix and no LM head, as
+    Qwen3-Embedding ships), with SmolLM2's tokenizer. -> (the torch Qwen3Model in fp32, the
+    tokenizer); its `last_hidden_state[:, -1]`, L2-normalised, is the reference embedding."""
+    tok = smollm2_tokenizer()
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = transformers.AutoModel.from_config(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for _name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return model, tok

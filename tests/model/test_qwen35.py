@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
+from jaxbatch.config import cache_dir
 from jaxbatch.model import quantize
 from jaxbatch.model.arch import ModelArch, UnsupportedArchitectureError
 from jaxbatch.model.archs import dispatch, llama, qwen35
@@ -54,7 +55,8 @@ def model(tiny_models):
         if kind not in built:
             path, hf = tiny_models(kind)
             arch, params = load_hf_dir(path, jnp.float32)
-            ours = RaggedSteps(arch, params, STEP_TOKENS, STEP_SEQS).step([("a", PROMPT)])["a"]
+            run = RaggedSteps(arch, params, STEP_TOKENS, STEP_SEQS, deltanet_kernel=False)
+            ours = run.step([("a", PROMPT)])["a"]
             with torch.no_grad(), torch_one_thread():
                 ref = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
             built[kind] = (arch, params, hf, ours, ref)
@@ -81,7 +83,8 @@ def test_ragged_steps_match_the_single_pass(model, kind):
     single pass's and transformers'; the dummy slot 0 and the unused slots are never written
     (they stay NaN), and padding never leaks into a real row (no NaN logits)."""
     arch, params, _, whole, ref = model(kind)
-    run = RaggedSteps(arch, params, STEP_TOKENS, STEP_SEQS)
+    run = RaggedSteps(arch, params, STEP_TOKENS, STEP_SEQS,
+                      deltanet_kernel=False)
     cuts = [[("b", OTHER[:5]), ("a", PROMPT[:3])], [("a", PROMPT[3:8]), ("b", OTHER[5:7])],
             [("a", PROMPT[8:13])], [("b", OTHER[7:13]), ("a", PROMPT[13:14])]]
     cuts += [[("a", [t]), ("b", [5])] for t in PROMPT[14:]]
@@ -94,6 +97,29 @@ def test_ragged_steps_match_the_single_pass(model, kind):
         state = np.asarray(run.cache[name])  # [L_linear, slots, ...]
         for slot in range(state.shape[1]):
             assert np.isfinite(state[:, slot]).all() == (slot in used), (name, slot)
+
+
+@pytest.mark.slow  # builds the CPU kernels when not cached (minutes)
+@pytest.mark.parametrize("kind", HYBRID_KINDS[:2])
+def test_deltanet_kernel_in_ragged_steps(model, kind):
+    """The recurrence by the C++ kernel on the state cache in place (pallas_kernels/deltanet):
+    the same cuts as test_ragged_steps_match_the_single_pass give the single pass's and
+    transformers' logits, and the unused slots (NaN) are neither read nor written."""
+    why = cpu_library.available(cache_dir())
+    if why is not None:
+        pytest.skip(why)
+    arch, params, _, whole, ref = model(kind)
+    run = RaggedSteps(arch, params, STEP_TOKENS, STEP_SEQS, deltanet_kernel=True)
+    cuts = [[("b", OTHER[:5]), ("a", PROMPT[:3])], [("a", PROMPT[3:8]), ("b", OTHER[5:7])],
+            [("a", PROMPT[8:13])], [("b", OTHER[7:13]), ("a", PROMPT[13:14])]]
+    cuts += [[("a", [t]), ("b", [5])] for t in PROMPT[14:]]
+    got = np.concatenate([run.step(work)["a"] for work in cuts])
+    _close(got, whole, ref)
+    _close(got, ref, ref)
+    used = {run.state_slot("a"), run.state_slot("b")}
+    state = np.asarray(run.cache["ssm"])
+    for slot in range(state.shape[1]):
+        assert np.isfinite(state[:, slot]).all() == (slot in used), slot
 
 
 @pytest.mark.parametrize("kind", HYBRID_KINDS[:3])

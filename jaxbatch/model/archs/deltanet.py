@@ -17,10 +17,18 @@ decode steps follow. After the step the slot holds the state after the sequence'
 Padding sequences (index >= num_seqs) and padding tokens (after cu_q_lens[num_seqs]) write no
 slot: their writes go to an index past the cache and are dropped (not even slot 0, the dummy).
 
-The recurrence runs as a `while_loop` over the position within each sequence's new tokens,
-vectorised over the step's sequences: as many iterations as the longest sequence has new tokens
-(1 for a decode step, whatever the batch), each reading one token per sequence. The convolution
-needs no loop: each token's Kc inputs are gathered from the step's tokens or from the state.
+The recurrence has two forms with one result (up to f32 rounding):
+  * `delta_rule_tokens`, the spec: a `while_loop` over the position within each sequence's new
+    tokens, vectorised over the step's sequences, as many iterations as the longest sequence has
+    new tokens (1 for a decode step, whatever the batch), each reading one token per sequence;
+  * `delta_rule_chunked`, the chunked (WY) form of FLA and transformers' torch_chunk_gated_delta_rule:
+    each sequence's new tokens in chunks of CHUNK from its first new token (so a chunk may start
+    mid-sequence, from the carried state), the work inside a chunk as matmuls and one unit
+    triangular solve, a `while_loop` over the chunk index carrying the state; one iteration
+    per CHUNK tokens of the longest sequence.
+`delta_rule` runs the token form for a step of at most one new token per sequence (decode) and
+the chunked one otherwise. The convolution needs no loop: each token's Kc inputs are gathered
+from the step's tokens or from the state.
 
 Letter legend: T tokens, S sequences, C conv channels, Hk / Hv key / value heads, dk / dv their
 dims, Kc the convolution width.
@@ -29,6 +37,7 @@ dims, Kc the convolution width.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +47,10 @@ from jaxbatch.model.arch import ModelArch
 
 # a slot index past any cache: a scatter there (mode="drop") writes nothing
 NO_SLOT = np.iinfo(np.int32).max
+# (q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv], states, layout) -> (o [T, Hv, dv] f32, states)
+RuleFn = Callable[..., tuple[jax.Array, jax.Array]]
 L2_EPS = 1e-6  # transformers' l2norm (as FLA's kernels)
+CHUNK = 64  # tokens per chunk of the chunked form (FLA's, transformers', llama.cpp's)
 
 
 @jax.tree_util.register_dataclass
@@ -103,9 +115,9 @@ def causal_conv(x: jax.Array, w: jax.Array, state: jax.Array, lay: StepLayout
     return out, jnp.stack(cols, axis=-1)
 
 
-def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-               state: jax.Array, lay: StepLayout) -> tuple[jax.Array, jax.Array]:
-    """The gated delta rule over each sequence's new tokens, in float32.
+def delta_rule_tokens(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                      state: jax.Array, lay: StepLayout) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule over each sequence's new tokens, in float32, token by token.
 
     q, k [T, Hv, dk] (L2-normed, repeated to the value heads; q scaled), v [T, Hv, dv], g, beta
     [T, Hv]; state [S, Hv, dk, dv] (each sequence's state before the step) -> (o [T, Hv, dv]
@@ -136,13 +148,116 @@ def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     return out, state
 
 
+SOLVE_BLOCK = 16  # rows of the diagonal blocks _unit_lower_solve inverts by doubling
+
+
+def _unit_lower_solve(a: jax.Array, rhs: jax.Array) -> jax.Array:
+    """X with (I + a) X = rhs: a [..., C, C] strictly lower, rhs [..., C, n]. XLA:CPU's
+    triangular_solve ran ~250 ms for one 64-row chunk of 32 heads (a loop of tiny steps), so:
+    the diagonal blocks of SOLVE_BLOCK rows inverted by doubling ((I + N)^-1 = (I - N)(I + N^2)
+    (I + N^4)...: N^SOLVE_BLOCK = 0), then block forward substitution, one matmul a block."""
+    C, B = a.shape[-1], min(SOLVE_BLOCK, a.shape[-1])
+    hp = jax.lax.Precision.HIGHEST
+    if C % B:
+        raise ValueError(f"chunk {C} is not a multiple of {B}")
+    nb = C // B
+    diag = jnp.stack([a[..., i * B:(i + 1) * B, i * B:(i + 1) * B] for i in range(nb)], -3)
+    p = -diag  # [..., nb, B, B]
+    inv = jnp.eye(B, dtype=a.dtype) + p
+    for _ in range(max(0, B.bit_length() - 2)):  # B = 2^m: m - 1 more factors
+        p = jnp.matmul(p, p, precision=hp)
+        inv = inv + jnp.matmul(inv, p, precision=hp)
+    xs: list[jax.Array] = []
+    for i in range(nb):
+        r = rhs[..., i * B:(i + 1) * B, :]
+        if i:
+            r = r - jnp.matmul(a[..., i * B:(i + 1) * B, :i * B],
+                               jnp.concatenate(xs, axis=-2), precision=hp)
+        xs.append(jnp.matmul(inv[..., i, :, :], r, precision=hp))
+    return jnp.concatenate(xs, axis=-2)
+
+
+def delta_rule_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                       beta: jax.Array, state: jax.Array, lay: StepLayout, chunk: int = CHUNK
+                       ) -> tuple[jax.Array, jax.Array]:
+    """delta_rule_tokens' result by the chunked (WY) form. Per sequence and value head, a chunk
+    of C tokens with cumulative log decays G_i = g_1 + ... + g_i (from the chunk's start) and
+    the state S before it:
+        A = strictly_lower(diag(beta) K K^T * exp(G_i - G_j)),  (I + A) [U | W] = [diag(beta) V
+        | diag(beta exp(G)) K]  (so W S is what the earlier tokens of the chunk left of S at
+        each key, U their writes),  V' = U - W S,
+        O = diag(exp(G)) Q S + lower(Q K^T * exp(G_i - G_j)) V',
+        S <- exp(G_C) S + (K * exp(G_C - G))^T V'.
+    Every exp is of a non-positive sum (no growth). Tokens past a sequence's last new token
+    are padding inside its last chunk: their k, v, beta, g are zeros, so they add nothing and
+    decay nothing. The loop runs one chunk of every sequence per iteration ([S, Hv, C, d]
+    blocks)."""
+    T, Hv, dv = v.shape
+    C = chunk
+    pos = jnp.arange(C)
+    lower = pos[:, None] >= pos[None, :]  # [C, C] with the diagonal
+    strict = pos[:, None] > pos[None, :]
+    n_chunks = (jnp.max(lay.new) + C - 1) // C
+    f32 = jnp.float32
+    hp = jax.lax.Precision.HIGHEST
+
+    def take(x: jax.Array, tok: jax.Array, valid: jax.Array) -> jax.Array:
+        """x [T, Hv, ...] at tok [S, C] -> [S, Hv, C, ...], zeros where not valid."""
+        xs = jnp.where(valid.reshape(*valid.shape, *([1] * (x.ndim - 1))), x[tok], 0)
+        return jnp.moveaxis(xs, 1, 2)
+
+    def body(carry):
+        j, st, out = carry
+        local = j * C + pos  # [C] positions among each sequence's new tokens
+        valid = local[None, :] < lay.new[:, None]  # [S, C]
+        tok = jnp.clip(lay.start[:, None] + local[None, :], 0, T - 1)
+        qc, kc, vc = take(q, tok, valid), take(k, tok, valid), take(v, tok, valid)
+        gc, bc = take(g, tok, valid), take(beta, tok, valid)  # [S, Hv, C]
+        G = jnp.cumsum(gc, axis=-1)
+        decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))
+        kk = jnp.einsum("shik,shjk->shij", kc, kc, precision=hp)
+        a = jnp.where(strict, bc[..., :, None] * kk * decay, 0)
+        eg = jnp.exp(G)[..., None]
+        rhs = jnp.concatenate([vc * bc[..., None], kc * (bc[..., None] * eg)], axis=-1)
+        uw = _unit_lower_solve(a, rhs)
+        u, w = uw[..., :dv], uw[..., dv:]
+        v_new = u - jnp.einsum("shck,shkv->shcv", w, st, precision=hp)
+        qk = jnp.where(lower, jnp.einsum("shik,shjk->shij", qc, kc, precision=hp) * decay, 0)
+        o = (jnp.einsum("shck,shkv->shcv", qc * eg, st, precision=hp)
+             + jnp.einsum("shij,shjv->shiv", qk, v_new, precision=hp))
+        g_end = G[..., -1]  # [S, Hv]: padding adds g = 0, so the sequence's last token's
+        kd = kc * jnp.exp(g_end[..., None] - G)[..., None]
+        new = st * jnp.exp(g_end)[..., None, None] + jnp.einsum(
+            "shck,shcv->shkv", kd, v_new, precision=hp)
+        st = jnp.where((j * C < lay.new)[:, None, None, None], new, st)
+        out = out.at[jnp.where(valid, tok, T)].set(jnp.moveaxis(o, 2, 1), mode="drop")
+        return j + 1, st, out
+
+    out0 = jnp.zeros((T, Hv, dv), f32)
+    _, state, out = jax.lax.while_loop(lambda c: c[0] < n_chunks, body,
+                                       (jnp.int32(0), state.astype(f32), out0))
+    return out, state
+
+
+def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+               state: jax.Array, lay: StepLayout) -> tuple[jax.Array, jax.Array]:
+    """delta_rule_tokens' contract, but q, k [T, Hk, dk] per key head (value head h reads key
+    head h // (Hv / Hk), HF's repeat_interleave): the token form for a step of at most one new
+    token per sequence (a decode step: one iteration, no chunk padding), else the chunked
+    form."""
+    rep = v.shape[1] // q.shape[1]
+    q, k = jnp.repeat(q, rep, axis=1), jnp.repeat(k, rep, axis=1)
+    return jax.lax.cond(jnp.max(lay.new) <= 1, delta_rule_tokens, delta_rule_chunked,
+                        q, k, v, g, beta, state, lay)
+
+
 def _l2norm(x: jax.Array) -> jax.Array:
     """transformers' l2norm in float32: x * rsqrt(sum(x^2) + 1e-6) over the last axis."""
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + np.float32(L2_EPS))
 
 
 def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: jax.Array,
-                    lay: StepLayout, arch: ModelArch, mm, rms_norm
+                    lay: StepLayout, arch: ModelArch, mm, rms_norm, rule: RuleFn | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One DeltaNet layer: h [T, H] (normed) -> (its output [T, H] in h's dtype, each sequence's
     new conv state [S, C, Kc-1] f32 and recurrent state [S, Hv, dk, dv] f32).
@@ -150,7 +265,10 @@ def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: ja
     lp: dn_qkv [H, C], dn_z [H, Hv dv], dn_b / dn_a [H, Hv], dn_conv [C, Kc], dn_dt_bias /
     dn_a_log [Hv], dn_norm [dv], dn_out [Hv dv, H] (as values; `mm(x, w)` the model's matmul,
     `rms_norm(x, w, eps)` its Llama-style norm). conv_state / ssm_state: each sequence's states
-    before the step ([S, ...], f32, already zero for fresh sequences)."""
+    before the step ([S, ...], f32, already zero for fresh sequences). `rule`: the recurrence,
+    `delta_rule`'s signature and contract (default: delta_rule); another may take and return
+    its states in another form (the C++ kernel: the whole state cache, written in place), which
+    ssm_state and the result's third item then are."""
     T, dt = h.shape[0], h.dtype
     Hk, Hv = arch.linear_num_key_heads, arch.linear_num_value_heads
     dk, dv = arch.linear_key_head_dim, arch.linear_value_head_dim
@@ -161,13 +279,12 @@ def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: ja
     q = qkv[:, :Hk * dk].reshape(T, Hk, dk).astype(f32)
     k = qkv[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk).astype(f32)
     v = qkv[:, 2 * Hk * dk:].reshape(T, Hv, dv).astype(f32)
-    rep = Hv // Hk  # value head h reads key head h // rep (HF's repeat_interleave)
-    q = jnp.repeat(_l2norm(q), rep, axis=1) * np.float32(dk ** -0.5)
-    k = jnp.repeat(_l2norm(k), rep, axis=1)
+    q = _l2norm(q) * np.float32(dk ** -0.5)
+    k = _l2norm(k)
     beta = jax.nn.sigmoid(b.astype(f32)).astype(dt).astype(f32)  # HF: b.sigmoid() in h's dtype
     g = -jnp.exp(lp["dn_a_log"].astype(f32)) * jax.nn.softplus(
         a.astype(f32) + lp["dn_dt_bias"].astype(f32))
-    o, ssm_new = delta_rule(q, k, v, g, beta, ssm_state, lay)
+    o, ssm_new = (rule or delta_rule)(q, k, v, g, beta, ssm_state, lay)
     # the gated RMSNorm per head: (w * norm(o) in o's dtype) * silu(z), in f32, rounded once
     o = rms_norm(o.astype(dt), lp["dn_norm"], arch.rms_norm_eps)
     o = (o.astype(f32) * jax.nn.silu(z.astype(f32))).astype(dt)

@@ -31,6 +31,7 @@ Letter legend: T tokens, S sequences, H hidden, N heads, K kv heads, D head dim,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ from jaxbatch.model.archs.llama import (
     values,
 )
 from jaxbatch.model.quantize import QuantWeight
+from pallas_kernels.deltanet import cpu as dn_kernel
 
 
 def kv_layers(arch: ModelArch) -> int:
@@ -181,15 +183,21 @@ def forward(
     attention_fn: AttentionFn,
     experts_fn: Callable[..., jax.Array] = moe.experts_mlp,
     lora_ids: jax.Array | None = None,
+    deltanet_kernel: bool | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Returns hidden states [T, H] (before the final norm) and the updated cache dict (see the
-    module docstring); llama.forward's contract otherwise."""
+    module docstring); llama.forward's contract otherwise. `deltanet_kernel`: the recurrence by
+    the C++ kernel on the state cache in place (pallas_kernels/deltanet) or by the jnp forms
+    (deltanet.delta_rule); None: the kernel where its library is registered and the step runs
+    on the CPU."""
     if lora_ids is not None and params.get("lora") is not None:
         raise NotImplementedError(f"LoRA adapters are not supported for {arch.model_type} "
                                   "(Gated DeltaNet hybrid) models")
     if attn.state_slots is None:
         raise ValueError(f"{arch.model_type} needs AttentionInputs.state_slots (each "
                          "sequence's recurrent-state slot)")
+    if deltanet_kernel is None:
+        deltanet_kernel = dn_kernel.available() and jax.default_backend() == "cpu"
     T = token_ids.shape[0]
     embed = params["embed"]
     if isinstance(embed, QuantWeight):  # the step's rows, dequantised in the compute dtype
@@ -225,7 +233,9 @@ def forward(
             h = norm(x, lp["attn_norm"])
             if kind == LINEAR:
                 lp.update(stacks.layer(gx, g, dn_leaves, j))
-                o, cache = _linear_layer(h, lp, cache, li, lay, arch)
+                rule = functools.partial(dn_kernel.delta_rule_in_place, layer=li) \
+                    if deltanet_kernel else None
+                o, cache = _linear_layer(h, lp, cache, li, lay, arch, rule)
             else:
                 lp.update(stacks.layer(gx, g, attn_leaves, j))
                 o, cache["k"], cache["v"] = _full_attention(
@@ -245,14 +255,23 @@ def forward(
 
 
 def _linear_layer(h: jax.Array, lp: dict, cache: dict[str, jax.Array], li: jax.Array,
-                  lay: deltanet.StepLayout, arch: ModelArch
+                  lay: deltanet.StepLayout, arch: ModelArch,
+                  rule: deltanet.RuleFn | None = None
                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """A DeltaNet layer with its states read from and written to the slots of `cache`."""
+    """A DeltaNet layer with its states read from and written to the slots of `cache`.
+    `rule`: None, the jnp recurrence on the gathered states (deltanet.delta_rule), scattered
+    back; or one that takes and returns the whole recurrent-state cache [L_linear, slots, Hv,
+    dk, dv] (the C++ kernel, partial'd with the layer `li`: it reads and writes the slots in
+    place)."""
     fresh = lay.fresh[:, None, None]
     conv = jnp.where(fresh, np.float32(0), cache["conv"][li, lay.read_slot])  # [S, C, Kc-1]
-    ssm = jnp.where(fresh[..., None], np.float32(0), cache["ssm"][li, lay.read_slot])
-    o, conv, ssm = deltanet.gated_delta_net(h, lp, conv, ssm, lay, arch, _mm, rms_norm)
     cache = dict(cache)
+    if rule is None:
+        ssm = jnp.where(fresh[..., None], np.float32(0), cache["ssm"][li, lay.read_slot])
+        o, conv, ssm = deltanet.gated_delta_net(h, lp, conv, ssm, lay, arch, _mm, rms_norm)
+        cache["ssm"] = cache["ssm"].at[li, lay.write_slot].set(ssm, mode="drop")
+    else:
+        o, conv, cache["ssm"] = deltanet.gated_delta_net(h, lp, conv, cache["ssm"], lay, arch,
+                                                         _mm, rms_norm, rule)
     cache["conv"] = cache["conv"].at[li, lay.write_slot].set(conv, mode="drop")
-    cache["ssm"] = cache["ssm"].at[li, lay.write_slot].set(ssm, mode="drop")
     return o, cache

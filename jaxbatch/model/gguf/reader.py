@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.archs import gpt_oss
+from jaxbatch.model.gguf import hybrid
 from jaxbatch.model.gguf.moe_config import moe_config
 from jaxbatch.model.quantize import RawBlocks
 from jaxbatch.model.stack_files import StackFiles
@@ -306,6 +307,9 @@ def read_gguf_tensors(reader: Any, arch: ModelArch, hf_names: set[str] | None = 
     `hf_names`: the names the model expects (default: `expected_hf_names(arch)` and lm_head);
     a tensor with no HF name keeps its GGUF name, for `assemble_params` to report."""
     gguf_arch = _field(reader, "general.architecture")
+    if gguf_arch in hybrid.HYBRID_GGUF_ARCHS:
+        return hybrid.read_hybrid_tensors(reader, arch, keep_blocks, gguf_arch,
+                                          lambda t: _tensor(reader, t), _experts_tensor)
     if hf_names is None:
         hf_names = expected_hf_names(arch) | {"lm_head.weight"}
     names = gguf_to_hf_names(gguf_arch, arch.num_layers, hf_names)
@@ -387,6 +391,8 @@ def _unpermute(w: np.ndarray | RawBlocks, n_head: int) -> np.ndarray | RawBlocks
 def has_kept_blocks(reader: Any, arch: ModelArch) -> bool:
     """The file holds a tensor the engine keeps in its blocks (see `keeps_blocks`)."""
     gguf_arch = _field(reader, "general.architecture")
+    if gguf_arch in hybrid.HYBRID_GGUF_ARCHS:
+        return hybrid.has_kept_blocks(reader, arch)
     hf_names = expected_hf_names(arch) | {"lm_head.weight"}
     names = gguf_to_hf_names(gguf_arch, arch.num_layers, hf_names)
     experts = gguf_expert_names(gguf_arch, arch.num_layers, hf_names)
@@ -426,6 +432,11 @@ def load_gguf_config(path: str, reader: Any | None = None) -> Any:
     from transformers import AutoConfig
 
     reader = reader if reader is not None else open_gguf(path)
+    arch_name = _field(reader, "general.architecture")
+    if arch_name in hybrid.HYBRID_GGUF_ARCHS:  # transformers has no qwen3next, and reads qwen35's
+        shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist()))  # layer kinds
+                  for t in reader.tensors}  # from the interval alone
+        return hybrid.hybrid_config(lambda key: _field(reader, key), shapes, arch_name)
     try:
         with reuse_reader(path, reader):
             cfg = AutoConfig.from_pretrained(
@@ -433,7 +444,6 @@ def load_gguf_config(path: str, reader: Any | None = None) -> Any:
             )
     except Exception as e:
         raise WeightLoadError(f"cannot derive an HF config from {path}: {e}") from e
-    arch_name = _field(reader, "general.architecture")
     if arch_name == "gpt-oss":
         return gpt_oss.gguf_config(cfg, lambda key: _field(reader, key))
     cfg = moe_config(cfg, lambda key: _field(reader, key), arch_name)
@@ -463,10 +473,15 @@ def load_gguf_tokenizer(path: str, reader: Any | None = None) -> Any:
     from transformers import AutoTokenizer
 
     reader = reader if reader is not None else open_gguf(path)
+    arch_name = _field(reader, "general.architecture")
+    # the hybrids' class named (transformers would derive it from a config it has no
+    # qwen3next one for)
+    kind = {"tokenizer_type": hybrid.tokenizer_type(arch_name)} \
+        if arch_name in hybrid.HYBRID_GGUF_ARCHS else {}
     try:
         with reuse_reader(path, reader):
             return AutoTokenizer.from_pretrained(
-                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), **kind
             )
     except Exception as e:
         raise WeightLoadError(f"cannot build a tokenizer from {path}: {e}") from e
