@@ -12,7 +12,7 @@ modes in `matmul/quant_neon.cc`), `matmul/moe.cc` (routed experts through the sa
 `zeros.cc` (a zeroed KV cache without touching its pages); one `.so`, one FFI target each
 (TARGETS). The build is cached by everything that changes
 the binary: the sources (and the headers they share: `ffi_safety.h`, the handlers' guard, no C++
-exception leaves a handler, and the pooled matmuls' claim loop; `matmul/quant_format_codes.h`), the compiler's version, the instruction-set level's flags (LEVELS;
+exception leaves a handler, and the pooled matmuls' claim loop; `matmul/quant_format_codes.h`, `matmul/quant_block_decode.h`), the compiler's version, the instruction-set level's flags (LEVELS;
 JAXBATCH_CPU_LEVEL=avx2|avx512|native, on aarch64 armv8|dotprod|i8mm|native; default native:
 -march=native), the CPU's instruction set flags (so a library built on one CPU model is never
 loaded on another) and jaxlib's version (the FFI headers). `register()` raises `KernelUnavailable` when there is no compiler or the build fails;
@@ -60,6 +60,7 @@ SOURCES = (os.path.join(_HERE, "attention", "cpu_attention.cc"),
 # matmul/quant_panel_plan.h): part of the build key
 HEADERS = (os.path.join(_HERE, "ffi_safety.h"),
            os.path.join(_HERE, "matmul", "quant_format_codes.h"),
+           os.path.join(_HERE, "matmul", "quant_block_decode.h"),
            os.path.join(_HERE, "matmul", "quant_panel_plan.h"))
 
 

@@ -1,8 +1,8 @@
 """Quantised linear weights: GGUF blocks held as the file stores them, dequantised inside the dot.
 
 A `QuantWeight` is a linear weight [..., in, out] held as GGUF blocks (pallas_kernels/matmul/
-quant_formats.py: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K): uint8 [..., out, row_bytes], one row of blocks
-along `in` per output feature, the bits per weight of the format (4.5 for Q4_K, 8.5 for Q8_0).
+quant_formats.py: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4, BF16, F16): uint8 [..., out,
+row_bytes], one row of blocks along `in` per output feature, the bits per weight of the format (4.5 for Q4_K, 8.5 for Q8_0).
 A GGUF file's tensors of those types load this way (model/gguf/reader.py), and `quantization: int8`
 quantises a float checkpoint's linear weights to Q8_0 blocks (one f16 scale per 32 inputs).
 

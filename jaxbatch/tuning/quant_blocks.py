@@ -12,7 +12,8 @@ import numpy as np
 
 _RANDOM_ROWS = 256
 # where a block's f16 scale(s) sit (bytes), so that random blocks have small finite scales
-_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+_SCALE_BYTES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                "Q6_K": (208,)}
 
 
 def random_blocks(fmt: str, layers: int, n: int, k: int) -> np.ndarray:

@@ -62,12 +62,12 @@ bool QuantMatmulPanel(ffi::ThreadPool& pool, const void* x, const uint8_t* w, bo
 namespace {
 
 // quant.cc's format codes and block sizes (quant_formats.py's FORMATS order)
-constexpr int64_t kNumFormats = 8;
+constexpr int64_t kNumFormats = 9;
 constexpr int64_t kBF16 = 5;
-// the int8 mode's formats: all but BF16 and F16 (Q8_0, Q4_0, the K-quants, MXFP4)
-constexpr bool kIntFormat[kNumFormats] = {true, true, true, true, true, false, false, true};
-constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 256, 256, 256, 32, 32, 32};
-constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 144, 176, 210, 64, 64, 17};
+// the int8 mode's formats: all but BF16, F16 and Q4_1 (Q8_0, Q4_0, the K-quants, MXFP4)
+constexpr bool kIntFormat[kNumFormats] = {true, true, true, true, true, false, false, true, false};
+constexpr int64_t kBlockWeights[kNumFormats] = {32, 32, 256, 256, 256, 32, 32, 32, 32};
+constexpr int64_t kBlockBytes[kNumFormats] = {34, 18, 144, 176, 210, 64, 64, 17, 20};
 // up to this many rows an expert, threads take whole experts rather than splitting each
 constexpr int64_t kOneThreadRows = 4;
 

@@ -1,7 +1,7 @@
 // GGUF-quantised matmul for XLA:CPU as an XLA FFI custom call (registered by
 // pallas_kernels/cpu_library.py, called through quant.py): out[M, N] = x[M, K] @ W^T where W is
-// a llama.cpp GGUF weight (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4 blocks) dequantised inside the
-// dot.
+// a llama.cpp GGUF weight (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4 blocks) dequantised inside
+// the dot.
 //
 // Why: a GGUF model's weights stay in their blocks (Q4_K: 4.5 bits a weight, 3.6x fewer bytes
 // than bf16), so a memory-bound decode step streams 3-4x fewer bytes; dequantising the whole
@@ -106,6 +106,7 @@
 
 namespace ffi = xla::ffi;
 
+#include "quant_block_decode.h"
 #include "quant_format_codes.h"
 
 namespace {
@@ -258,6 +259,34 @@ struct Q4_0 {
     // the table twice (VPERMW reads 5 bits: bit 4 of a low nibble's byte picks the copy)
     const __m512i t2 = (__m512i)_mm512_cvtne2ps_pbh(t, t);
     const __m256i q = _mm256_cvtepu8_epi16(load128(p + 2));
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+    f(0, (__m512bh)_mm512_permutexvar_epi16(idx, t2));
+  }
+#endif
+};
+
+// Q4_1 (quant_block_decode.h's layout): the 16 values d * q + m (d * q exact: one rounding, as
+// decode_q4_1's), then Q4_0's nibble permutes
+struct Q4_1 {
+  using L = Q4_1Layout;
+  static constexpr int QK = L::QK, BYTES = L::BYTES;
+  static JB_INLINE __m512 table(const uint8_t* p) {
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f16(p + L::D)), iota16()),
+                         _mm512_set1_ps(f16(p + L::M)));
+  }
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    const __m512 t = table(p);
+    const __m512i q = _mm512_cvtepu8_epi32(load128(p + L::QS));  // VPERMPS reads the low 4 bits
+    f(0, _mm512_permutexvar_ps(q, t));
+    f(1, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t));
+  }
+#if defined(__AVX512BF16__)
+  template <class F>
+  static JB_INLINE void bf16(const uint8_t* p, F&& f) {
+    const __m512 t = table(p);
+    const __m512i t2 = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+    const __m256i q = _mm256_cvtepu8_epi16(load128(p + L::QS));
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
     f(0, (__m512bh)_mm512_permutexvar_epi16(idx, t2));
   }
@@ -799,6 +828,7 @@ Drain pick(int64_t fmt, int64_t M) {
     case kBF16: return pick_rows<P, BF16>(M);
     case kF16: return pick_rows<P, F16>(M);
     case kMXFP4: return pick_rows<P, MXFP4>(M);
+    case kQ4_1: return pick_rows<P, Q4_1>(M);
     default: return pick_rows<P, Q6_K>(M);
   }
 }
@@ -926,8 +956,9 @@ ffi::Error QuantMatmulChecked(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
     return ffi::Error::InvalidArgument("quant_matmul: unknown format");
   if (act < 0 || act > 4)
     return ffi::Error::InvalidArgument("quant_matmul: act is 0, 1, 2, 3 or 4");
-  if (act == 1 && (fmt == kBF16 || fmt == kF16))
-    return ffi::Error::InvalidArgument("quant_matmul: BF16 and F16 weights take float activations");
+  if (act == 1 && (fmt == kBF16 || fmt == kF16 || fmt == kQ4_1))
+    return ffi::Error::InvalidArgument(
+        "quant_matmul: BF16, F16 and Q4_1 weights take float activations");
   if (act == 2 && (fmt != kBF16 || !bf16))
     return ffi::Error::InvalidArgument("quant_matmul: act amx is for BF16 weights and bf16 x");
   if (act >= 3 && (fmt != kBF16 || !bf16))

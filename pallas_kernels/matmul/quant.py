@@ -1,5 +1,6 @@
 """The GGUF-quantised matmul (quant.cc, quant_int8.cc; on aarch64 quant_neon.cc): x @ W^T with W in llama.cpp's GGUF blocks
-(Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4) or plain 16-bit weights (BF16, F16: float mode only); built
+(Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4; Q4_1 float mode only) or plain 16-bit weights
+(BF16, F16: float mode only); built
 and registered as an XLA FFI custom call by pallas_kernels/cpu_library.py.
 
 Two activation modes, both batch invariant (the bits of a row do not depend on how many rows the

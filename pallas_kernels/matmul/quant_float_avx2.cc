@@ -58,6 +58,7 @@ namespace ffi = xla::ffi;
 
 #include <immintrin.h>
 
+#include "quant_block_decode.h"
 #include "quant_format_codes.h"
 
 namespace {
@@ -111,6 +112,18 @@ struct Q4_0 {
     const __m256 d = _mm256_set1_ps(f16(p)), eight = _mm256_set1_ps(8.0f);
     for (int v = 0; v < 4; ++v)
       f(v, _mm256_mul_ps(d, _mm256_sub_ps(cvt(nibbles(p + 2, v)), eight)));
+  }
+};
+
+// Q4_1 (quant_block_decode.h's layout): d * q + m, d * q exact (one rounding, as decode_q4_1's)
+struct Q4_1 {
+  using L = Q4_1Layout;
+  static constexpr int QK = L::QK, BYTES = L::BYTES;
+  template <class F>
+  static JB_INLINE void f32(const uint8_t* p, F&& f) {
+    const __m256 d = _mm256_set1_ps(f16(p + L::D)), m = _mm256_set1_ps(f16(p + L::M));
+    for (int v = 0; v < 4; ++v)
+      f(v, _mm256_add_ps(_mm256_mul_ps(d, cvt(nibbles(p + L::QS, v))), m));
   }
 };
 
@@ -503,6 +516,7 @@ Drain pick(int64_t fmt, int64_t M) {
     case kBF16: return pick_rows<BF16, RB>(M);
     case kF16: return pick_rows<F16, RB>(M);
     case kMXFP4: return pick_rows<MXFP4, RB>(M);
+    case kQ4_1: return pick_rows<Q4_1, RB>(M);
     default: return nullptr;
   }
 }

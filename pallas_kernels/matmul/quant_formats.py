@@ -16,6 +16,7 @@ A quantised 2-D weight of ggml shape [K, N] (K innermost) is held as the file st
 | BF16 | 32 | 64 | 16 | 32 bf16 weights (a "block" only so that every step size reads one layout) |
 | F16 | 32 | 64 | 16 | 32 f16 weights |
 | MXFP4 | 32 | 17 | 4.25 | u8 e (E8M0); 16 bytes of nibbles (as Q4_0); w = kv[q] 2^(e - 128) |
+| Q4_1 | 32 | 20 | 5 | f16 d, f16 m; 16 bytes of nibbles (as Q4_0); w = d q + m |
 
 BF16 and F16 weights are held this way too (a bf16 / f16 GGUF's linear weights and embedding):
 one resident copy that the kernel reads at every step size, where the plain bf16 path holds a
@@ -26,6 +27,11 @@ codes 0..7 and the same negated for 8..15 (E2M1's values doubled), and the block
 of two, ggml's GGML_E8M0_TO_FP32_HALF(e) = 2^(e - 128): subnormal for e = 0, 1, never infinite or
 NaN (e = 255 is 2^127). A weight is exact in f32 (or infinite past its range, as the gguf
 package's product is).
+
+Q4_1 (SmolLM2's GGUF; ggml's block_q4_1) takes float activations only: its int8 mode needs each
+activation block's sum (llama.cpp's q8_1) and is not written yet. d q is exact in f32, so a
+weight is one rounding of d q + m, as the gguf package's and ggml's (FMA or not). The C++
+drivers share its layout and scalar decode (matmul/quant_block_decode.h).
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ import numpy as np
 # name -> (weights per block, bytes per block)
 FORMATS: dict[str, tuple[int, int]] = {
     "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176),
-    "Q6_K": (256, 210), "BF16": (32, 64), "F16": (32, 64), "MXFP4": (32, 17),
+    "Q6_K": (256, 210), "BF16": (32, 64), "F16": (32, 64), "MXFP4": (32, 17), "Q4_1": (32, 20),
 }  # new formats go at the end: the position is the kernels' format code
-FLOAT_FORMATS = ("BF16", "F16")  # plain 16-bit weights: no int8 activation mode
+PLAIN_FORMATS = ("BF16", "F16")  # plain 16-bit weights, 32 to a "block"
+# no int8 activation mode: the plain 16-bit weights, and Q4_1 (its int8 mode is not written yet)
+FLOAT_FORMATS = ("BF16", "F16", "Q4_1")
 INT8_FORMATS = tuple(f for f in FORMATS if f not in FLOAT_FORMATS)  # the int8 mode's formats
 FORMAT_IDS = {name: i for i, name in enumerate(FORMATS)}  # the kernel's `fmt` attribute
 
@@ -113,6 +121,12 @@ def _q4_0(b: jax.Array) -> jax.Array:
     qs = b[..., 2:18].astype(jnp.int32)
     q = jnp.concatenate([qs & 0xF, qs >> 4], axis=-1) - 8
     return _f16(b[..., 0:2])[..., None] * q.astype(jnp.float32)
+
+
+def _q4_1(b: jax.Array) -> jax.Array:
+    qs = b[..., 4:20].astype(jnp.int32)
+    q = jnp.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(jnp.float32)
+    return _f16(b[..., 0:2])[..., None] * q + _f16(b[..., 2:4])[..., None]
 
 
 def _k_nibbles(qs: jax.Array) -> jax.Array:
@@ -192,8 +206,8 @@ def _f16_values(b: jax.Array) -> jax.Array:
     return _f16(_pairs(b))
 
 
-_DEQUANT = {"BF16": _bf16, "F16": _f16_values, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k,
-            "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
+_DEQUANT = {"BF16": _bf16, "F16": _f16_values, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1,
+            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
 
 
 def dequantize(rows: jax.Array, fmt: str, k: int) -> jax.Array:

@@ -51,6 +51,7 @@
 
 namespace ffi = xla::ffi;
 
+#include "quant_block_decode.h"
 #include "quant_format_codes.h"
 
 namespace {
@@ -134,6 +135,9 @@ void dequant_block(int64_t fmt, const uint8_t* p, float* out) {
       i8x16_times(vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(qs, 4)), eight), d, out + 16);
       return;
     }
+    case kQ4_1:  // quant_block_decode.h's decode, the x86 paths' bits
+      decode_q4_1(p, out);
+      return;
     case kMXFP4: {
       // kv[q] 2^(e - 128): exact where normal (a product with a power of two)
       const float32x4_t d = vdupq_n_f32(e8m0_half(p[0]));
@@ -725,11 +729,12 @@ bool QuantMatmulFloatNeon(ffi::ThreadPool& pool, const void* x, bool x_bf16, con
   return true;
 }
 
-// quant_int8.cc's int8 mode on aarch64 (shapes checked by the caller; not BF16 / F16)
+// quant_int8.cc's int8 mode on aarch64 (shapes checked by the caller; not BF16 / F16 / Q4_1)
 bool QuantMatmulInt8Neon(ffi::ThreadPool& pool, const void* x, bool x_bf16, const uint8_t* w,
                          void* out, bool out_f32, int64_t fmt, int64_t M, int64_t N, int64_t K,
                          int64_t rb) {
-  if (fmt == kBF16 || fmt == kF16 || fmt < 0 || fmt >= kNumFormats) return false;
+  if (fmt == kBF16 || fmt == kF16 || fmt == kQ4_1 || fmt < 0 || fmt >= kNumFormats)
+    return false;
   auto j = make_job(w, out, x_bf16, out_f32, fmt, M, N, K, rb);
   const int64_t qa = kBlockWeights[fmt];
   const bool mins = fmt == kQ4_K || fmt == kQ5_K;

@@ -1,6 +1,6 @@
 """The GGUF-quantised matmul (pallas_kernels/matmul/quant: x @ W^T with W in llama.cpp's Q8_0,
-Q4_0, Q4_K, Q5_K, Q6_K, MXFP4 blocks, dequantised inside the dot) against the exact product: x in
-float64 @ the gguf package's dequantised weights in float64 (for bf16 x, those weights rounded to
+Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4 blocks, dequantised inside the dot) against the exact product:
+x in float64 @ the gguf package's dequantised weights in float64 (for bf16 x, those weights rounded to
 bf16 first, as the kernel does). Bound: f32 sums over K are within K * 2^-24 * sum|x * w| of the
 exact sum, and the result is rounded once to x's dtype (2^-8 relative for bf16, 2^-24 for f32).
 Also exactly: one-hot rows read the kernel's dequantised weights back, bit for bit the gguf
@@ -52,16 +52,16 @@ def _qtype(fmt):
 
 
 def make_weight(fmt, n, k, rng):
-    """uint8 [N, RB]: N GGUF rows of K weights. Q8_0 / Q4_0 quantised from random floats with the
-    gguf package; the K-quants (which it cannot quantise) as random valid blocks: random codes
+    """uint8 [N, RB]: N GGUF rows of K weights. Q8_0 / Q4_0 / Q4_1 quantised from random floats
+    with the gguf package; the K-quants (which it cannot quantise) as random valid blocks: random codes
     and 6-bit scales, small finite f16 d (and dmin); MXFP4 random codes under exponents e of
     118..130 (block scales 2^-10..2^2)."""
     qk, nbytes = quant.FORMATS[fmt]
-    if fmt in quant.FLOAT_FORMATS:  # plain weights, as a bf16 / f16 GGUF holds them
+    if fmt in quant_formats.PLAIN_FORMATS:  # plain weights, as a bf16 / f16 GGUF holds them
         w = rng.standard_normal((n, k)) * 0.05
         return np.ascontiguousarray(
             w.astype(ml_dtypes.bfloat16 if fmt == "BF16" else np.float16).view(np.uint8))
-    if fmt in ("Q8_0", "Q4_0"):
+    if fmt in ("Q8_0", "Q4_0", "Q4_1"):
         w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
         return np.ascontiguousarray(gguf.quants.quantize(w, _qtype(fmt)))
     nb = k // qk
@@ -125,7 +125,7 @@ def _x(rng, m, k, dtype):
 
 def test_formats_are_ggmls():
     for fmt, size in quant.FORMATS.items():
-        if fmt in quant.FLOAT_FORMATS:  # ggml: one 2-byte weight a "block"; here 32 of them
+        if fmt in quant_formats.PLAIN_FORMATS:  # ggml: one 2-byte weight a "block"; here 32 of them
             assert gguf.GGML_QUANT_SIZES[_qtype(fmt)] == (1, 2) and size == (32, 64)
             continue
         assert gguf.GGML_QUANT_SIZES[_qtype(fmt)] == size
@@ -193,7 +193,7 @@ def test_rows_are_the_same_bits_whatever_the_row_count(fmt, dt):
     dtype = DTYPES[dt]
     _need(dtype)
     rng = np.random.default_rng(11)
-    k, n = (512, 40) if fmt in ("Q8_0", "Q4_0", "MXFP4") else (768, 40)
+    k, n = (512, 40) if quant.FORMATS[fmt][0] == 32 else (768, 40)
     w = jnp.asarray(make_weight(fmt, n, k, rng))
     ms = (512, *range(1, 18), 31, 64, 100)
     outs = [np.asarray(o).view(np.uint16 if dt == "bf16" else np.uint32)

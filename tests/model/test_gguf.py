@@ -160,23 +160,24 @@ def test_k_quant_gguf_matches_transformers_gguf_loader(tmp_path, mix):
     _assert_close(prefill_logits(arch, on_cpu, IDS, jnp.float32), ref)
 
 
-def test_mxfp4_gguf_matches_transformers_gguf_loader(tmp_path):
-    """MXFP4 matrices (gpt-oss's expert format; quantised by the gguf package) stay in their
-    blocks as QuantWeights and give transformers' logits, on the jnp path and through the CPU
-    kernel."""
+@pytest.mark.parametrize("fmt", ["MXFP4", "Q4_1"])
+def test_block_gguf_matches_transformers_gguf_loader(tmp_path, fmt):
+    """MXFP4 (gpt-oss's expert format) or Q4_1 (SmolLM2's GGUF) matrices, quantised by the gguf
+    package, stay in their blocks as QuantWeights and give transformers' logits, on the jnp path
+    and through the CPU kernel."""
     model = _tiny(transformers.LlamaConfig(**_K_COMMON, rope_theta=10000.0,
                                            tie_word_embeddings=False))
-    path = gguf_files.write_gguf(str(tmp_path / "mxfp4.gguf"), model,
+    path = gguf_files.write_gguf(str(tmp_path / f"{fmt}.gguf"), model,
                                  qtype=lambda n, w: QT.Q8_0 if n.startswith("output.")
-                                 else QT.MXFP4)
-    assert {t.tensor_type.name for t in model_gguf.open_gguf(path).tensors} >= {"MXFP4"}
+                                 else QT[fmt])
+    assert {t.tensor_type.name for t in model_gguf.open_gguf(path).tensors} >= {fmt}
     arch, params, _ = model_gguf.load_gguf(path, jnp.float32)
     kept = {name: w for name, w in params["layers"].items() if isinstance(w, QuantWeight)}
     assert set(kept) >= {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
-    assert all(w.fmts == ("MXFP4",) for w in kept.values())
+    assert all(w.fmts == (fmt,) for w in kept.values())
     ref = _hf_logits(_transformers_gguf(path))
     diff = _assert_close(prefill_logits(arch, params, IDS, jnp.float32), ref)
-    print(f"\nmxfp4: max|logit diff| {diff:.3g} (max|logit| {np.abs(ref).max():.3g})")
+    print(f"\n{fmt}: max|logit diff| {diff:.3g} (max|logit| {np.abs(ref).max():.3g})")
     cpu_library.available(str(tmp_path / "kernels"))
     if not quant.available(jnp.float32):
         pytest.skip("the quantised matmul kernel is not built on this CPU")
@@ -185,7 +186,7 @@ def test_mxfp4_gguf_matches_transformers_gguf_loader(tmp_path):
     _assert_close(prefill_logits(arch, on_cpu, IDS, jnp.float32), ref)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
 def test_bf16_kernel_and_jnp_paths_agree(tmp_path, fmt):
     """bf16 compute over kept blocks: the CPU kernel and the jnp path (dequantise, round the
     weights to bf16, dot with f32 sums) differ only in summation order and where bf16 rounds."""

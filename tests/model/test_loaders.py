@@ -140,8 +140,8 @@ def test_load_model_gguf_kept_blocks(tiny, tmp_path):
 
 def test_load_model_gguf_then_from_cache(tiny, tmp_path):
     _, model = tiny["llama_tied"]
-    # Q4_1 is dequantised (not a kept format): the converted params are cached
-    path = write_gguf(str(tmp_path / "m.gguf"), model, "llama_tied", qtype=lambda n, w: QT.Q4_1)
+    # Q5_0 is dequantised (not a kept format): the converted params are cached
+    path = write_gguf(str(tmp_path / "m.gguf"), model, "llama_tied", qtype=lambda n, w: QT.Q5_0)
     cache = str(tmp_path / "cache")
     first = load_model(path, "float32", cache_dir=cache)
     second = load_model(path, jnp.float32, cache_dir=cache)

@@ -2,9 +2,9 @@
 changes.
 
 Linear weights and the embedding/head in the formats the engine computes from directly (Q8_0,
-Q4_0, Q4_K, Q5_K, Q6_K: pallas_kernels/matmul/quant_formats.py) stay in their blocks
-(`RawBlocks` -> `QuantWeight`): read from the memory-mapped file tensor by tensor, never
-dequantised. Everything else is dequantised tensor by tensor into the compute dtype.
+Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4, BF16, F16: pallas_kernels/matmul/quant_formats.py) stay
+in their blocks (`RawBlocks` -> `QuantWeight`): read from the memory-mapped file tensor by
+tensor, never dequantised. Everything else is dequantised tensor by tensor into the compute dtype.
 Dequantisation is the `gguf` package's own (`gguf.quants.dequantize`, the reference llama.cpp
 ships with its converter), so every type it reads loads: F32/F16/BF16, Q4_0..Q8_0, the K-quants
 (Q2_K..Q6_K, what Q4_K_M/Q5_K_M files mix), the IQ- and TQ-quants, MXFP4. Names go through the
