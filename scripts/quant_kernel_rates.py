@@ -26,13 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from pallas_kernels import cpu_library  # the installed package (make install)
 
-from pallas_kernels import cpu_library  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "MXFP4": 7}
 
