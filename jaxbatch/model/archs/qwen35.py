@@ -50,10 +50,10 @@ from jaxbatch.model.archs.llama import (
     _kv_encode,
     _mm,
     apply_rope,
+    embed_tokens,
     mlp,
     rms_norm,
     rope_tables,
-    value_dtype,
     values,
 )
 from jaxbatch.model.quantize import QuantWeight
@@ -199,11 +199,7 @@ def forward(
     if deltanet_kernel is None:
         deltanet_kernel = dn_kernel.available() and jax.default_backend() == "cpu"
     T = token_ids.shape[0]
-    embed = params["embed"]
-    if isinstance(embed, QuantWeight):  # the step's rows, dequantised in the compute dtype
-        x = embed.rows(token_ids).astype(value_dtype(params["final_norm"]))
-    else:
-        x = values(embed[token_ids])  # [T, H]
+    x = embed_tokens(params, token_ids, arch)  # [T, H] (Qwen3.5 does not scale them)
     cos, sin = rope_tables(arch, positions)  # [T, rotary_dim]
     kinds = arch.layer_kinds
     P = pattern_period(kinds)
