@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 from jaxbatch.config import cache_dir
 from jaxbatch.model import quantize
 from jaxbatch.model.arch import ModelArch, UnsupportedArchitectureError
-from jaxbatch.model.archs import dispatch, llama, qwen35
+from jaxbatch.model.archs import cpu_layout, dispatch, llama, qwen35
 from jaxbatch.model.hf import load_hf_dir
 from jaxbatch.model.weights import WeightLoadError
 from pallas_kernels import cpu_library
@@ -290,11 +290,11 @@ def test_bf16_forms_agree(model, tiny_models, tmp_path):
     path, _ = tiny_models("qwen3_5")
     arch, params = load_hf_dir(path, jnp.bfloat16)
     plain = _run_prompt(arch, params)
-    packed = llama.as_run_on_cpu(params, arch, small_matmul_rows=64)
+    packed = cpu_layout.as_run_on_cpu(params, arch, small_matmul_rows=64)
     assert packed["layers"]["wq"].packed is not None
     np.testing.assert_array_equal(_run_prompt(arch, packed), plain)
     _, rows = load_hf_dir(path, jnp.bfloat16, bf16_rows=True)
-    rows = llama.as_run_on_cpu(rows, arch)
+    rows = cpu_layout.as_run_on_cpu(rows, arch)
     assert isinstance(rows["layers"]["w_up"], quantize.QuantWeight)
     np.testing.assert_allclose(_run_prompt(arch, rows), plain,
                                atol=1e-3 * float(np.abs(plain).max()), rtol=0)
