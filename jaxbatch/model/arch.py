@@ -131,6 +131,10 @@ class ModelArch:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0  # the causal depthwise convolution's width
+    # value heads in the order llama.cpp's converter writes Qwen3.5's (position j * Hk + g reads
+    # key head g, "tiled") rather than HF's (head g * r + j, "grouped"): GGUF files run in their
+    # own order, so no tensor's blocks are reordered at load
+    linear_v_tiled: bool = False
     partial_rotary_factor: float = 1.0  # rope turns the first head_dim * factor dims of q and k
     attn_output_gate: bool = False  # q_proj also gives a per-head gate: o * sigmoid(gate)
     norm_plus_one: bool = False  # RMSNorm as x * (1 + w) in f32, without Gemma's extra norms

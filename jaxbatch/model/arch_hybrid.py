@@ -80,6 +80,7 @@ def settings(cfg: Any, model_type: str, num_layers: int) -> dict[str, Any]:
         "linear_key_head_dim": int(cfg.linear_key_head_dim),
         "linear_value_head_dim": int(cfg.linear_value_head_dim),
         "linear_conv_kernel": int(cfg.linear_conv_kernel_dim),
+        "linear_v_tiled": bool(getattr(cfg, "linear_value_heads_tiled", False)),
         "partial_rotary_factor": float(partial),
         "attn_output_gate": True,
         "norm_plus_one": True,

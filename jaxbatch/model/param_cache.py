@@ -27,7 +27,7 @@ from jaxbatch.model.arch import ModelArch
 log = logging.getLogger(__name__)
 
 # Bump when the params layout or the conversion changes, so old entries are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Qwen3.5 GGUF value heads kept in the file's order
 _DONE = "COMPLETE"
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_VERSION = "stacks v1"
+_VERSION = "stacks v2"  # v2: Qwen3.5 GGUF value heads in the file's order
 
 
 class StackFiles:

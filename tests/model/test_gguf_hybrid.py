@@ -110,18 +110,18 @@ def test_f32_gguf_matches_transformers(files, kind):
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_wide", "qwen3_5_moe", "qwen3_next"])
 def test_q8_0_gguf_in_blocks(files, kind):
-    """Q8_0 weights stay in their blocks (the DeltaNet's projections too; out_proj's columns
-    reordered block by block when a value head is whole blocks, dequantised when blocks
-    straddle heads: 8-wide heads); the logits equal the same file read as floats, and
+    """Q8_0 weights stay in their blocks (the DeltaNet's projections too, out_proj also where
+    its blocks straddle value heads: the model runs the file's head order); the logits equal the same file read as floats, and
     transformers' own GGUF loader's where it reads the architecture."""
     path, hf_dir, model = files(kind, QT.Q8_0)
     arch, params, got = _logits(path)
     layers = params["layers"]
     for leaf in ("dn_qkv", "dn_z", "wq", "wo", "experts_down" if arch.num_experts else "w_down"):
         assert isinstance(layers[leaf], QuantWeight), leaf
-    # Qwen3-Next's value heads are not reordered: its out_proj always stays in blocks
-    assert isinstance(layers["dn_out"], QuantWeight) == (
-        kind == "qwen3_next" or arch.linear_value_head_dim % 32 == 0)
+    # the value heads run in the file's order: out_proj stays in blocks also where its blocks
+    # straddle heads (8-wide heads here; 128-wide heads in K-quant files)
+    assert isinstance(layers["dn_out"], QuantWeight)
+    assert arch.linear_v_tiled == (kind != "qwen3_next")
     if kind == "qwen3_next":  # transformers cannot read qwen3next files: the floats are ours
         _, _, want = _logits(path, keep_blocks=False)
     else:  # transformers' own GGUF loader on the same file

@@ -262,6 +262,7 @@ def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: ja
     """One DeltaNet layer: h [T, H] (normed) -> (its output [T, H] in h's dtype, each sequence's
     new conv state [S, C, Kc-1] f32 and recurrent state [S, Hv, dk, dv] f32).
 
+    Value heads in HF's grouped order, or tiled where `arch.linear_v_tiled` (GGUF files).
     lp: dn_qkv [H, C], dn_z [H, Hv dv], dn_b / dn_a [H, Hv], dn_conv [C, Kc], dn_dt_bias /
     dn_a_log [Hv], dn_norm [dv], dn_out [Hv dv, H] (as values; `mm(x, w)` the model's matmul,
     `rms_norm(x, w, eps)` its Llama-style norm). conv_state / ssm_state: each sequence's states
@@ -281,6 +282,8 @@ def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: ja
     v = qkv[:, 2 * Hk * dk:].reshape(T, Hv, dv).astype(f32)
     q = _l2norm(q) * np.float32(dk ** -0.5)
     k = _l2norm(k)
+    if arch.linear_v_tiled and Hv != Hk:  # value head j * Hk + g reads key head g: q, k tiled
+        q, k = jnp.tile(q, (1, Hv // Hk, 1)), jnp.tile(k, (1, Hv // Hk, 1))  # [T, Hv, dk]
     beta = jax.nn.sigmoid(b.astype(f32)).astype(dt).astype(f32)  # HF: b.sigmoid() in h's dtype
     g = -jnp.exp(lp["dn_a_log"].astype(f32)) * jax.nn.softplus(
         a.astype(f32) + lp["dn_dt_bias"].astype(f32))

@@ -20,13 +20,13 @@ each tensor, and what is undone here (HF's layout is what model/archs/qwen35.py 
   * Qwen3.5 and Qwen3.5-MoE (not Qwen3-Next) have their value heads reordered from grouped (value
     head g * r + j reads key head g, r = value heads per key head: HF's repeat_interleave) to
     tiled (position j * Hk + g: ggml's broadcasting repeat) on every tensor indexed by value
-    head: the v rows of in_proj_qkv and of the conv, in_proj_z's rows, in_proj_a / in_proj_b's
-    rows, dt_bias and A, and out_proj's columns. Rows (output features, each row its own blocks)
-    move back in any format. out_proj's columns move as whole blocks when a value head is a
-    whole number of the format's blocks (F32 / F16 / BF16 always, Q8_0 / Q4_0 when the value
-    head dim is a multiple of 32, K-quants of 256); otherwise (a K-quant out_proj with 128-wide
-    value heads, as Q4_K_M files of the published models have) that one tensor is dequantised
-    into the compute dtype, as transformers' GGUF loader does, and the load says so;
+    head. The model runs them in that order (the config's `linear_value_heads_tiled`, the
+    arch's `linear_v_tiled`: q and k tiled to the value heads), so nothing moves at load. For
+    an arch in the grouped order (an HF directory's), the reorder is undone on the v rows of
+    in_proj_qkv and of the conv, in_proj_z's rows, in_proj_a / in_proj_b's rows, dt_bias and
+    A, and out_proj's columns: rows move in any format, columns as whole blocks where a value
+    head is a whole number of blocks, else that one tensor is dequantised (a K-quant out_proj
+    with 128-wide value heads, as Q4_K_M files of the published models have);
   * the experts as for Qwen2/3-MoE: `ffn_{gate,up,down}_exps` [E, out, in], the router
     `ffn_gate_inp`, the shared expert `ffn_*_shexp` and its gate `ffn_gate_inp_shexp` ([H] or
     [1, H]). The optional fused forms (`--fuse-gate-up-exps`, `--fuse-qkv`) are refused.
@@ -166,6 +166,8 @@ def hybrid_config(field: Callable[[str], Any], tensors: dict[str, tuple[int, ...
     )
     if field(f"{arch_name}.feed_forward_length") is not None:
         d["intermediate_size"] = int(key("feed_forward_length"))
+    if arch_name in _TILED:  # the model runs the value heads in the file's order
+        d["linear_value_heads_tiled"] = True
     if arch_name == "qwen35":
         return transformers.Qwen3_5TextConfig(**d)
     d.update(num_experts=int(key("expert_count")),
@@ -218,7 +220,10 @@ def read_hybrid_tensors(reader: Any, arch: ModelArch, keep_blocks: bool,
     """Every tensor of a hybrid file in HF names and layout, read when taken (see the module
     docstring): `RawBlocks` where `keeps_blocks` (with `keep_blocks`), else float32 arrays.
     `dequant(t)` / `experts_tensor(t, keep)`: the reader's float and 3-D expert reads."""
-    tiled = gguf_arch in _TILED and arch.linear_num_value_heads != arch.linear_num_key_heads
+    # the model runs the file's tiled order (arch.linear_v_tiled, hybrid_config's flag); an
+    # arch in HF's grouped order gets the value heads reordered back
+    tiled = (gguf_arch in _TILED and not arch.linear_v_tiled
+             and arch.linear_num_value_heads != arch.linear_num_key_heads)
     L = arch.num_layers
     items: dict[str, tuple[Any, ...]] = {}
     for t in reader.tensors:
