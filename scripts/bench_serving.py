@@ -237,7 +237,8 @@ async def run_results(args: argparse.Namespace, rows: list[dict]) -> tuple[dict,
                     "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                     "ttft_ms": None if r.ttft is None else round(1e3 * r.ttft, 2),
                     "itl_max_ms": round(1e3 * max(r.itl), 2) if r.itl else None,
-                    "e2e_ms": round(1e3 * r.latency, 2), "error": r.error}) + "\n")
+                    "e2e_ms": round(1e3 * r.latency, 2), "error": r.error,
+                    "text": r.text}) + "\n")
     summary = summarize(args, model, results, duration)
     summary["max_concurrency"] = args.max_concurrency
     summary.update(counter_rates(before, after))
@@ -335,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json-out", default=None, help="append the JSON line to this file")
     p.add_argument("--per-request-out", default=None,
-                   help="write one JSON line per request (send time, TTFT, largest gap, ...)")
+                   help="write one JSON line per request (send time, TTFT, largest gap, ..., "
+                        "the text it got, so two runs' outputs can be compared)")
     args = p.parse_args(argv)
     with open(args.workload) as f:
         rows = [json.loads(line) for line in f if line.strip()]
