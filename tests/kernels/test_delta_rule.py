@@ -197,3 +197,41 @@ def test_kernel_unwritten_slot(_kernel):
                    jnp.asarray(cache), lay, layer=jnp.int32(0))
     close(np.asarray(o), reference(x, cu, 1, fresh)[0], "outputs")
     np.testing.assert_array_equal(np.asarray(c), cache)
+
+
+# dv 128: one 128-column chunk a head at AVX-512 (four 32-column ones at AVX2); 160: a full
+# chunk and a partial one; 8: the portable loop alone
+@pytest.mark.parametrize("dv", [128, 160, 8])
+def test_kernel_decode_step_in_place(_kernel, dv):
+    """A decode step (no sequence with more than one token) takes the kernel's streamed path:
+    states read and written where the cache holds them. Sequences carried in place (read slot =
+    write slot), carried into another slot, fresh, with no token, with its write slot outside
+    the cache (outputs only), and a padding sequence; the slots no sequence writes and the
+    other layer keep their NaN poison."""
+    rng = np.random.default_rng(5)
+    news = [1, 1, 0, 1, 1, 1]
+    fresh = np.array([False, False, False, True, False, False])
+    num_seqs, T = 5, 8  # 3 padding tokens
+    x = draw(rng, T, len(news), dv=dv)
+    read = np.array([3, 5, 2, 7, 1, 0])
+    lay, cu = layout(news, num_seqs, T, fresh, read)
+    write = np.array([3, 6, 2, 7, deltanet.NO_SLOT, 0])  # seq 1 into another slot; 4: none
+    lay = dataclasses.replace(lay, write_slot=jnp.asarray(write, jnp.int32))
+    want_o, want_st = reference(x, cu, num_seqs, fresh)
+    cache = np.full((2, 8, HV, DK, dv), np.nan, np.float32)
+    for s in range(num_seqs):
+        if not fresh[s]:
+            cache[1, read[s]] = x["state"][s]
+    f = jax.jit(lambda q, k, v, g, b, c: _kernel(q, k, v, g, b, c, lay, layer=jnp.int32(1)),
+                donate_argnums=(5,))
+    o, c = f(*(jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")),
+             jnp.asarray(cache))
+    o, c = np.asarray(o), np.asarray(c)
+    close(o, want_o, "outputs")
+    assert not o[cu[num_seqs]:].any()
+    for s, slot in ((0, 3), (1, 6), (3, 7)):
+        close(c[1, slot], want_st[s], f"state of sequence {s}")
+    close(c[1, 5], x["state"][1], "sequence 1's read slot")  # read, not written
+    close(c[1, 1], x["state"][4], "sequence 4's read slot")  # NO_SLOT: not written
+    np.testing.assert_array_equal(c[1, 2], cache[1, 2])  # seq 2: no tokens, untouched
+    assert np.isnan(c[0]).all() and np.isnan(c[1, [0, 4]]).all()
