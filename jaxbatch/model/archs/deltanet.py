@@ -103,8 +103,14 @@ def causal_conv(x: jax.Array, w: jax.Array, state: jax.Array, lay: StepLayout
         # before the step's first token of the sequence: the state's column (Kc-1) - (lag - local)
         col = jnp.clip(Kc - 1 - lag + lay.local, 0, Kc - 2)
         taps.append(jnp.where((lay.local >= lag)[:, None], from_x, state[lay.seq, :, col]))
-    window = jnp.stack(taps, axis=-1).astype(jnp.float32)  # [T, C, Kc]
-    out = jax.nn.silu(jnp.sum(window * w.astype(jnp.float32)[None], axis=-1)).astype(x.dtype)
+    # the taps' weighted sum written out, oldest first: as a multiply and a reduce over Kc,
+    # XLA:CPU hands it to a small-dot library call that cost a Qwen3.5-4B-shaped decode step
+    # ~5% of its time (perf, AMD EPYC Zen 4); elementwise, it fuses with the taps
+    wf = w.astype(jnp.float32)
+    acc = taps[0].astype(jnp.float32) * wf[:, 0]
+    for k in range(1, Kc):
+        acc = acc + taps[k].astype(jnp.float32) * wf[:, k]
+    out = jax.nn.silu(acc).astype(x.dtype)
     # the new state: the last Kc-1 inputs of the sequence's history and this step's tokens
     cols = []
     for m in range(Kc - 1):
