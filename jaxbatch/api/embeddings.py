@@ -42,10 +42,14 @@ class EmbeddingRequest:
 
 def parse_embedding_request(body: Any, tokenizer: Any, max_model_len: int,
                             hidden_size: int | None, served_models: Sequence[str] | None = None,
-                            limits: RequestLimits = DEFAULT_LIMITS) -> EmbeddingRequest:
+                            limits: RequestLimits = DEFAULT_LIMITS, context: int | None = None,
+                            truncate: bool = False) -> EmbeddingRequest:
     """A /v1/embeddings body -> its inputs as token ids; ApiError (400/404) on a bad body.
     `hidden_size` None (an engine that does not tell, Ray replicas): `dimensions` is checked
-    against the pooled state's width when the response is built."""
+    against the pooled state's width when the response is built. An input longer than
+    `context` tokens (at most, and by default, max_model_len - 1: the engine runs one token
+    after the prompt) is a 400, or with `truncate` cut to its first `context` tokens (Ollama's
+    `truncate` and `num_ctx`)."""
     body = _check_keys(body, _KEYS, limits)
     model = _check_model(body, served_models)
     fmt = _get(body, "encoding_format", str, "float")
@@ -58,13 +62,16 @@ def parse_embedding_request(body: Any, tokenizer: Any, max_model_len: int,
                           f"{hidden_size or 'width'}, got {dims}", "dimensions")
     special = _get(body, "add_special_tokens", bool, True)
     inputs = [_ids(x, tokenizer, special) for x in _inputs(body.get("input"), limits)]
+    most = max_model_len - 1 if context is None else min(context, max_model_len - 1)
     for i, ids in enumerate(inputs):
         if not ids:
             raise bad_request(f"input {i} is empty", "input")
-        if len(ids) >= max_model_len:  # the engine runs one token after the prompt
+        if len(ids) > most and truncate:
+            inputs[i] = ids[:most]
+        elif len(ids) > most:
             raise bad_request(f"This model's maximum context length is {max_model_len} tokens; "
-                              f"input {i} has {len(ids)} (at most {max_model_len - 1} can be "
-                              f"embedded)", "input", "context_length_exceeded")
+                              f"input {i} has {len(ids)} (at most {most} can be embedded)",
+                              "input", "context_length_exceeded")
     return EmbeddingRequest(model, inputs, fmt, dims)
 
 

@@ -12,6 +12,13 @@ num_gpu do not change the output and are accepted). A model name may carry Ollam
 `done: true`, `done_reason` and the token counts. Durations are wall-clock nanoseconds of the
 whole request (load and prompt durations 0: the model is loaded, prefill is not timed apart).
 `raw` prompts, `suffix`, `template`, `images` and `context` are a 400.
+
+`/api/embed` ({model, input: a string or strings, truncate = true, dimensions?, options,
+keep_alive}) and the older `/api/embeddings` ({model, prompt}) run as /v1/embeddings does
+(embeddings.py): `parse_embed` gives its `EmbeddingRequest`. As Ollama: an input longer than
+`options.num_ctx` or the model's context is cut to its first tokens unless `truncate` is false
+(then a 400); /api/embed's vectors are L2-normalised, /api/embeddings' are the pooled state as
+is; an empty input embeds nothing. Generation options are accepted and change nothing.
 """
 
 from __future__ import annotations
@@ -19,10 +26,15 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from jaxbatch.api.body import bad_request
-from jaxbatch.api.protocol import template_variables
+import numpy as np
+
+from jaxbatch.api import embeddings
+from jaxbatch.api.body import RequestLimits, bad_request
+from jaxbatch.api.embeddings import EmbeddingRequest, parse_embedding_request
+from jaxbatch.api.protocol import _check_model, template_variables
 from jaxbatch.api.surface import finish, neutral
 from jaxbatch.api.tool_parsers import new_call_id
 from jaxbatch.core.sampling_params import show
@@ -245,3 +257,60 @@ def model_entry(name: str, details: dict[str, Any]) -> dict[str, Any]:
 
 def version_body(version: str) -> dict[str, str]:
     return {"version": version}
+
+
+def parse_embed(body: Any, legacy: bool, tokenizer: Any, max_model_len: int,
+                hidden_size: int | None, names: list[str], limits: RequestLimits
+                ) -> EmbeddingRequest:
+    """An /api/embed body (`legacy`: an /api/embeddings body) -> the embedding request; its
+    `inputs` empty for an empty input (Ollama answers it with no vectors)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    keys = {"model", "prompt", "options", "keep_alive"} if legacy else \
+        {"model", "input", "truncate", "dimensions", "options", "keep_alive"}
+    unknown = sorted(set(body) - keys)
+    if unknown:
+        raise bad_request(f"parameter {show(unknown[0])} is not supported by this server",
+                          unknown[0], "unsupported_parameter")
+    key = "prompt" if legacy else "input"
+    value = body.get(key)
+    if value is None or value == "":
+        value = []
+    elif isinstance(value, str):
+        value = [value]
+    elif legacy or not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise bad_request(f"{key!r} must be a string" + ("" if legacy else " or a list of "
+                                                          "strings"), key)
+    opts = body.get("options") or {}
+    if not isinstance(opts, dict):
+        raise bad_request("'options' must be an object", "options")
+    for k in opts:
+        if k not in _OPTIONS and k not in _RUNTIME:
+            raise bad_request(f"options.{show(k)} is not supported by this server", "options",
+                              "unsupported_parameter")
+    num_ctx = opts.get("num_ctx")
+    if num_ctx is not None and (not isinstance(num_ctx, int) or isinstance(num_ctx, bool)
+                                or num_ctx < 1):
+        raise bad_request(f"options.num_ctx must be a positive integer, got {show(num_ctx)}",
+                          "options")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise bad_request(f"'truncate' must be a boolean, got {show(truncate)}", "truncate")
+    inner = {"model": served_name(body.get("model"), names), "input": value,
+             "dimensions": body.get("dimensions")}
+    if not value:  # as Ollama: nothing to embed (a client's way to load the model)
+        return EmbeddingRequest(_check_model(inner, names), [], "float", None)
+    return parse_embedding_request(inner, tokenizer, max_model_len, hidden_size, names, limits,
+                                   context=num_ctx, truncate=truncate)
+
+
+def embed_response(body: dict, legacy: bool, req: EmbeddingRequest,
+                   pooled: Sequence[np.ndarray], model: str, elapsed_ns: int) -> dict[str, Any]:
+    """Ollama's answer for the inputs' pooled states (in input order)."""
+    if legacy:
+        return {"embedding": [float(x) for x in embeddings.finish(pooled[0], normalize=False)]
+                if pooled else []}
+    vectors = [[float(x) for x in embeddings.finish(p, req.dimensions)] for p in pooled]
+    return {"model": body.get("model") or model, "embeddings": vectors,
+            "total_duration": elapsed_ns, "load_duration": 0,
+            "prompt_eval_count": sum(len(ids) for ids in req.inputs)}

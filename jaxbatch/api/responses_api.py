@@ -8,9 +8,11 @@ host only.
 templates drop earlier turns' reasoning. Function `tools` and `tool_choice`, `text.format`
 (json_schema / json_object), `max_output_tokens`, temperature / top_p and vLLM's extra
 sampling fields map to their chat names; `reasoning.effort` goes to a template that reads
-`reasoning_effort` (gpt-oss's). What it cannot honour is a 400 naming it: stored
-conversations (`previous_response_id`, `store: true`, `conversation`), hosted tools
-(web_search ...), images, `include`, logprobs.
+`reasoning_effort` (gpt-oss's). `previous_response_id` and `store` are the server's
+(response_store.py prepares the body before it comes here); what it cannot honour is a 400
+naming it: `conversation`, a `previous_response_id` or `store: true` that reaches it (a batch
+line: nothing keeps responses there), hosted tools (web_search ...), images, `include`,
+logprobs.
 
 `response_object` builds the Response from the chat answer; `ResponsesStream` turns chat deltas
 into the typed events (response.created, response.output_item.added, ...output_text.delta,
@@ -239,8 +241,9 @@ def response_object(body: dict, response_id: str, created: int, model: str,
         "output": output, "usage": _usage(usage),
         "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
         "text": {"format": text.get("format") or {"type": "text"}},
-        "reasoning": body.get("reasoning"), "store": False, "truncation": "disabled",
-        "previous_response_id": None, "background": False,
+        "reasoning": body.get("reasoning"), "store": body.get("store") is True,
+        "truncation": "disabled", "previous_response_id": body.get("previous_response_id"),
+        "background": False,
         **{k: body.get(k) for k in _ECHOED},
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False}
 
@@ -264,6 +267,7 @@ class ResponsesStream(BlockStream):
         self.seq = 0
         self.ids: list[str] = []  # per block, its item id
         self.items: list[dict] = []  # the finished items
+        self.final: dict | None = None  # the finished Response, once finish() has built it
 
     def _event(self, kind: str, **data: Any) -> tuple[str, dict]:
         self.seq += 1
@@ -321,7 +325,7 @@ class ResponsesStream(BlockStream):
     def finish(self, reason: str | None, usage: dict[str, int], stop: Any = None) -> list:
         """After the last delta: the open block closed, then the final response."""
         events = self.end()
-        response = self._response(reason, usage)
+        response = self.final = self._response(reason, usage)
         kind = "response.incomplete" if response["status"] == "incomplete" else \
             "response.completed"
         return events + [self._event(kind, response=response)]

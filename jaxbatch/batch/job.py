@@ -30,6 +30,7 @@ from jaxbatch.api.protocol import (
 )
 from jaxbatch.batch.files import Key, ResultWriter
 from jaxbatch.batch.records import (
+    RESPONSES,
     Item,
     LineError,
     api_error,
@@ -124,6 +125,9 @@ class BatchJob:
             item.record = line_error(item, e.code, e.message)
             return
         item.response_id = new_id("chat" if url.endswith("/chat/completions") else "completion")
+        if url == RESPONSES:  # answered as a Response: its id as the server's
+            item.response_id = new_id("chat").replace("chatcmpl", "resp")
+            item.responses_body = body
         try:
             parsed = item.parsed = parse_body(url, body, eng.tokenizer, eng.max_model_len,
                                               self.served_models, self.limits, _width(eng))

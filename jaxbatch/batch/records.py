@@ -1,11 +1,12 @@
 """One input line of an OpenAI Batch file -> an engine request, and the output records (host only).
 
 Input:  {"custom_id": str, "method": "POST", "url": "/v1/completions" | "/v1/chat/completions"
-         | "/v1/embeddings", "body": {...}}
+         | "/v1/embeddings" | "/v1/responses", "body": {...}}
 Output: {"id": "batch_req_...", "custom_id": str, "response": {"status_code", "request_id",
          "body"} | null, "error": {"code", "message"} | null}
 The response body is built by jaxbatch.api.protocol, exactly as the server's non-streaming
-route builds it.
+route builds it; a /v1/responses body is translated to chat and its answer back
+(api/responses_api.py), as the server's /v1/responses does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from jaxbatch.api import responses_api
 from jaxbatch.api.embeddings import EmbeddingRequest, embedding_response, parse_embedding_request
 from jaxbatch.api.protocol import (
     DEFAULT_LIMITS,
@@ -34,7 +36,8 @@ from jaxbatch.core.outputs import RequestOutput
 PARSERS = {"/v1/completions": parse_completion_request,
            "/v1/chat/completions": parse_chat_request}
 EMBEDDINGS = "/v1/embeddings"  # parsed by api/embeddings.py: one embedding request per input
-URLS = sorted([*PARSERS, EMBEDDINGS])
+RESPONSES = "/v1/responses"  # translated to a chat body (api/responses_api.py)
+URLS = sorted([*PARSERS, EMBEDDINGS, RESPONSES])
 
 
 class LineError(Exception):
@@ -58,6 +61,7 @@ class Item:
     request_ids: list[str] = dataclasses.field(default_factory=list)
     outputs: dict[str, RequestOutput] = dataclasses.field(default_factory=dict)
     record: dict | None = None
+    responses_body: dict | None = None  # a /v1/responses line's body, answered as a Response
 
 
 def read_item(seq: int, line_no: int, raw: bytes) -> tuple[Item, Any]:
@@ -114,6 +118,8 @@ def parse_body(url: str, body: Any, tokenizer: Any, max_model_len: int,
     if url == EMBEDDINGS:
         return parse_embedding_request(body, tokenizer, max_model_len, hidden_size,
                                        served_models, limits)
+    if url == RESPONSES:
+        url, body = "/v1/chat/completions", responses_api.to_chat(body, tokenizer)
     parsed = PARSERS[url](body, tokenizer, max_model_len, served_models, limits)
     if parsed.stream:
         raise bad_request("streaming is not available in batch jobs; remove 'stream'",
@@ -137,6 +143,8 @@ def success(item: Item, tokenizer: Any, default_model: str) -> dict:
     else:
         body = response_body(parsed, outs, tokenizer, parsed.model or default_model,
                              item.response_id)
+        if item.responses_body is not None:
+            body = responses_api.from_chat(item.responses_body, body, item.response_id)
     return {"id": _record_id(), "custom_id": item.custom_id,
             "response": {"status_code": 200, "request_id": item.response_id, "body": body},
             "error": None}

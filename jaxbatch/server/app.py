@@ -1,7 +1,7 @@
 """The OpenAI-compatible server over an AsyncEngine: the app, its small routes, start and stop.
 
-POST /v1/completions, POST /v1/chat/completions (JSON or SSE; `generate.py`), POST /v1/responses,
-/v1/messages and /v1/messages/count_tokens (`surfaces.py`), Ollama's /api/* (`ollama.py`),
+POST /v1/completions, POST /v1/chat/completions (JSON or SSE; `generate.py`), POST /v1/responses
+(GET and DELETE of a stored one), /v1/messages and /v1/messages/count_tokens (`surfaces.py`), Ollama's /api/* (`ollama.py`),
 POST /v1/tokenize
 and /v1/detokenize (`tokenize.py`), POST /v1/embeddings (`embeddings.py`), GET /v1/models, POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (`lora_admin.py`),
@@ -82,6 +82,8 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", surfaces.route(surfaces.RESPONSES))
+    app.router.add_get("/v1/responses/{response_id}", surfaces.get_response)
+    app.router.add_delete("/v1/responses/{response_id}", surfaces.delete_response)
     app.router.add_post("/v1/messages", surfaces.route(surfaces.MESSAGES))
     app.router.add_post("/v1/messages/count_tokens", surfaces.count_tokens)
     ollama.add_routes(app)

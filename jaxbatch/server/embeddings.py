@@ -13,6 +13,7 @@ import functools
 import uuid
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from jaxbatch.api import embeddings as api
@@ -58,20 +59,21 @@ def _parse(st: ServerState, em: EmbeddingModel, raw: bytes) -> api.EmbeddingRequ
                                        st.model_names(), st.limits.request)
 
 
-async def embeddings(request: web.Request) -> web.Response:
+def served(request: web.Request) -> tuple[ServerState, EmbeddingModel]:
+    """The server's state and its embedding model; 503 while draining, 404 without one."""
     st = request.app[STATE]
-    em = st.embedding_model
     if st.draining:
         raise ApiError(503, "the server is shutting down", "server_error")
-    if em is None:
+    if st.embedding_model is None:
         raise ApiError(404, "this server's engine does not serve embeddings",
                        "invalid_request_error")
-    response_id = request[REQUEST_ID] = f"embd-{uuid.uuid4().hex}"
-    raw = await read_json_body(request, st)
-    loop = asyncio.get_running_loop()
-    parsed = await loop.run_in_executor(st.parse_pool, functools.partial(_parse, st, em, raw))
-    model = parsed.model or st.served_names[0]
-    prompts = [{"prompt_token_ids": ids} for ids in parsed.inputs]
+    return st, st.embedding_model
+
+
+async def pooled_states(st: ServerState, response_id: str, inputs: list[list[int]]
+                        ) -> list[np.ndarray]:
+    """One engine embedding request per input -> their pooled states f32[H], in input order."""
+    prompts = [{"prompt_token_ids": ids} for ids in inputs]
     try:
         stream = await st.engine.add(response_id, prompts, EMBED_PARAMS, embed=True)
     except ValueError as e:  # the engine refused an input (a token id out of range, KV capacity)
@@ -87,6 +89,17 @@ async def embeddings(request: web.Request) -> web.Response:
     pooled = [o.pooled for o in outs]
     if any(p is None for p in pooled):  # never expected: a finished embedding has its state
         raise ApiError(500, f"internal error (request id {response_id})", "server_error")
+    return pooled
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    st, em = served(request)
+    response_id = request[REQUEST_ID] = f"embd-{uuid.uuid4().hex}"
+    raw = await read_json_body(request, st)
+    loop = asyncio.get_running_loop()
+    parsed = await loop.run_in_executor(st.parse_pool, functools.partial(_parse, st, em, raw))
+    model = parsed.model or st.served_names[0]
+    pooled = await pooled_states(st, response_id, parsed.inputs)
     body = await loop.run_in_executor(
         st.parse_pool, functools.partial(api.embedding_response, parsed, pooled, model))
     return web.json_response(body)

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from jaxbatch.api.protocol import RequestLimits
+from jaxbatch.api.response_store import ResponseStore
 from jaxbatch.server.async_engine import AsyncEngine
 from jaxbatch.server.metrics import ServerMetrics
 
@@ -60,6 +61,8 @@ class ServerState:
     # /v1/embeddings' view of the model (server/embeddings.py EmbeddingModel); None: an engine
     # that cannot embed (a test's fake)
     embedding_model: Any = None
+    # /v1/responses kept for previous_response_id and GET / DELETE (api/response_store.py)
+    responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)
 
     def model_names(self) -> list[str]:
         """Every name a request's `model` may take: the served names, then the adapters."""

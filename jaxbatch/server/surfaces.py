@@ -38,12 +38,16 @@ class Surface:
     # finish(reason, usage, stop string or token), error(ApiError), each -> a list of events
     writer: Callable[[dict, str, str, int], Any]
     ndjson: bool = False  # JSON lines (Ollama); else SSE, each event (name, data)
+    # Responses: `previous_response_id` and `store` through the server's ResponseStore
+    stored: bool = False
 
 
 def _parse(st: ServerState, surface: Surface, raw: bytes
            ) -> tuple[dict, protocol.ParsedRequest]:
-    body = protocol.load_json_body(raw, st.limits.request)
-    chat = surface.to_chat(body, st.tokenizer, st.model_names())
+    body = inner = protocol.load_json_body(raw, st.limits.request)
+    if surface.stored:  # the stored conversation before the input; `store` resolved
+        inner, body = st.responses.prepare(body)
+    chat = surface.to_chat(inner, st.tokenizer, st.model_names())
     parsed = protocol.parse_chat_request(chat, st.tokenizer, st.max_model_len,
                                          st.model_names(), st.limits.request,
                                          st.reasoning_parser, st.tool_call_parser)
@@ -75,7 +79,9 @@ async def handle(request: web.Request, surface: Surface) -> web.StreamResponse:
         if not parsed.stream:
             chat = protocol.response_body(parsed, await results(stream, response_id),
                                           st.tokenizer, model, response_id)
-            return web.json_response(surface.from_chat(body, chat, response_id))
+            answer = surface.from_chat(body, chat, response_id)
+            _keep(st, surface, body, answer)
+            return web.json_response(answer)
         resp = web.StreamResponse(headers={
             "Content-Type": "application/x-ndjson" if surface.ndjson else "text/event-stream",
             "Cache-Control": "no-cache"})
@@ -84,12 +90,31 @@ async def handle(request: web.Request, surface: Surface) -> web.StreamResponse:
         try:
             await resp.prepare(request)
             await _write(resp, surface, writer, st, parsed, stream, response_id, model)
+            _keep(st, surface, body, getattr(writer, "final", None))
             await resp.write_eof()
         except ConnectionResetError:
             raise ClientGone(resp) from None
         return resp
     finally:
         stream.close()
+
+
+def _keep(st: ServerState, surface: Surface, body: dict, answer: dict | None) -> None:
+    """Store a finished Response asked to be stored (not one cut off by an error)."""
+    if surface.stored and answer is not None and body.get("store"):
+        st.responses.keep(body, answer)
+
+
+async def get_response(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id}: a stored Response."""
+    st = request.app[STATE]
+    return web.json_response(st.responses.get(request.match_info["response_id"]))
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{response_id}."""
+    st = request.app[STATE]
+    return web.json_response(st.responses.delete(request.match_info["response_id"]))
 
 
 async def _write(resp: web.StreamResponse, surface: Surface, writer: Any, st: ServerState,
@@ -140,6 +165,6 @@ def route(surface: Surface) -> Callable[[web.Request], Any]:
 
 
 RESPONSES = Surface("resp", lambda body, tok, names: responses_api.to_chat(body, tok),
-                    responses_api.from_chat, responses_api.ResponsesStream)
+                    responses_api.from_chat, responses_api.ResponsesStream, stored=True)
 MESSAGES = Surface("msg", lambda body, tok, names: messages_api.to_chat(body, tok),
                    messages_api.from_chat, messages_api.MessagesStream)

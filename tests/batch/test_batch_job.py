@@ -155,6 +155,35 @@ def test_embedding_lines_equal_llm_embed(llm, tmp_path):
     assert_idle(llm)
 
 
+def test_responses_lines_answer_as_their_chat_lines(llm, tmp_path):
+    """/v1/responses lines (the OpenAI Batch API allows them): the Response of the same greedy
+    answer the equivalent chat line gets; what the server's /v1/responses refuses is its 400."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    lines = [line("r1", "/v1/responses", input="Hi!", instructions="Be brief.",
+                  max_output_tokens=6, temperature=0),
+             line("c1", "/v1/chat/completions", messages=msgs, max_tokens=6, temperature=0),
+             line("prev", "/v1/responses", input="Hi!", previous_response_id="resp_1"),
+             line("stream", "/v1/responses", input="Hi!", stream=True)]
+    out = tmp_path / "out.jsonl"
+    assert run_main(llm, write_jsonl(tmp_path / "in.jsonl", lines), out) == 1
+    by = {key(r): r for r in read_jsonl(out)}
+    r, c = by["r1"]["response"], by["c1"]["response"]["body"]
+    body = r["body"]
+    assert r["status_code"] == 200 and body["object"] == "response"
+    assert body["id"] == r["request_id"] and body["id"].startswith("resp")
+    (item,) = body["output"]
+    assert item["type"] == "message"
+    assert item["content"][0]["text"] == c["choices"][0]["message"]["content"]
+    assert body["status"] == {"length": "incomplete", "stop": "completed"}[
+        c["choices"][0]["finish_reason"]]
+    assert (body["usage"]["input_tokens"], body["usage"]["output_tokens"]) == (
+        c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"])
+    for cid, param in [("prev", "previous_response_id"), ("stream", "stream")]:
+        assert by[cid]["response"]["status_code"] == 400
+        assert by[cid]["response"]["body"]["error"]["param"] == param
+    assert_idle(llm)
+
+
 def test_bodies_equal_server_protocol_on_llm_generate(llm, tmp_path):
     """Greedy: each body is what protocol.*_response builds from LLM.generate's outputs."""
     tok, max_len = llm.engine.tokenizer, llm.engine.max_model_len

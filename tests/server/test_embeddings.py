@@ -2,7 +2,8 @@
 Qwen3 saved as Qwen3-Embedding ships (the base model alone), against transformers' AutoModel in
 float32: its last hidden state at the last token, L2-normalised. Through the `openai` client
 (single and batched, strings and token ids, float and base64, `dimensions`), through `LLM.embed`,
-and beside chat requests in the same engine steps.
+beside chat requests in the same engine steps, and through the `ollama` client's `embed()` and
+`embeddings()` (Ollama's /api/embed and /api/embeddings) against the /v1/embeddings values.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import ollama
 import openai
 import pytest
 import torch
@@ -172,6 +174,71 @@ def test_llm_embed_equals_transformers(model_dir):
     short = llm.embed(TEXTS[1], dimensions=8, use_tqdm=False)[0].outputs.embedding
     full = reference(model, tok(TEXTS[1])["input_ids"])
     np.testing.assert_allclose(short, full[:8] / np.linalg.norm(full[:8]), atol=2e-5)
+
+
+# ---- Ollama's /api/embed and /api/embeddings (the same engine path) ------------------------------
+@pytest.fixture(scope="module")
+def ollama_client(srv):
+    return ollama.Client(host=srv.url, timeout=60)
+
+
+def v1(client, inputs, **kw) -> np.ndarray:
+    r = client.embeddings.create(model=NAME, input=inputs, encoding_format="float", **kw)
+    return np.asarray([d.embedding for d in r.data])
+
+
+def test_ollama_embed_equals_v1_embeddings(ollama_client, client, model_dir):
+    _, _, tok = model_dir
+    r = ollama_client.embed(model=NAME + ":latest", input=TEXTS, keep_alive="5m",
+                            options={"temperature": 0.3, "num_thread": 2})
+    assert r.model == NAME + ":latest" and r.total_duration > 0 and r.load_duration == 0
+    assert r.prompt_eval_count == sum(len(tok(t)["input_ids"]) for t in TEXTS)
+    np.testing.assert_allclose(r.embeddings, v1(client, TEXTS), atol=1e-6)
+    one = ollama_client.embed(model=NAME, input=TEXTS[1], dimensions=16)
+    np.testing.assert_allclose(one.embeddings, v1(client, TEXTS[1], dimensions=16), atol=1e-6)
+    assert ollama_client.embed(model=NAME, input=[]).embeddings == []
+
+
+def test_ollama_embed_truncates_as_ollama_does(ollama_client, client, model_dir):
+    """Cut to the first num_ctx tokens (or the model's context, less the one token the engine
+    runs after the prompt) unless truncate is false."""
+    _, _, tok = model_dir
+    text = " ".join(["tokens"] * 600)
+    ids = tok(text)["input_ids"]
+    assert len(ids) > 512
+    r = ollama_client.embed(model=NAME, input=text)
+    assert r.prompt_eval_count == 511
+    np.testing.assert_allclose(r.embeddings, v1(client, [ids[:511]]), atol=1e-6)
+    r = ollama_client.embed(model=NAME, input=[text, "hello"], options={"num_ctx": 8})
+    assert r.prompt_eval_count == 8 + len(tok("hello")["input_ids"])
+    np.testing.assert_allclose(r.embeddings, v1(client, [ids[:8], "hello"]), atol=1e-6)
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama_client.embed(model=NAME, input=text, truncate=False)
+    assert e.value.status_code == 400 and "maximum context length" in e.value.error
+
+
+def test_ollama_legacy_embeddings_are_not_normalised(ollama_client, model_dir):
+    _, model, tok = model_dir
+    r = ollama_client.embeddings(model=NAME, prompt=TEXTS[0])
+    with torch.no_grad():
+        want = model(torch.tensor([tok(TEXTS[0])["input_ids"]])).last_hidden_state[0, -1]
+    assert abs(np.linalg.norm(want.numpy()) - 1) > 0.1  # so normalising would show
+    np.testing.assert_allclose(r.embedding, want.numpy(), atol=1e-4, rtol=1e-4)
+    assert ollama_client.embeddings(model=NAME, prompt="").embedding == []
+
+
+@pytest.mark.parametrize("body, status, what", [
+    ({"model": NAME, "input": [1, 2]}, 400, "list of strings"),
+    ({"model": NAME, "input": "x", "options": {"mirostat": 2}}, 400, "mirostat"),
+    ({"model": NAME, "input": "x", "options": {"num_ctx": 0}}, 400, "num_ctx"),
+    ({"model": NAME, "input": "x", "truncate": "yes"}, 400, "truncate"),
+    ({"model": NAME, "input": "x", "dimensions": 65}, 400, "dimensions"),
+    ({"model": NAME, "input": "x", "images": []}, 400, "images"),
+    ({"model": "other", "input": "x"}, 404, "other"),
+])
+def test_ollama_embed_bad_bodies(srv, body, status, what):
+    code, err = _post(srv.url + "/api/embed", body)
+    assert code == status and what in err["error"], err
 
 
 # ---- host-only pieces ---------------------------------------------------------------------------

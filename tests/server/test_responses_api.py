@@ -128,8 +128,8 @@ def test_text_format_and_sampling_reach_the_engine(client, srv):
 
 
 @pytest.mark.parametrize("kw,param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"store": True}, "store"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"store": "yes"}, "store"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
@@ -138,3 +138,65 @@ def test_what_cannot_be_honoured_is_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**{"model": "m", "input": "hi", **kw})
     assert e.value.body["param"] == param
+
+
+# ---- stored responses: previous_response_id, GET, DELETE (api/response_store.py) -------------
+def test_a_stored_conversation_continues_by_previous_response_id(client, srv):
+    first = client.responses.create(model="m", input="What is the weather in Paris?",
+                                    tools=[TOOL], instructions="Be kind.")
+    assert first.store is True and first.previous_response_id is None
+    call = first.output[1]
+    follow = client.responses.create(
+        model="m", tools=[TOOL], previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id,
+                "output": "21 C, sunny"}])
+    assert follow.previous_response_id == first.id and follow.output_text == \
+        "Hello there, friend!"
+    prompt = srv.engine.seen[-1][0]  # the first turn, its call, then the result
+    assert prompt.index("weather in Paris?") < prompt.index('"city": "Paris"') < \
+        prompt.index("21 C, sunny")
+    assert "Be kind." not in prompt  # instructions are not carried over, as OpenAI's
+    third = client.responses.create(model="m", input="Say hello.", previous_response_id=follow.id)
+    prompt = srv.engine.seen[-1][0]
+    assert "weather in Paris?" in prompt and "21 C, sunny" in prompt
+    assert prompt.count("Hello there, friend!") == 1 and third.output_text
+
+
+def test_get_and_delete_a_stored_response(client, srv):
+    r = client.responses.create(model="m", input="Say hello.")
+    got = client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    with client.responses.stream(model="m", input="Say hello.") as stream:
+        streamed = stream.get_final_response()
+    assert client.responses.retrieve(streamed.id).output_text == "Hello there, friend!"
+    client.responses.delete(r.id)
+    for call in (lambda: client.responses.retrieve(r.id), lambda: client.responses.delete(r.id),
+                 lambda: client.responses.create(model="m", input="hi",
+                                                 previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    unstored = client.responses.create(model="m", input="Say hello.", store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_the_store_keeps_the_most_recently_used():
+    from jaxbatch.api.body import ApiError
+    from jaxbatch.api.response_store import ResponseStore
+
+    store = ResponseStore(capacity=2)
+    for rid in ("a", "b"):
+        _, body = store.prepare({"input": rid})
+        store.keep(body, {"id": rid, "output": []})
+    store.get("a")  # read: now the most recent
+    _, body = store.prepare({"input": "c"})
+    store.keep(body, {"id": "c", "output": []})
+    assert store.get("a") and store.get("c")
+    with pytest.raises(ApiError):
+        store.get("b")
+    inner, shown = store.prepare({"input": "d", "previous_response_id": "a", "store": False})
+    assert inner["input"] == [{"type": "message", "role": "user", "content": "a"},
+                              {"type": "message", "role": "user", "content": "d"}]
+    assert "previous_response_id" not in inner and "store" not in inner
+    assert shown["previous_response_id"] == "a" and shown["store"] is False
