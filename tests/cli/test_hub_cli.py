@@ -1,7 +1,7 @@
 """`jaxbatch serve OWNER/NAME[:QUANT]` against a local stand-in for the Hub, as a user runs it:
 subprocesses with HF_ENDPOINT and HF_HOME set (huggingface_hub reads them at import), first
-online (it downloads), then with HF_HUB_OFFLINE=1 and the stand-in gone (it serves from the
-cache, the same answer)."""
+online (it downloads and serves), then with HF_HUB_OFFLINE=1 and the stand-in gone (the name
+resolves to the same cached path, nothing asked of the Hub)."""
 
 from __future__ import annotations
 
@@ -96,20 +96,52 @@ def _serve_and_ask(argv: list[str], env: dict[str, str]) -> tuple[str, list[str]
         proc.wait(30)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["owner/Tiny-GGUF:Q4_K_M", "owner/Tiny-Chat"])
-def test_serve_by_hub_name_downloads_then_serves_offline_from_the_cache(site, tmp_path, name):
+def _resolve(name: str, env: dict[str, str]) -> str:
+    """hub.resolve(name) in a fresh process with `env` (huggingface_hub reads it at import):
+    the local path the loader would read."""
+    code = f"from jaxbatch.model import hub; print(hub.resolve({name!r}))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, **env}, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.slow  # one `jaxbatch serve` start
+def test_serve_by_hub_name_downloads_then_serves_offline_from_the_cache(site, tmp_path):
+    """The GGUF name end to end through `jaxbatch serve`, online; then offline, with the
+    stand-in unreachable, the name resolves to the same cached file without asking the Hub (the
+    engine reads that path as it read it online: one server start is enough)."""
+    server, _ = site
+    name = "owner/Tiny-GGUF:Q4_K_M"
+    env = hub_env(server.url, str(tmp_path / "hf_home"))
+    online, lines = _serve_and_ask([name], env)
+    asked = len(server.requests)
+    assert asked > 0 and online, "".join(lines)
+    cached = tmp_path / "hf_home" / "hub" / "models--owner--Tiny-GGUF"
+    path = _resolve(name, env)
+    assert path.startswith(str(cached)) and path.endswith("Tiny-Q4_K_M.gguf")
+    assert len(server.requests) >= asked  # online: resolving may ask the Hub again
+    asked = len(server.requests)
+    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    assert _resolve(name, offline) == path
+    assert len(server.requests) == asked  # offline: nothing asked of the Hub
+
+
+def test_a_safetensors_name_downloads_the_directory_then_resolves_offline(site, tmp_path):
+    """A safetensors repository: config, tokenizer and weights downloaded into one snapshot
+    folder (a local HF directory, which the loader's own tests cover); offline, the same
+    folder with nothing asked of the Hub."""
     server, _ = site
     env = hub_env(server.url, str(tmp_path / "hf_home"))
-    online, _ = _serve_and_ask([name], env)
+    folder = _resolve("owner/Tiny-Chat", env)
+    assert folder.startswith(str(tmp_path / "hf_home" / "hub" / "models--owner--Tiny-Chat"))
+    names = set(os.listdir(folder))
+    assert {"config.json", "tokenizer.json"} <= names
+    assert any(n.endswith(".safetensors") for n in names), names
     asked = len(server.requests)
-    assert asked > 0 and online
-    cached = tmp_path / "hf_home" / "hub" / ("models--" + name.split(":")[0].replace("/", "--"))
-    assert cached.is_dir()
-    offline, lines = _serve_and_ask([name], {**env, "HF_HUB_OFFLINE": "1",
-                                             "HF_ENDPOINT": "http://127.0.0.1:9"})
-    assert offline == online, "".join(lines)
-    assert len(server.requests) == asked  # offline: nothing asked of the Hub
+    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    assert _resolve("owner/Tiny-Chat", offline) == folder
+    assert len(server.requests) == asked
 
 
 def _cli(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
