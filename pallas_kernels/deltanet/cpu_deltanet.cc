@@ -18,11 +18,11 @@
 // columns are one zmm (AVX-512), two ymm (AVX2 + FMA), else a portable loop (also the last
 // block of a dv that is no multiple of 16).
 //
-// A decode step (no sequence with more than one new token) skips the scratch: its items are
-// (sequence, value head, 128 / 32 / 128 columns at AVX-512 / AVX2 / portable), worked on where
-// the cache holds them, the rows read in order (run_decode_item). Copying 16-column blocks
-// in and out cost a decode step about 10% of its time on an AMD EPYC Zen 4 (perf, Qwen3.5-4B
-// shape); the streamed form reads and writes each state byte once.
+// A decode step (no sequence with more than one new token) skips the scratch: the same items
+// work on the block's rows where the cache holds them, with the same arithmetic (token16 /
+// token_portable take the rows' strides), so a token's result does not depend on whether its
+// step is a decode step (batch invariance). Copying the blocks in and out cost a decode step
+// about 10% of its time on an AMD EPYC Zen 4 (perf, Qwen3.5-4B shape).
 //
 // Slots: a sequence with no new tokens (a padding sequence: deltanet.StepLayout gives those 0)
 // is not touched. A write slot outside [0, slots) is not written (the jnp form's dropped
@@ -58,7 +58,7 @@ struct Job {
   float* out;    // [T, Hv, dv]
   const int32_t *start, *len, *read, *write, *fresh;
   int64_t Hk, Hv, dk, dv, N, vblocks;
-  bool decode = false;  // every sequence at most one token: run_decode_item's items
+  bool decode = false;  // every sequence at most one token: run_decode_item
   std::vector<int64_t> order;  // sequences with tokens, longest first
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -66,21 +66,25 @@ struct Job {
   jaxbatch_ffi::TaskErrors errors;
 };
 
-// One token on a full block of 16 columns: s [dk, 16] in scratch, kp / qp [dk], vp [16] (the
-// block's v), o [16] (the block's output row).
+// One token on a full block of 16 columns: the block's rows [dk, 16] read from src (rows ss
+// floats apart) and the updated rows written to dst (ds apart; dst may be src: each row is
+// read before it is written), kp / qp [dk], vp [16] (the block's v), o [16] (its output row).
+// The blocked path works in scratch (src = dst, 16 apart), a decode step on the cache's rows
+// (dv apart): one arithmetic, so a token's result does not depend on the step it is in.
 #if defined(__AVX512F__)
-inline void token16(float* s, int64_t dk, const float* kp, const float* qp, const float* vp,
-                    float a, float b, float* o) {
+inline void token16(const float* src, int64_t ss, float* dst, int64_t ds, int64_t dk,
+                    const float* kp, const float* qp, const float* vp, float a, float b,
+                    float* o) {
   __m512 m0 = _mm512_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;
   int64_t i = 0;
   for (; i + 4 <= dk; i += 4) {
-    m0 = _mm512_fmadd_ps(_mm512_load_ps(s + (i + 0) * 16), _mm512_set1_ps(kp[i + 0]), m0);
-    m1 = _mm512_fmadd_ps(_mm512_load_ps(s + (i + 1) * 16), _mm512_set1_ps(kp[i + 1]), m1);
-    m2 = _mm512_fmadd_ps(_mm512_load_ps(s + (i + 2) * 16), _mm512_set1_ps(kp[i + 2]), m2);
-    m3 = _mm512_fmadd_ps(_mm512_load_ps(s + (i + 3) * 16), _mm512_set1_ps(kp[i + 3]), m3);
+    m0 = _mm512_fmadd_ps(_mm512_loadu_ps(src + (i + 0) * ss), _mm512_set1_ps(kp[i + 0]), m0);
+    m1 = _mm512_fmadd_ps(_mm512_loadu_ps(src + (i + 1) * ss), _mm512_set1_ps(kp[i + 1]), m1);
+    m2 = _mm512_fmadd_ps(_mm512_loadu_ps(src + (i + 2) * ss), _mm512_set1_ps(kp[i + 2]), m2);
+    m3 = _mm512_fmadd_ps(_mm512_loadu_ps(src + (i + 3) * ss), _mm512_set1_ps(kp[i + 3]), m3);
   }
   for (; i < dk; ++i)
-    m0 = _mm512_fmadd_ps(_mm512_load_ps(s + i * 16), _mm512_set1_ps(kp[i]), m0);
+    m0 = _mm512_fmadd_ps(_mm512_loadu_ps(src + i * ss), _mm512_set1_ps(kp[i]), m0);
   const __m512 va = _mm512_set1_ps(a);
   const __m512 mem = _mm512_mul_ps(va, _mm512_add_ps(_mm512_add_ps(m0, m1),
                                                      _mm512_add_ps(m2, m3)));
@@ -89,38 +93,39 @@ inline void token16(float* s, int64_t dk, const float* kp, const float* qp, cons
   __m512 o0 = _mm512_setzero_ps(), o1 = o0;
   for (i = 0; i + 2 <= dk; i += 2) {
     const __m512 n0 = _mm512_fmadd_ps(_mm512_set1_ps(kp[i]), delta,
-                                      _mm512_mul_ps(va, _mm512_load_ps(s + i * 16)));
+                                      _mm512_mul_ps(va, _mm512_loadu_ps(src + i * ss)));
     const __m512 n1 = _mm512_fmadd_ps(_mm512_set1_ps(kp[i + 1]), delta,
-                                      _mm512_mul_ps(va, _mm512_load_ps(s + (i + 1) * 16)));
-    _mm512_store_ps(s + i * 16, n0);
-    _mm512_store_ps(s + (i + 1) * 16, n1);
+                                      _mm512_mul_ps(va, _mm512_loadu_ps(src + (i + 1) * ss)));
+    _mm512_storeu_ps(dst + i * ds, n0);
+    _mm512_storeu_ps(dst + (i + 1) * ds, n1);
     o0 = _mm512_fmadd_ps(n0, _mm512_set1_ps(qp[i]), o0);
     o1 = _mm512_fmadd_ps(n1, _mm512_set1_ps(qp[i + 1]), o1);
   }
   for (; i < dk; ++i) {
     const __m512 n0 = _mm512_fmadd_ps(_mm512_set1_ps(kp[i]), delta,
-                                      _mm512_mul_ps(va, _mm512_load_ps(s + i * 16)));
-    _mm512_store_ps(s + i * 16, n0);
+                                      _mm512_mul_ps(va, _mm512_loadu_ps(src + i * ss)));
+    _mm512_storeu_ps(dst + i * ds, n0);
     o0 = _mm512_fmadd_ps(n0, _mm512_set1_ps(qp[i]), o0);
   }
   _mm512_storeu_ps(o, _mm512_add_ps(o0, o1));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-inline void token16(float* s, int64_t dk, const float* kp, const float* qp, const float* vp,
-                    float a, float b, float* o) {
+inline void token16(const float* src, int64_t ss, float* dst, int64_t ds, int64_t dk,
+                    const float* kp, const float* qp, const float* vp, float a, float b,
+                    float* o) {
   __m256 m0 = _mm256_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;
   int64_t i = 0;
   for (; i + 2 <= dk; i += 2) {
     const __m256 k0 = _mm256_set1_ps(kp[i]), k1 = _mm256_set1_ps(kp[i + 1]);
-    m0 = _mm256_fmadd_ps(_mm256_load_ps(s + i * 16), k0, m0);
-    m1 = _mm256_fmadd_ps(_mm256_load_ps(s + i * 16 + 8), k0, m1);
-    m2 = _mm256_fmadd_ps(_mm256_load_ps(s + (i + 1) * 16), k1, m2);
-    m3 = _mm256_fmadd_ps(_mm256_load_ps(s + (i + 1) * 16 + 8), k1, m3);
+    m0 = _mm256_fmadd_ps(_mm256_loadu_ps(src + i * ss), k0, m0);
+    m1 = _mm256_fmadd_ps(_mm256_loadu_ps(src + i * ss + 8), k0, m1);
+    m2 = _mm256_fmadd_ps(_mm256_loadu_ps(src + (i + 1) * ss), k1, m2);
+    m3 = _mm256_fmadd_ps(_mm256_loadu_ps(src + (i + 1) * ss + 8), k1, m3);
   }
   for (; i < dk; ++i) {
     const __m256 k0 = _mm256_set1_ps(kp[i]);
-    m0 = _mm256_fmadd_ps(_mm256_load_ps(s + i * 16), k0, m0);
-    m1 = _mm256_fmadd_ps(_mm256_load_ps(s + i * 16 + 8), k0, m1);
+    m0 = _mm256_fmadd_ps(_mm256_loadu_ps(src + i * ss), k0, m0);
+    m1 = _mm256_fmadd_ps(_mm256_loadu_ps(src + i * ss + 8), k0, m1);
   }
   const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
   const __m256 d0 = _mm256_mul_ps(
@@ -130,11 +135,11 @@ inline void token16(float* s, int64_t dk, const float* kp, const float* qp, cons
   __m256 o0 = _mm256_setzero_ps(), o1 = o0;
   for (i = 0; i < dk; ++i) {
     const __m256 kk = _mm256_set1_ps(kp[i]), qq = _mm256_set1_ps(qp[i]);
-    const __m256 n0 = _mm256_fmadd_ps(kk, d0, _mm256_mul_ps(va, _mm256_load_ps(s + i * 16)));
+    const __m256 n0 = _mm256_fmadd_ps(kk, d0, _mm256_mul_ps(va, _mm256_loadu_ps(src + i * ss)));
     const __m256 n1 = _mm256_fmadd_ps(kk, d1,
-                                      _mm256_mul_ps(va, _mm256_load_ps(s + i * 16 + 8)));
-    _mm256_store_ps(s + i * 16, n0);
-    _mm256_store_ps(s + i * 16 + 8, n1);
+                                      _mm256_mul_ps(va, _mm256_loadu_ps(src + i * ss + 8)));
+    _mm256_storeu_ps(dst + i * ds, n0);
+    _mm256_storeu_ps(dst + i * ds + 8, n1);
     o0 = _mm256_fmadd_ps(n0, qq, o0);
     o1 = _mm256_fmadd_ps(n1, qq, o1);
   }
@@ -143,14 +148,15 @@ inline void token16(float* s, int64_t dk, const float* kp, const float* qp, cons
 }
 #endif
 
-// One token on a block of w <= 16 columns (the portable path; rows of s are 16 floats apart).
-inline void token_portable(float* s, int64_t dk, int64_t w, const float* kp, const float* qp,
-                           const float* vp, float a, float b, float* o) {
+// One token on a block of w <= 16 columns (the portable path), rows as token16's.
+inline void token_portable(const float* src, int64_t ss, float* dst, int64_t ds, int64_t dk,
+                           int64_t w, const float* kp, const float* qp, const float* vp,
+                           float a, float b, float* o) {
   float delta[kCols], acc[kCols];
   for (int64_t j = 0; j < w; ++j) acc[j] = 0.0f;
   for (int64_t i = 0; i < dk; ++i) {
 #pragma omp simd
-    for (int64_t j = 0; j < w; ++j) acc[j] += s[i * kCols + j] * kp[i];
+    for (int64_t j = 0; j < w; ++j) acc[j] += src[i * ss + j] * kp[i];
   }
   for (int64_t j = 0; j < w; ++j) {
     delta[j] = (vp[j] - a * acc[j]) * b;
@@ -159,114 +165,53 @@ inline void token_portable(float* s, int64_t dk, int64_t w, const float* kp, con
   for (int64_t i = 0; i < dk; ++i) {
 #pragma omp simd
     for (int64_t j = 0; j < w; ++j) {
-      const float n = a * s[i * kCols + j] + kp[i] * delta[j];
-      s[i * kCols + j] = n;
+      const float n = a * src[i * ss + j] + kp[i] * delta[j];
+      dst[i * ds + j] = n;
       acc[j] += n * qp[i];
     }
   }
   for (int64_t j = 0; j < w; ++j) o[j] = acc[j];
 }
 
-// A decode step (every sequence at most one new token): an item is (sequence, value head,
-// chunk of kChunk state columns), worked on where the cache holds it. The head's rows are read
-// in order (a streamed read: one head's state is dk * dv floats, 64 KB at 128 x 128) for
-// S^T k, then read again (from L1/L2) and written with o accumulated: no copy into scratch.
-// Per column the sums over dk run in order, as the blocked path's portable loop does.
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int64_t kLanes = 16, kVecs = 8;  // 128 columns: 24 of the 32 zmm registers
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vset1(float x) { return _mm512_set1_ps(x); }
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-#define JB_DN_VEC 1
-#elif defined(__AVX2__) && defined(__FMA__)
-using Vec = __m256;
-constexpr int64_t kLanes = 8, kVecs = 4;  // 32 columns: 12 of the 16 ymm registers
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vset1(float x) { return _mm256_set1_ps(x); }
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-#define JB_DN_VEC 1
+// One token of one block, token16 where the block is full and the CPU has it.
+inline void token_block(const float* src, int64_t ss, float* dst, int64_t ds, int64_t dk,
+                        int64_t w, const float* kp, const float* qp, const float* vp, float a,
+                        float b, float* o) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if (w == kCols) return token16(src, ss, dst, ds, dk, kp, qp, vp, a, b, o);
 #endif
-
-#ifdef JB_DN_VEC
-constexpr int64_t kChunk = kLanes * kVecs;
-#else
-constexpr int64_t kChunk = 128;
-#endif
-
-// One token on columns [c0, c0 + w) of one head: src / dst the head's state rows (dv floats
-// apart; src null: a fresh sequence, zeros; dst null: not written), vp / o the chunk's v and
-// output.
-inline void token_chunk(const float* src, float* dst, int64_t dk, int64_t dv, int64_t w,
-                        const float* kp, const float* qp, const float* vp, float a, float b,
-                        float* o) {
-#ifdef JB_DN_VEC
-  if (w == kChunk) {
-    Vec m[kVecs], d[kVecs], acc[kVecs];
-    for (int64_t n = 0; n < kVecs; ++n) m[n] = vzero(), acc[n] = vzero();
-    if (src != nullptr) {
-      for (int64_t i = 0; i < dk; ++i) {
-        const Vec kk = vset1(kp[i]);
-        for (int64_t n = 0; n < kVecs; ++n) m[n] = vfmadd(vload(src + i * dv + n * kLanes), kk, m[n]);
-      }
-    }
-    const Vec va = vset1(a), vb = vset1(b);
-    for (int64_t n = 0; n < kVecs; ++n) d[n] = vmul(vsub(vload(vp + n * kLanes), vmul(va, m[n])), vb);
-    for (int64_t i = 0; i < dk; ++i) {
-      const Vec kk = vset1(kp[i]), qq = vset1(qp[i]);
-      for (int64_t n = 0; n < kVecs; ++n) {
-        const Vec old = src != nullptr ? vmul(va, vload(src + i * dv + n * kLanes)) : vzero();
-        const Vec nw = vfmadd(kk, d[n], old);
-        if (dst != nullptr) vstore(dst + i * dv + n * kLanes, nw);
-        acc[n] = vfmadd(nw, qq, acc[n]);
-      }
-    }
-    for (int64_t n = 0; n < kVecs; ++n) vstore(o + n * kLanes, acc[n]);
-    return;
-  }
-#endif
-  float m[kChunk], d[kChunk], acc[kChunk];
-  for (int64_t c = 0; c < w; ++c) m[c] = 0.0f, acc[c] = 0.0f;
-  if (src != nullptr) {
-    for (int64_t i = 0; i < dk; ++i)
-      for (int64_t c = 0; c < w; ++c) m[c] += src[i * dv + c] * kp[i];
-  }
-  for (int64_t c = 0; c < w; ++c) d[c] = (vp[c] - a * m[c]) * b;
-  for (int64_t i = 0; i < dk; ++i) {
-    for (int64_t c = 0; c < w; ++c) {
-      const float nw = (src != nullptr ? a * src[i * dv + c] : 0.0f) + kp[i] * d[c];
-      if (dst != nullptr) dst[i * dv + c] = nw;
-      acc[c] += nw * qp[i];
-    }
-  }
-  for (int64_t c = 0; c < w; ++c) o[c] = acc[c];
+  token_portable(src, ss, dst, ds, dk, w, kp, qp, vp, a, b, o);
 }
 
-// A decode step's item (see token_chunk): item = (sequence, head, chunk) in Job::order.
+thread_local jaxbatch_ffi::Scratch tl_block;
+
+// A decode step's item (every sequence at most one new token; same items as run_item's): the
+// block's rows read and written where the cache holds them, no copy into scratch (scratch
+// stands in for a fresh sequence's zero rows and for a write slot outside the cache).
 void run_decode_item(const Job& j, int64_t item) {
-  const int64_t chunks = (j.dv + kChunk - 1) / kChunk, per_seq = j.Hv * chunks;
+  const int64_t per_seq = j.Hv * j.vblocks;
   const int64_t s = j.order[item / per_seq];
-  const int64_t h = (item % per_seq) / chunks, c0 = (item % chunks) * kChunk;
-  const int64_t w = std::min(kChunk, j.dv - c0), t = j.start[s];
+  const int64_t h = (item % per_seq) / j.vblocks, vb = item % j.vblocks;
+  const int64_t c0 = vb * kCols, w = std::min(kCols, j.dv - c0), t = j.start[s];
   const int64_t kh = h / (j.Hv / j.Hk), head = j.dk * j.dv;
-  const float* src = j.fresh[s] ? nullptr : j.state + (j.read[s] * j.Hv + h) * head + c0;
+  const float* src = j.state + (j.read[s] * j.Hv + h) * head + c0;
+  int64_t ss = j.dv;
   const int64_t ws = j.write[s];
-  float* dst = (ws < 0 || ws >= j.N) ? nullptr : j.state + (ws * j.Hv + h) * head + c0;
-  token_chunk(src, dst, j.dk, j.dv, w, j.k + (t * j.Hk + kh) * j.dk,
+  float* dst = j.state + (ws * j.Hv + h) * head + c0;
+  int64_t ds = j.dv;
+  if (j.fresh[s] || ws < 0 || ws >= j.N) {
+    float* blk = static_cast<float*>(tl_block.get(sizeof(float) * j.dk * kCols));
+    if (j.fresh[s]) {
+      std::memset(blk, 0, sizeof(float) * j.dk * kCols);
+      src = blk, ss = kCols;
+    }
+    if (ws < 0 || ws >= j.N) dst = blk, ds = kCols;  // not written (NO_SLOT)
+  }
+  token_block(src, ss, dst, ds, j.dk, w, j.k + (t * j.Hk + kh) * j.dk,
               j.q + (t * j.Hk + kh) * j.dk, j.v + (t * j.Hv + h) * j.dv + c0,
               std::exp(j.g[t * j.Hv + h]), j.beta[t * j.Hv + h],
               j.out + (t * j.Hv + h) * j.dv + c0);
 }
-
-thread_local jaxbatch_ffi::Scratch tl_block;
 
 void run_item(const Job& j, int64_t item) {
   const int64_t per_seq = j.Hv * j.vblocks;
@@ -291,13 +236,7 @@ void run_item(const Job& j, int64_t item) {
     const float* vp = j.v + (t * j.Hv + h) * j.dv + c0;
     float* o = j.out + (t * j.Hv + h) * j.dv + c0;
     const float a = std::exp(j.g[t * j.Hv + h]), b = j.beta[t * j.Hv + h];
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if (w == kCols) {
-      token16(blk, j.dk, kp, qp, vp, a, b, o);
-      continue;
-    }
-#endif
-    token_portable(blk, j.dk, w, kp, qp, vp, a, b, o);
+    token_block(blk, kCols, blk, kCols, j.dk, w, kp, qp, vp, a, b, o);
   }
   const int64_t ws = j.write[s];
   if (ws < 0 || ws >= j.N) return;  // not written (NO_SLOT)
@@ -384,8 +323,7 @@ ffi::Error DeltaRuleChecked(ffi::ThreadPool pool, F32 q, F32 k, F32 v, F32 g, F3
   j->vblocks = (dv + kCols - 1) / kCols;
   j->decode = std::all_of(j->order.begin(), j->order.end(),
                           [&](int64_t s) { return j->len[s] <= 1; });
-  j->items = static_cast<int64_t>(j->order.size()) * Hv *
-             (j->decode ? (dv + kChunk - 1) / kChunk : j->vblocks);
+  j->items = static_cast<int64_t>(j->order.size()) * Hv * j->vblocks;
   // tokens of no sequence (padding) give zeros, as the jnp form's
   std::memset(j->out, 0, sizeof(float) * T * Hv * dv);
   if (j->items == 0) return ffi::Error::Success();

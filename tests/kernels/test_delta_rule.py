@@ -199,9 +199,8 @@ def test_kernel_unwritten_slot(_kernel):
     np.testing.assert_array_equal(np.asarray(c), cache)
 
 
-# dv 128: one 128-column chunk a head at AVX-512 (four 32-column ones at AVX2); 160: a full
-# chunk and a partial one; 8: the portable loop alone
-@pytest.mark.parametrize("dv", [128, 160, 8])
+# dv 128: eight SIMD blocks a head; 24: a SIMD block and a partial one; 8: the portable path
+@pytest.mark.parametrize("dv", [128, 24, 8])
 def test_kernel_decode_step_in_place(_kernel, dv):
     """A decode step (no sequence with more than one token) takes the kernel's streamed path:
     states read and written where the cache holds them. Sequences carried in place (read slot =
@@ -235,3 +234,23 @@ def test_kernel_decode_step_in_place(_kernel, dv):
     close(c[1, 1], x["state"][4], "sequence 4's read slot")  # NO_SLOT: not written
     np.testing.assert_array_equal(c[1, 2], cache[1, 2])  # seq 2: no tokens, untouched
     assert np.isnan(c[0]).all() and np.isnan(c[1, [0, 4]]).all()
+
+
+@pytest.mark.parametrize("dv", [32, 24])
+def test_kernel_decode_step_equals_the_blocked_path_bitwise(_kernel, dv):
+    """A sequence's one token gives the same bits in a decode step (the cache's rows in place)
+    as in a step where another sequence has several tokens (the blocked path, in scratch): its
+    result does not depend on what it is batched with."""
+    rng = np.random.default_rng(6)
+    x = draw(rng, 6, 2, dv=dv)
+    fresh = np.array([False, True])
+    cache = np.zeros((1, 4, HV, DK, dv), np.float32)
+    cache[0, 1] = x["state"][0]
+    args = [jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")]
+    alone, _ = layout([1, 0], 1, 6, fresh, np.array([1, 2]))  # token 0 of sequence 0 only
+    mixed, _ = layout([1, 5], 2, 6, fresh, np.array([1, 2]))  # and 5 tokens of sequence 1
+    o1, c1 = _kernel(*args, jnp.asarray(cache), alone, layer=jnp.int32(0))
+    o2, c2 = _kernel(*args, jnp.asarray(cache), mixed, layer=jnp.int32(0))
+    np.testing.assert_array_equal(np.asarray(o1)[0], np.asarray(o2)[0])
+    np.testing.assert_array_equal(np.asarray(c1)[0, 1], np.asarray(c2)[0, 1])
+    assert np.asarray(c2)[0, 2].any() and not np.asarray(c1)[0, 2].any()
