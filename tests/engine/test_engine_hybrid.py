@@ -83,3 +83,31 @@ def test_hybrid_prefix_cache_resumes_from_state_checkpoints(tiny_models, kind):
         assert eng.compiles_since_warmup == 0
         slots_back(llm)
     assert outs[0] == outs[6]
+
+
+@pytest.mark.slow  # the invariant mode's start-up and four passes (~30-60 s)
+def test_hybrid_batch_invariant_alone_batched_and_cached(tiny_models):
+    """bfloat16 with batch_invariant on: each request's greedy tokens are the same computed
+    alone, in one batch with the others (mixed prefill and decode steps), and again resuming
+    from the prefix cache's pages and recurrent-state checkpoint (random weights: near-ties
+    everywhere, so a changed sum order shows)."""
+    from tests.tuning.test_batch_invariance import alone_vs_batch, invariant_llm
+
+    path, _ = tiny_models("qwen3_5")
+    llm = invariant_llm(path, page_size=8, max_num_batched_tokens=32, max_num_seqs=4,
+                        num_pages=120, max_model_len=256, planner="fixed:[(8,4),(32,4)]")
+    system = prompts_of([45], seed=7)[0]
+    prompts = [system + t for t in prompts_of([3, 11, 20, 6, 1], seed=8)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    _, differ = alone_vs_batch(llm, prompts, sp)
+    assert differ == []
+    alone = []
+    for p in prompts:  # each computing its whole prompt
+        llm.engine.pages.reset_prefix_cache()
+        alone.append(llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0])
+    resumed = llm.engine.scheduler.checkpoints.resumed
+    cached = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0] for p in prompts]
+    assert llm.engine.scheduler.checkpoints.resumed > resumed
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in alone]
+    assert llm.engine.compiles_since_warmup == 0
+    slots_back(llm)

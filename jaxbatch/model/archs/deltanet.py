@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbatch.model.arch import ModelArch
+from jaxbatch.model.fixed_order import row_sum
 
 # a slot index past any cache: a scatter there (mode="drop") writes nothing
 NO_SLOT = np.iinfo(np.int32).max
@@ -258,8 +259,9 @@ def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
-    """transformers' l2norm in float32: x * rsqrt(sum(x^2) + 1e-6) over the last axis."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + np.float32(L2_EPS))
+    """transformers' l2norm in float32: x * rsqrt(sum(x^2) + 1e-6) over the last axis, the sum
+    in a fixed order (model/fixed_order.py: XLA's reduce orders it by the step's shape)."""
+    return x * jax.lax.rsqrt(row_sum(x * x, keepdims=True) + np.float32(L2_EPS))
 
 
 def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: jax.Array,
