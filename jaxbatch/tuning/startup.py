@@ -70,7 +70,7 @@ def _invariance_cost(model: LoadedModel, config: EngineConfig, quant_acts: dict,
                if name in LINEAR_WEIGHTS and isinstance(w, QuantWeight) and w.experts == 0
                for f in w.fmts[:1]]
     floats = None if small_rows is None else (
-        arch.hidden_size, arch.intermediate_size, arch.num_layers, small_rows)
+        arch.hidden_size, mlp_width(arch), arch.num_layers, small_rows)
     return invariance_cost.measure(
         arch, config.cache.page_size, config.scheduler.max_num_seqs,
         config.scheduler.max_num_batched_tokens, linears, bf16_xla_rows, floats, root)
@@ -109,6 +109,14 @@ def _check_lora_placement(config: EngineConfig) -> None:
                          "tensor parallelism or several hosts is not supported")
 
 
+def mlp_width(arch: Any) -> int:
+    """The inner width of the model's MLP matmuls, which the dtype measurement times: the
+    dense MLP's, else (a model whose every layer is MoE, as Qwen3.5-MoE's files: no dense
+    intermediate_size) an expert's, else the shared expert's."""
+    return (arch.intermediate_size or arch.moe_intermediate_size
+            or arch.shared_expert_intermediate_size or arch.hidden_size)
+
+
 def _load_in_dtype(config: EngineConfig, model: LoadedModel | None, root: str, on_cpu: bool
                    ) -> tuple[EngineConfig, LoadedModel, PrecisionChoice | None]:
     """The compute dtype (`auto`: measured before the weights are read, so they are read
@@ -120,7 +128,7 @@ def _load_in_dtype(config: EngineConfig, model: LoadedModel | None, root: str, o
             config.model.model, root, config.model.revision, config.model.download_dir)
         if on_cpu:  # the build done first: it would skew the timings
             cpu_library.available(root)
-        precision = choose_compute_dtype(arch.hidden_size, arch.intermediate_size, root,
+        precision = choose_compute_dtype(arch.hidden_size, mlp_width(arch), root,
                                          on_cpu and config.runner.tensor_parallel_size == 1)
         config = dataclasses.replace(
             config, model=dataclasses.replace(config.model, dtype=precision.dtype))
@@ -167,7 +175,7 @@ def _measured_routes(model: LoadedModel, config: EngineConfig, root: str, mesh: 
     # the default mode's routes, as measured: the small matmul's row limit for float bf16
     # linears; GGUF / int8 weights' activation mode per format and shape; for BF16 rows the
     # step size from which XLA's dot measures faster
-    small_rows = (choose_small_matmul(arch.hidden_size, arch.intermediate_size,
+    small_rows = (choose_small_matmul(arch.hidden_size, mlp_width(arch),
                                       arch.num_layers, root)
                   if mesh is None and config.model.dtype == "bfloat16" and float_linears
                   else 0)

@@ -404,3 +404,22 @@ def test_auto_is_bf16_on_an_accelerator_untimed(tmp_path, monkeypatch):
     monkeypatch.setattr(precision, "_backend", lambda: "cpu")
     with pytest.raises(AssertionError, match="timed on an accelerator"):
         precision.choose_compute_dtype(64, 128, str(tmp_path))
+
+
+def test_the_dtype_measurement_times_the_mlp_a_moe_only_model_has():
+    """A Qwen3.5-MoE GGUF has no dense intermediate_size (0): the measurement times an
+    expert's width (a [hidden, 0] matmul divided by zero at start-up)."""
+    import dataclasses as dc
+
+    from jaxbatch.model.arch import ModelArch
+    from jaxbatch.tuning.startup import mlp_width
+
+    base = ModelArch(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=96,
+                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                     rope_theta=1e4, max_position_embeddings=128, tie_word_embeddings=True,
+                     attention_bias=False)
+    assert mlp_width(base) == 96
+    moe = dc.replace(base, intermediate_size=0, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=48, shared_expert_intermediate_size=40)
+    assert mlp_width(moe) == 48
+    assert mlp_width(dc.replace(moe, moe_intermediate_size=0)) == 40
