@@ -3,7 +3,7 @@
 without prefix caching, the same requests replayed against each, in one invocation.
 
     python scripts/bench_prefix_cache.py MODEL [--workload FILE] [--num-prompts N]
-        [--max-tokens M] [--out DIR] [--serve-args "..."]
+        [--max-tokens M] [--out DIR] [--serve-args="--batch-invariant ..."]
 
 The workload (default benchmarks/workloads/shared_prefix12.jsonl: 12 conversations on one
 ~500-token system prompt, turn by turn, from scripts/make_shared_prefix_workload.py) is sent by
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="the first N rows")
     p.add_argument("--max-tokens", type=int, default=None, help="override every row's")
     p.add_argument("--out", default="prefix_cache_runs")
-    p.add_argument("--serve-args", default="", help="more `jaxbatch serve` options")
+    p.add_argument("--serve-args", default="",
+                   help="more `jaxbatch serve` options, as --serve-args=\"--flag ...\"")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     cache_dir = os.path.join(args.out, "cache")
