@@ -153,6 +153,21 @@ def _kernel(tmp_path_factory):
     return dn_kernel.delta_rule_in_place
 
 
+def _run_on_poisoned_cache(kernel, x, lay, num_seqs, fresh, read, dv):
+    """The kernel on layer 1 of a NaN-poisoned cache of two layers whose read slots hold the
+    carried sequences' states (a fresh sequence's slot stays NaN: it is never read), the cache
+    donated through a jit as the step donates it -> (outputs, cache) as numpy."""
+    cache = np.full((2, 8, HV, DK, dv), np.nan, np.float32)
+    for s in range(num_seqs):
+        if not fresh[s]:
+            cache[1, read[s]] = x["state"][s]
+    f = jax.jit(lambda q, k, v, g, b, c: kernel(q, k, v, g, b, c, lay, layer=jnp.int32(1)),
+                donate_argnums=(5,))
+    o, c = f(*(jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")),
+             jnp.asarray(cache))
+    return np.asarray(o), np.asarray(c)
+
+
 # dv 16: one SIMD block a head; 8: the portable path alone; 24: a SIMD block and a partial one
 @pytest.mark.parametrize("dv", [16, 8, 24])
 def test_kernel_matches_float64_in_place(_kernel, dv):
@@ -165,15 +180,7 @@ def test_kernel_matches_float64_in_place(_kernel, dv):
     slots = np.array([3, 5, 2, 7, 1, 0])  # the padding sequence (past NUM_SEQS) at slot 0
     lay, cu = layout(NEWS, NUM_SEQS, T, FRESH, slots)
     want_o, want_st = reference(x, cu, NUM_SEQS, FRESH)
-    cache = np.full((2, 8, HV, DK, dv), np.nan, np.float32)
-    for s in range(NUM_SEQS):  # a fresh sequence's slot stays NaN: it is never read
-        if not FRESH[s]:
-            cache[1, slots[s]] = x["state"][s]
-    f = jax.jit(lambda q, k, v, g, b, c: _kernel(q, k, v, g, b, c, lay, layer=jnp.int32(1)),
-                donate_argnums=(5,))
-    o, c = f(*(jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")),
-             jnp.asarray(cache))
-    o, c = np.asarray(o), np.asarray(c)
+    o, c = _run_on_poisoned_cache(_kernel, x, lay, NUM_SEQS, FRESH, slots, dv)
     close(o, want_o, "outputs")
     assert not o[cu[NUM_SEQS]:].any()
     real = [s for s in range(NUM_SEQS) if NEWS[s]]
@@ -217,22 +224,15 @@ def test_kernel_decode_step_in_place(_kernel, dv):
     write = np.array([3, 6, 2, 7, deltanet.NO_SLOT, 0])  # seq 1 into another slot; 4: none
     lay = dataclasses.replace(lay, write_slot=jnp.asarray(write, jnp.int32))
     want_o, want_st = reference(x, cu, num_seqs, fresh)
-    cache = np.full((2, 8, HV, DK, dv), np.nan, np.float32)
-    for s in range(num_seqs):
-        if not fresh[s]:
-            cache[1, read[s]] = x["state"][s]
-    f = jax.jit(lambda q, k, v, g, b, c: _kernel(q, k, v, g, b, c, lay, layer=jnp.int32(1)),
-                donate_argnums=(5,))
-    o, c = f(*(jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")),
-             jnp.asarray(cache))
-    o, c = np.asarray(o), np.asarray(c)
+    o, c = _run_on_poisoned_cache(_kernel, x, lay, num_seqs, fresh, read, dv)
     close(o, want_o, "outputs")
     assert not o[cu[num_seqs]:].any()
     for s, slot in ((0, 3), (1, 6), (3, 7)):
         close(c[1, slot], want_st[s], f"state of sequence {s}")
     close(c[1, 5], x["state"][1], "sequence 1's read slot")  # read, not written
     close(c[1, 1], x["state"][4], "sequence 4's read slot")  # NO_SLOT: not written
-    np.testing.assert_array_equal(c[1, 2], cache[1, 2])  # seq 2: no tokens, untouched
+    # seq 2: no tokens, its slot untouched
+    np.testing.assert_array_equal(c[1, 2], x["state"][2].astype(np.float32))
     assert np.isnan(c[0]).all() and np.isnan(c[1, [0, 4]]).all()
 
 
