@@ -26,12 +26,12 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
+
+from soak import start_server  # scripts/ is on sys.path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -40,37 +40,14 @@ SERVE_DEFAULTS = ["--max-model-len", "2048", "--max-num-seqs", "16",
                   "--max-num-batched-tokens", "512"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(model: str, caching: bool, cache_dir: str, extra: list[str], log_path: str
           ) -> tuple[subprocess.Popen, str]:
-    """Start `jaxbatch serve` and wait for its ready line: (process, base url)."""
-    port = free_port()
-    argv = [sys.executable, "-m", "jaxbatch.cli", "serve", "--model", model, "--port", str(port),
-            "--cache-dir", cache_dir, *SERVE_DEFAULTS, *extra,
-            "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ready = threading.Event()
-
-    def drain() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            log.flush()
-            if "ready on" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    if not ready.wait(1800) or proc.poll() is not None:
-        proc.kill()
-        raise SystemExit(f"jaxbatch serve did not start (see {log_path})")
-    return proc, f"http://127.0.0.1:{port}"
+    """`jaxbatch serve` started and ready (soak.start_server): (process, base url)."""
+    model = os.path.abspath(model) if os.path.exists(model) else model  # it runs in the repo
+    return start_server(["--model", model, "--cache-dir", os.path.abspath(cache_dir),
+                         *SERVE_DEFAULTS, *extra,
+                         "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"],
+                        log_path)
 
 
 def replay(url: str, args: argparse.Namespace, tag: str) -> tuple[dict, list[dict]]:
