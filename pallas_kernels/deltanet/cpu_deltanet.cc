@@ -194,19 +194,16 @@ void run_decode_item(const Job& j, int64_t item) {
   const int64_t h = (item % per_seq) / j.vblocks, vb = item % j.vblocks;
   const int64_t c0 = vb * kCols, w = std::min(kCols, j.dv - c0), t = j.start[s];
   const int64_t kh = h / (j.Hv / j.Hk), head = j.dk * j.dv;
-  const float* src = j.state + (j.read[s] * j.Hv + h) * head + c0;
-  int64_t ss = j.dv;
   const int64_t ws = j.write[s];
-  float* dst = j.state + (ws * j.Hv + h) * head + c0;
-  int64_t ds = j.dv;
-  if (j.fresh[s] || ws < 0 || ws >= j.N) {
-    float* blk = static_cast<float*>(tl_block.get(sizeof(float) * j.dk * kCols));
-    if (j.fresh[s]) {
-      std::memset(blk, 0, sizeof(float) * j.dk * kCols);
-      src = blk, ss = kCols;
-    }
-    if (ws < 0 || ws >= j.N) dst = blk, ds = kCols;  // not written (NO_SLOT)
-  }
+  const bool fresh = j.fresh[s] != 0, unwritten = ws < 0 || ws >= j.N;  // NO_SLOT
+  float* blk = fresh || unwritten
+                   ? static_cast<float*>(tl_block.get(sizeof(float) * j.dk * kCols))
+                   : nullptr;
+  if (fresh) std::memset(blk, 0, sizeof(float) * j.dk * kCols);
+  // a fresh sequence's read slot is not checked: never formed into a pointer
+  const float* src = fresh ? blk : j.state + (j.read[s] * j.Hv + h) * head + c0;
+  float* dst = unwritten ? blk : j.state + (ws * j.Hv + h) * head + c0;
+  const int64_t ss = fresh ? kCols : j.dv, ds = unwritten ? kCols : j.dv;
   token_block(src, ss, dst, ds, j.dk, w, j.k + (t * j.Hk + kh) * j.dk,
               j.q + (t * j.Hk + kh) * j.dk, j.v + (t * j.Hv + h) * j.dv + c0,
               std::exp(j.g[t * j.Hv + h]), j.beta[t * j.Hv + h],
