@@ -177,26 +177,7 @@ class Runner:
         if lora_slots is not None:
             params = self._with_lora_slots(params, arch, *lora_slots, routes=lora_routes)
         self.params = params
-        self.page_size = cache.page_size
-        self.pages_per_seq = -(-max_model_len // cache.page_size)
-        self.history_len = max_model_len  # the adjusted sampler's token history width
-        # compute in the weights' dtype: the loader already chose it (dtype: auto measures)
-        self.compute_dtype = llama.value_dtype(params["final_norm"])
-        self.kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.compute_dtype)
-        self.cache_dtype = kv_storage_dtype(self.kv_dtype)
-        tp = 1 if self.placement is None else self.placement.tp
-        # a sharded cache's budget is per device: each holds K/tp heads
-        # hybrid models: a recurrent-state slot per running sequence and the dummy (slot 0)
-        # and the prefix cache's state checkpoints after them (tuning/startup.py resolves them)
-        self.num_state_slots = max_num_seqs + 1 + (cache.state_checkpoints or 0) \
-            if arch.is_hybrid else 0
-        if arch.is_hybrid and self.placement is not None:
-            raise ValueError("hybrid (Gated DeltaNet) models run on one device: "
-                             "tensor_parallel_size > 1 is not supported for them yet")
-        self.num_pages = num_kv_pages(  # on a GPU: from the first device's free memory
-            dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads // tp), cache,
-            self.cache_dtype, (jax.devices() if self.placement is None
-                               else self.placement.mesh.devices.flat)[0], self.num_state_slots)
+        self._size_cache(arch, cache, max_model_len, max_num_seqs)
         init_cache = functools.partial(dispatch.init_cache, arch, self.num_pages, self.page_size,
                                        self.cache_dtype, self.num_state_slots)
         step = functools.partial(packed_step_fn, arch=arch, attention_fn=attention_fn,
@@ -217,6 +198,30 @@ class Runner:
         self._state_copy: jax.stages.Compiled | None = None  # hybrids: with the buckets
         self._prompt_lp: jax.stages.Compiled | None = None  # compiled with the buckets
         self._hidden: Any = None  # the last step's hidden states [T, H], on the device
+
+    def _size_cache(self, arch: ModelArch, cache: CacheConfig, max_model_len: int,
+                    max_num_seqs: int) -> None:
+        """The KV cache's page size, dtype and page count, and a hybrid model's state slots."""
+        self.page_size = cache.page_size
+        self.pages_per_seq = -(-max_model_len // cache.page_size)
+        self.history_len = max_model_len  # the adjusted sampler's token history width
+        # compute in the weights' dtype: the loader already chose it (dtype: auto measures)
+        self.compute_dtype = llama.value_dtype(self.params["final_norm"])
+        self.kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.compute_dtype)
+        self.cache_dtype = kv_storage_dtype(self.kv_dtype)
+        tp = 1 if self.placement is None else self.placement.tp
+        # a sharded cache's budget is per device: each holds K/tp heads
+        # hybrid models: a recurrent-state slot per running sequence and the dummy (slot 0)
+        # and the prefix cache's state checkpoints after them (tuning/startup.py resolves them)
+        self.num_state_slots = max_num_seqs + 1 + (cache.state_checkpoints or 0) \
+            if arch.is_hybrid else 0
+        if arch.is_hybrid and self.placement is not None:
+            raise ValueError("hybrid (Gated DeltaNet) models run on one device: "
+                             "tensor_parallel_size > 1 is not supported for them yet")
+        self.num_pages = num_kv_pages(  # on a GPU: from the first device's free memory
+            dataclasses.replace(arch, num_kv_heads=arch.num_kv_heads // tp), cache,
+            self.cache_dtype, (jax.devices() if self.placement is None
+                               else self.placement.mesh.devices.flat)[0], self.num_state_slots)
 
     def _jit(self, step: Callable, init_cache: Callable, kv_zeros: Callable | None) -> None:
         """The step (KV cache donated), the samplers and the cache's maker, jitted for one

@@ -287,6 +287,62 @@ def _qkv(h: jax.Array, lp: Params, ad: dict, rows: lora_layers.LoRARows | None,
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def _bind_stacked(lp: dict, packs: dict, quants: dict, li: jax.Array) -> dict:
+    """The layer's stacked weights (packed panels and quantised stacks, read whole by the
+    kernels) told which layer of their stack this is."""
+    for name, pack in packs.items():
+        lp[name] = dataclasses.replace(lp[name], packed=dataclasses.replace(pack, layer=li))
+    for name, qw in quants.items():
+        lp[name] = dataclasses.replace(qw, layer=li)
+    return lp
+
+
+def _attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    li: jax.Array,
+    lp: dict,
+    extra: dict,
+    attn: AttentionInputs,
+    arch: ModelArch,
+    attention_fn: AttentionFn,
+    N_pages: int,
+    store: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's attention: its new K/V written into the cache, then the attention backend.
+    q [T, N, D], k/v [T, K, D]; the caches are [L*N_pages, P, K, D]. Returns (o [T, N, D],
+    k_cache, v_cache)."""
+    P = k_cache.shape[1]
+    # Write this layer's new K/V into its slab of the cache, which is carried as
+    # [L*N_pages, P, K, D]: no reshape of the carry inside the loop, so XLA keeps the update
+    # in place for every T (a flat-slot reshape made T=1 copy the whole cache per layer).
+    page = li * N_pages + attn.slot_mapping // P
+    offset = attn.slot_mapping % P
+    k_cache = k_cache.at[page, offset].set(_kv_encode(k, store))
+    v_cache = v_cache.at[page, offset].set(_kv_encode(v, store))
+    # gpt-oss's sink logits [N] only where the model has them: the other families call
+    # every backend as before
+    sinks = {"sinks": lp["sinks"].astype(jnp.float32)} if arch.attention_sinks else {}
+    o = attention_fn(
+        q,
+        k_cache,
+        v_cache,
+        attn.kv_lens,
+        attn.page_indices + li * N_pages,
+        attn.cu_q_lens,
+        attn.num_seqs,
+        sm_scale=arch.sm_scale,
+        soft_cap=arch.attn_soft_cap,
+        # a traced i32 scalar when sliding and global layers mix, else static
+        sliding_window=extra["window"] if arch.mixed_windows else arch.sliding_window,
+        **sinks,
+    )
+    return o, k_cache, v_cache
+
+
 def forward(
     params: Params,
     kv_cache: dict[str, jax.Array],
@@ -330,36 +386,12 @@ def forward(
         lp, li, extra, ad = xs
         lp = jax.tree.map(values, lp)
         ad = lora_layers.layer_slots(lora, li) if lora_kernel else jax.tree.map(values, ad)
-        for name, pack in packs.items():
-            lp[name] = dataclasses.replace(lp[name], packed=dataclasses.replace(pack, layer=li))
-        for name, qw in quants.items():
-            lp[name] = dataclasses.replace(qw, layer=li)
+        lp = _bind_stacked(lp, packs, quants, li)
         c, s = (cos[extra["local_rope"]], sin[extra["local_rope"]]) if arch.two_ropes \
             else (cos, sin)
         q, k, v = _qkv(norm(x, lp["attn_norm"]), lp, ad, rows, arch, norm, c, s, K, D)
-        # Write this layer's new K/V into its slab of the cache, which is carried as
-        # [L*N_pages, P, K, D]: no reshape of the carry inside the loop, so XLA keeps the update
-        # in place for every T (a flat-slot reshape made T=1 copy the whole cache per layer).
-        page = li * N_pages + attn.slot_mapping // P
-        offset = attn.slot_mapping % P
-        k_cache = k_cache.at[page, offset].set(_kv_encode(k, store))
-        v_cache = v_cache.at[page, offset].set(_kv_encode(v, store))
-        # gpt-oss's sink logits [N] only where the model has them: the other families call
-        # every backend as before
-        sinks = {"sinks": lp["sinks"].astype(jnp.float32)} if arch.attention_sinks else {}
-        o = attention_fn(
-            q,
-            k_cache,
-            v_cache,
-            attn.kv_lens,
-            attn.page_indices + li * N_pages,
-            attn.cu_q_lens,
-            attn.num_seqs,
-            sm_scale=arch.sm_scale,
-            soft_cap=arch.attn_soft_cap,
-            # a traced i32 scalar when sliding and global layers mix, else static
-            sliding_window=extra["window"] if arch.mixed_windows else arch.sliding_window,
-            **sinks,
+        o, k_cache, v_cache = _attend(
+            q, k, v, k_cache, v_cache, li, lp, extra, attn, arch, attention_fn, N_pages, store
         )
         o = _mm_lora(o.reshape(T, N * D).astype(x.dtype), lp["wo"], ad.get("wo"), rows)
         if arch.o_bias:
