@@ -113,6 +113,9 @@ class Scheduler:
         self.state_slots = state_slots
         self.checkpoints = checkpoints if pages.enable_caching else None
         self._resume: dict[str, int] = {}  # request id -> checkpoint slot it resumes from
+        # request id -> a page boundary its prompt's chunks must end on, so that its state there
+        # is checkpointed: where its cached KV prefix ends past its last checkpoint (_admit)
+        self._split_at: dict[str, int] = {}
         self._state_copies: list[tuple[int, int]] = []  # (src, dst) slots, for the runner
         if state_slots is not None:
             assert state_slots.num_slots > config.max_num_seqs, (state_slots.num_slots,
@@ -137,6 +140,7 @@ class Scheduler:
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         assert status.finished
+        self._split_at.pop(req.request_id, None)
         parent = req.fork_parent
         if parent is not None:  # a choice still waiting for its prompt: it holds nothing
             parent.forks.remove(req)
@@ -268,7 +272,10 @@ class Scheduler:
             # at most num_tokens - 1 tokens from the cache: the last one is computed for logits
             limit = (req.num_tokens_to_compute - 1) // pages.page_size
             hit = pages.match(self._hashes(req, limit)[:limit])
+            shared = len(hit)
             ckpt, hit = self._checkpointed(req, hit)
+            if len(hit) < shared:  # see _page_aligned
+                self._split_at[req.request_id] = shared * pages.page_size
         req.num_computed_tokens = len(hit) * pages.page_size
         n = self._chunk(req, budget)
         if not pages.allocate(req.page_table, req.num_computed_tokens + n, cached=hit):
@@ -319,12 +326,22 @@ class Scheduler:
     def _page_aligned(self, req: Request, n: int) -> int:
         """A hybrid prompt chunk of up to `n` tokens that ends on a page boundary, the last one
         at the prompt's last full page, so that its state there can be checkpointed (the rest
-        of the prompt runs in the next step); `n` when no boundary falls inside it."""
+        of the prompt runs in the next step); `n` when no boundary falls inside it.
+
+        A prompt whose cached KV pages reach past its last checkpoint also ends a chunk where
+        those pages end: that is where it parts from an earlier prompt (a shared system prompt's
+        end, typically), so the next prompt sharing that prefix resumes there instead of at a
+        chunk end before it, or not at all."""
         size, start = self.pages.page_size, req.num_computed_tokens
         last = (req.num_tokens_to_compute - 1) // size * size  # the last boundary cached
         if start >= last:
             return n
         end = min(start + n, last)
+        split = self._split_at.get(req.request_id)
+        if split is not None and split <= start:
+            del self._split_at[req.request_id]
+        elif split is not None and split < end:
+            end = split
         end = end if end == last else end // size * size
         return end - start if end > start else n
 

@@ -11,7 +11,9 @@ step, its tokens from j * page_size computed from there.
 
 Checkpoints are written where a step leaves a sequence exactly at a page boundary. With caching
 on, the scheduler ends a hybrid's prompt chunks at page boundaries (core/scheduler.py), the last
-one at the prompt's last full page, so every prompt leaves one there. States are f32 and copied
+one at the prompt's last full page, so every prompt leaves one there; and a prompt whose cached
+KV pages reach past its last checkpoint ends a chunk where they end (where it parts from an
+earlier prompt: a shared system prompt's end), so the next prompt on that prefix resumes there. States are f32 and copied
 bit for bit, so a resumed sequence continues exactly as one that computed its prefix.
 
 Each checkpoint takes one slot of the device's state pool (slots after the running sequences'

@@ -13,6 +13,7 @@ from jaxbatch.core.kv_pages import PageAllocator
 from jaxbatch.core.request import Request, RequestStatus
 from jaxbatch.core.sampling_params import SamplingParams
 from jaxbatch.core.scheduler import Scheduler
+from jaxbatch.core.state_checkpoints import StateCheckpoints
 from jaxbatch.core.state_slots import DUMMY_SLOT, StateSlots
 from tests.core.test_scheduler import run_fake
 
@@ -87,3 +88,31 @@ def test_running_requests_own_distinct_slots(lens, policy, num_pages):
     assert all(r.state_slot == DUMMY_SLOT for r in finished)
     assert {r.status for r in finished} <= {RequestStatus.FINISHED_LENGTH,
                                              RequestStatus.FINISHED_ABORTED}
+
+
+def test_a_prompt_checkpoints_where_its_cached_prefix_parts_from_an_earlier_one():
+    """Three prompts on one 10-page system prompt, each parting from the others inside page 11:
+    the first checkpoints only at its chunk ends (page 8 under a 32-token budget, then its
+    last full page); the second finds 10 cached pages but a checkpoint at 8 only, so it resumes
+    at 8 and ends a chunk at page 10, where it parts from the first; the third resumes there."""
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=2)
+    pages = PageAllocator(80, 4, enable_caching=True)
+    sched = Scheduler(cfg, pages, state_slots=StateSlots(3),
+                      checkpoints=StateCheckpoints(first_slot=3, count=8))
+    system = list(range(10, 50))  # 40 tokens: 10 pages of 4
+    prompts = [system + [100 + i, 1, 2, 3, 4, 5] for i in range(3)]
+    chunks: list[list[tuple[int, int]]] = []
+    for i, p in enumerate(prompts):
+        req = Request(f"r{i}", p, SamplingParams(max_tokens=1))
+        sched.add_request(req)
+        chunks.append([])
+        while sched.has_unfinished():
+            batch = sched.schedule()
+            chunks[-1] += [(s.start, s.start + s.num_new_tokens) for s in batch.seqs]
+            for r, _ in sched.update(batch, {s.request.request_id: 7
+                                             for s in batch.seqs if s.samples}):
+                sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+    assert chunks[0] == [(0, 32), (32, 44), (44, 46)]
+    assert chunks[1] == [(32, 40), (40, 44), (44, 46)]  # resumed at 32, parted at 40
+    assert chunks[2][0][0] == 40  # resumed where the second parted from the first
+    assert sched.checkpoints.resumed == 2 and not sched._split_at
