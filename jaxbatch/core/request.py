@@ -57,6 +57,8 @@ class Request:
     lora_slot: int = 0
     # its recurrent-state slot while running, for hybrid models (core/state_slots.py; 0: none)
     state_slot: int = 0
+    # with speculative decoding, the slot a step that verifies proposals writes (state_slots.py)
+    spare_state_slot: int = 0
     page_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     auto_seed: int = 0  # drawn by the engine at arrival; used when sampling_params.seed is None
     stop_reason: int | str | None = None

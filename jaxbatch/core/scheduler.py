@@ -385,6 +385,8 @@ class Scheduler:
             toks = [got] if isinstance(got, int) else got
             rejected = len(s.spec_token_ids) - (len(toks) - 1 if toks else 0)
             req.num_computed_tokens = s.start + s.num_new_tokens - rejected
+            if s.spec_token_ids and self.state_slots is not None:
+                self._settle_state(req, s.start, rejected)
             if toks:  # first: the accepted proposals' pages are hashed over them
                 req.output_token_ids.extend(toks)
                 new_tokens.append((req, toks))
@@ -397,6 +399,17 @@ class Scheduler:
             if req.forks and req.num_tokens_owed == 0:
                 self._fork(req)
         return new_tokens
+
+    def _settle_state(self, req: Request, start: int, rejected: int) -> None:
+        """A hybrid's verified step wrote its state past every proposal to the spare slot
+        (core/state_slots.py): that state is the sequence's when all were accepted; with one
+        rejected it is wrong, so the state before the step stays and the step's accepted
+        tokens are computed again from it (their KV pages hold the same values; the next step
+        runs them with the token after them, as a prompt chunk that samples)."""
+        if rejected:
+            req.num_computed_tokens = start
+        else:
+            self.state_slots.swap(req)  # type: ignore[union-attr]
 
     def _fork(self, parent: Request) -> None:
         """The parent computed its prompt but the last token: its waiting choices join

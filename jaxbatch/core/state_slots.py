@@ -9,6 +9,12 @@ padding and no real sequence's state is ever written by one. A sequence's state 
 zero when its history before a step is empty (the model reads that from the step's inputs), so
 a slot needs no clearing between owners, and a preempted sequence recomputes its state with its
 tokens.
+
+With speculative decoding each running sequence also owns a spare slot: a step that verifies
+proposals reads the sequence's state from its slot and writes the new one to the spare, so the
+state before the step survives. When every proposal is accepted the two swap (no copy); when
+one is rejected the old state stays, and the scheduler recomputes the accepted tokens from it
+(core/scheduler.py).
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ DUMMY_SLOT = 0
 
 
 class StateSlots:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, spare: bool = False) -> None:
         """`num_slots`: the pool's size, the dummy slot included (max_num_seqs + 1 at least,
-        so that every running sequence has one)."""
+        so that every running sequence has one; 2 * max_num_seqs + 1 with `spare`: a second
+        slot a sequence, for the steps that verify proposals)."""
         assert num_slots >= 2, num_slots
         self.num_slots = num_slots
+        self.spare = spare
         self._free = list(range(num_slots - 1, DUMMY_SLOT, -1))  # pop() gives the lowest
         self._owner: dict[int, str] = {}
 
@@ -32,24 +40,36 @@ class StateSlots:
         return len(self._free)
 
     def acquire(self, req: Request) -> None:
-        """Give a request entering the running set its slot."""
+        """Give a request entering the running set its slot (and its spare)."""
         assert req.state_slot == DUMMY_SLOT, (req.request_id, req.state_slot)
-        if not self._free:
+        need = 2 if self.spare else 1
+        if len(self._free) < need:
             raise RuntimeError(f"no free recurrent-state slot for {req.request_id}: the pool "
                                f"({self.num_slots - 1} slots) must cover max_num_seqs")
+        req.state_slot = self._take(req)
+        if self.spare:
+            req.spare_state_slot = self._take(req)
+
+    def _take(self, req: Request) -> int:
         slot = self._free.pop()
         self._owner[slot] = req.request_id
-        req.state_slot = slot
+        return slot
 
     def release(self, req: Request) -> None:
-        """A request leaving the running set (finished, failed, preempted) frees its slot."""
-        slot = req.state_slot
-        if slot == DUMMY_SLOT:
-            return
-        assert self._owner.get(slot) == req.request_id, (slot, req.request_id)
-        del self._owner[slot]
-        self._free.append(slot)
-        req.state_slot = DUMMY_SLOT
+        """A request leaving the running set (finished, failed, preempted) frees its slots."""
+        for slot in (req.state_slot, req.spare_state_slot):
+            if slot == DUMMY_SLOT:
+                continue
+            assert self._owner.get(slot) == req.request_id, (slot, req.request_id)
+            del self._owner[slot]
+            self._free.append(slot)
+        req.state_slot = req.spare_state_slot = DUMMY_SLOT
+
+    @staticmethod
+    def swap(req: Request) -> None:
+        """A verified step's state (written to the spare) becomes the sequence's state."""
+        assert req.spare_state_slot != DUMMY_SLOT, req.request_id
+        req.state_slot, req.spare_state_slot = req.spare_state_slot, req.state_slot
 
     def check(self) -> None:
         """Every slot but the dummy is free or owned, never both."""

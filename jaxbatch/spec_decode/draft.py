@@ -145,6 +145,9 @@ def build_draft_proposer(config: Any, model: Any, num_tokens: int,
     pages = -(-num_tokens // config.cache.page_size) + 1
     draft = make_engine(draft_config(config, spec, pages))
     check_vocabularies(model, draft.model)
+    if draft.model.arch.is_hybrid:  # its own state would need the target's spare slots
+        raise ValueError("speculative_config: a hybrid (Gated DeltaNet) draft model is not "
+                         "supported: its proposals' recurrent state is not rolled back")
     log.info("speculative decoding: draft model %s (%s)", spec.model, draft.config.model.dtype)
     return DraftProposer(draft)
 

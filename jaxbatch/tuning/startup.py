@@ -207,6 +207,13 @@ def _measured_routes(model: LoadedModel, config: EngineConfig, root: str, mesh: 
     return _Routes(small_rows, quant_acts, bf16_xla_rows, invariance_choice)
 
 
+def _state_slots_for_seqs(config: EngineConfig) -> int:
+    """A hybrid's recurrent-state slots for its running sequences: one each, two with
+    speculative decoding (the spare a verifying step writes: core/state_slots.py)."""
+    per_seq = 1 if config.speculation.speculative_config is None else 2
+    return per_seq * config.scheduler.max_num_seqs
+
+
 def hybrid_config(config: EngineConfig, arch: Any) -> EngineConfig:
     """A hybrid (Gated DeltaNet) model's limits, said at start: what it cannot run yet is
     refused by name; the prefix cache keeps `state_checkpoints` recurrent states at page
@@ -214,9 +221,6 @@ def hybrid_config(config: EngineConfig, arch: Any) -> EngineConfig:
     running sequence), and is off when there are none."""
     if not arch.is_hybrid:
         return config
-    if config.speculation.speculative_config is not None:
-        raise ValueError("speculative decoding is not supported yet for hybrid (Gated "
-                         "DeltaNet) models: their recurrent state cannot be rolled back")
     if config.lora.enable_lora:
         raise ValueError("LoRA adapters are not supported yet for hybrid (Gated DeltaNet) "
                          "models")
@@ -269,7 +273,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
                     lora_slots=(config.lora.max_loras, config.lora.max_lora_rank)
                     if config.lora.enable_lora else None,
                     lora_routes=_lora_routes(config, model.arch, root, on_cpu),
-                    max_num_seqs=config.scheduler.max_num_seqs)
+                    max_num_seqs=_state_slots_for_seqs(config))
     runner.batch_invariant = invariant
     runner.invariance = invariance_choice
     # the runner holds the params in the forms it runs: the loaded copy goes (one resident copy
@@ -280,8 +284,10 @@ def build_parts(config: EngineConfig, model: LoadedModel | None,
     scheduler = Scheduler(config.scheduler, PageAllocator(
         runner.num_pages, config.cache.page_size, config.cache.enable_prefix_caching),
         LoRASlots(config.lora.max_loras) if config.lora.enable_lora else None,
-        StateSlots(config.scheduler.max_num_seqs + 1) if runner.num_state_slots else None,
-        StateCheckpoints(config.scheduler.max_num_seqs + 1, config.cache.state_checkpoints)
+        StateSlots(_state_slots_for_seqs(config) + 1,
+                   spare=config.speculation.speculative_config is not None)
+        if runner.num_state_slots else None,
+        StateCheckpoints(_state_slots_for_seqs(config) + 1, config.cache.state_checkpoints)
         if runner.num_state_slots and config.cache.state_checkpoints else None)
     config, replan = live_replan_setup(config, root, model.arch)  # may load a learned set
     planner = make_planner(config, model.arch, collective_gbps(

@@ -88,6 +88,7 @@ def build_step_inputs(
     logits_indices = np.zeros(S, i32)
     lora_ids = np.zeros(T, i32)
     state_slots = np.zeros(S, i32)  # padding sequences: the dummy slot
+    state_write_slots = np.zeros(S, i32)  # a verified sequence's spare (core/state_slots.py)
     arrays = SamplingInputs(np.zeros(S, np.float32), np.zeros(S, i32), np.ones(S, np.float32),
                             np.zeros(S, np.float32), np.zeros(S, np.uint32), np.zeros(S, i32),
                             np.full((S, MAX_BANNED_IDS), -1, i32), np.zeros(S, bool), None,
@@ -109,6 +110,7 @@ def build_step_inputs(
             page_indices[i, : len(pt)] = pt
             cu_q_lens[i] = off
             state_slots[i] = req.state_slot
+            state_write_slots[i] = req.spare_state_slot if spec else req.state_slot
             # one logit row per row that may sample: the last known token's, then each proposal's
             # (row j draws the token after proposal j-1, as a plain step would after it)
             for j in range(s.num_logit_rows):
@@ -122,7 +124,7 @@ def build_step_inputs(
     return StepInputs(
         token_ids, positions,
         AttentionInputs(slot_mapping, kv_lens, page_indices, cu_q_lens, np.array([len(seqs)], i32),
-                        state_slots),
+                        state_slots, state_write_slots),
         logits_indices, arrays, lora_ids,
     )
 

@@ -10,6 +10,7 @@ import pytest
 
 from jaxbatch import LLM, SamplingParams
 from tests.engine.test_engine_exact import check_exact, prompts_of
+from tests.helpers.hf_reference import hf_greedy
 
 ENGINE = dict(dtype="float32", max_model_len=256, seed=0, compile_guard=True, progress=False)
 
@@ -45,9 +46,6 @@ def test_hybrid_page_size_one_and_preemption(tiny_models):
 
 def test_hybrid_limits_are_said(tiny_models, caplog):
     path, _ = tiny_models("qwen3_5")
-    with pytest.raises(ValueError, match="speculative decoding is not supported yet"):
-        LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-            planner="fixed:[(8,4)]", max_num_seqs=4, max_num_batched_tokens=8, **ENGINE)
     llm = LLM(path, planner="fixed:[(8,4)]", max_num_seqs=4, num_pages=64, page_size=16,
               max_num_batched_tokens=8, state_checkpoints=0, **ENGINE)
     assert not llm.engine.pages.enable_caching and "prefix caching is off" in caplog.text
@@ -55,6 +53,49 @@ def test_hybrid_limits_are_said(tiny_models, caplog):
                                                                         max_tokens=4),
                        use_tqdm=False)[0]
     assert len(out.outputs) == 2 and out.outputs[0].token_ids == out.outputs[1].token_ids
+    slots_back(llm)
+
+
+class _Oracle:
+    """Proposes a request's true greedy continuation (HF's), with every other draft's last
+    proposal made wrong: verifying steps that accept all, and ones that reject some."""
+
+    def __init__(self, full: list[int]) -> None:
+        self.full, self.calls = full, 0
+
+    def propose(self, tokens, k: int) -> list[int]:
+        n = len(tokens)
+        assert list(tokens) == self.full[:n]
+        props = self.full[n:n + k]
+        self.calls += 1
+        if self.calls % 2 and props:
+            props = props[:-1] + [3 + (props[-1] + 1) % 250]
+        return props
+
+
+def test_hybrid_speculation_equals_hf(tiny_models, monkeypatch):
+    """Speculation on a hybrid: a verifying step writes each sequence's state to its spare
+    slot; all accepted, the slots swap; one rejected, the old state stays and the accepted
+    tokens are computed again. Greedy equals HF's either way, both outcomes seen, no compile
+    after warm-up, every slot given back. (A random model never repeats itself, so n-gram
+    lookups propose nothing useful: an oracle proposes instead.)"""
+    from jaxbatch.spec_decode.speculation import Speculator
+
+    path, hf = tiny_models("qwen3_5")
+    prompts = prompts_of([6, 19, 33, 12], seed=11)
+    lengths = [24, 30, 18, 27]
+    oracles = {tuple(p): _Oracle(p + hf_greedy(hf, p, m + 4)) for p, m in zip(prompts, lengths)}
+    monkeypatch.setattr(Speculator, "_ngram",
+                        lambda self, req: oracles[tuple(req.prompt_token_ids)])
+    llm = LLM(path, page_size=8, max_num_batched_tokens=32, max_num_seqs=4, num_pages=120,
+              planner="fixed:[(16,16),(32,16)]",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "adaptive": False}, **ENGINE)
+    check_exact(llm, hf, prompts, lengths)
+    stats = llm.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert stats.accepted_per_pos[-1] > 0  # some drafts accepted whole: their slots swapped
+    assert llm.engine.compiles_since_warmup == 0
     slots_back(llm)
 
 

@@ -71,7 +71,9 @@ class StepLayout:
 
 def step_layout(cu_q_lens: jax.Array | np.ndarray, kv_lens: jax.Array | np.ndarray,
                 num_seqs: jax.Array | np.ndarray, state_slots: jax.Array | np.ndarray,
-                num_tokens: int) -> StepLayout:
+                num_tokens: int, write_slots: jax.Array | np.ndarray | None = None
+                ) -> StepLayout:
+    """`write_slots`: where each sequence's new state goes (None: its `state_slots` slot)."""
     cu = jnp.asarray(cu_q_lens, jnp.int32)
     S = cu.shape[0] - 1
     real = jnp.arange(S) < jnp.asarray(num_seqs).reshape(-1)[0]
@@ -80,9 +82,10 @@ def step_layout(cu_q_lens: jax.Array | np.ndarray, kv_lens: jax.Array | np.ndarr
     seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
     valid = t < cu[jnp.asarray(num_seqs).reshape(-1)[0]]
     slots = jnp.asarray(state_slots, jnp.int32)
+    writes = slots if write_slots is None else jnp.asarray(write_slots, jnp.int32)
     return StepLayout(seq=seq, local=t - cu[seq], valid=valid, start=cu[:-1], new=new,
                       fresh=(jnp.asarray(kv_lens, jnp.int32) - new) == 0, read_slot=slots,
-                      write_slot=jnp.where(real, slots, NO_SLOT))
+                      write_slot=jnp.where(real, writes, NO_SLOT))
 
 
 def causal_conv(x: jax.Array, w: jax.Array, state: jax.Array, lay: StepLayout

@@ -56,6 +56,9 @@ class AttentionInputs:
     # i32[S] each sequence's recurrent-state slot (hybrid models; 0: the dummy slot, which
     # padding sequences use); None where the model keeps no such state
     state_slots: jax.Array | np.ndarray | None = None
+    # i32[S] the slot each sequence's new state goes to: its own, or its spare in a step that
+    # verifies proposals (core/state_slots.py); None: state_slots
+    state_write_slots: jax.Array | np.ndarray | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -205,7 +205,8 @@ def forward(
     P = pattern_period(kinds)
     G = arch.num_layers // P
     stacks = _Stacks.of(params["layers"], arch, G)
-    lay = deltanet.step_layout(attn.cu_q_lens, attn.kv_lens, attn.num_seqs, attn.state_slots, T)
+    lay = deltanet.step_layout(attn.cu_q_lens, attn.kv_lens, attn.num_seqs, attn.state_slots, T,
+                               attn.state_write_slots)
     num_valid = jnp.asarray(attn.cu_q_lens)[jnp.asarray(attn.num_seqs).reshape(-1)[0]] \
         if arch.num_experts else None
     common = tuple(n for n in params["layers"]
