@@ -177,7 +177,7 @@ class ModelPool:
         loop = asyncio.get_running_loop()
         try:
             async with self._load_lock:
-                await self._make_room(e, e.bytes or self.estimate(e.spec))
+                await self._make_room(e, self.size(e))
                 t0 = time.monotonic()
                 work = loader.XlaWork().start()
                 engine = await loop.run_in_executor(self._loader, self.build, e.spec)
@@ -201,6 +201,10 @@ class ModelPool:
         finally:
             e.task = None
 
+    def size(self, e: Entry) -> int:
+        """Its bytes as measured at its last load, else as estimated before any."""
+        return e.bytes or self.estimate(e.spec)
+
     def _holders(self, e: Entry) -> list[Entry]:
         """The other models that hold memory now (loaded, or still unloading)."""
         return [x for x in self.entries.values()
@@ -210,7 +214,7 @@ class ModelPool:
         held = self._holders(e)
         p = self.policy
         return (p.max_loaded is None or len(held) + 1 <= p.max_loaded) and \
-            (p.memory_bytes is None or sum(x.bytes for x in held) + need <= p.memory_bytes)
+            (p.memory_bytes is None or sum(map(self.size, held)) + need <= p.memory_bytes)
 
     async def _make_room(self, e: Entry, need: int) -> None:
         """Unload least recently used idle models until `e` fits; wait for busy ones to go
@@ -233,12 +237,12 @@ class ModelPool:
         budget = self.policy.memory_bytes
         if budget is None:
             return
-        used = e.bytes + sum(x.bytes for x in self._holders(e))
+        used = self.size(e) + sum(map(self.size, self._holders(e)))
         for x in sorted((x for x in self._holders(e) if x.status == LOADED and not x.busy),
                         key=lambda x: x.last_used):
             if used <= budget:
                 break
-            used -= x.bytes
+            used -= self.size(x)
             asyncio.get_running_loop().create_task(self.unload_entry(x, "over the memory budget"))
         if used > budget:
             log.warning("loaded models hold %.2f GB, over --models-memory-gb %.2f (the others "

@@ -17,6 +17,7 @@ class MultiServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
+        kwargs.setdefault("port", 0)  # a free port
         self.server: MultiServer = self.call(MultiServer.start(*args, **kwargs))
         self.url = self.server.url
         self.pool = self.server.pool
