@@ -27,6 +27,7 @@ from jaxbatch.cli.engine_args import (
     require_readable,
 )
 from jaxbatch.cli.request_limits import add_request_limit_args, request_limits_from_args
+from jaxbatch.cli.serve_models import add_models_args, check_args, enabled, serve_models
 from jaxbatch.engine.client import EngineClient
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/health is 503 when no engine step completed for this long while "
                         "requests are pending (default %(default)s)")
     add_request_limit_args(g, d.request)
+    add_models_args(p)
     add_engine_args(p)
     add_distributed_args(p)
     return p
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None,
     """`make_engine(args)` builds the engine (tests pass a fake); default: Engine.from_config."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     take_model_tag(args)
+    check_args(args)
     # our loggers at --log-level; libraries (absl, orbax, aiohttp) only warnings and worse
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -234,6 +237,10 @@ def main(argv: list[str] | None = None,
     check_output_formats(args)
     api_key = api_key_from_args(args)  # and an unreadable key file
     _raise_fd_limit(limits.max_connections)
+    if enabled(args):  # several models, each loaded when a request names it
+        if distributed.enabled(args):
+            raise SystemExit("--models-dir / --models-config run on one host")
+        return asyncio.run(serve_models(args, api_key, limits))
     if distributed.enabled(args):  # several processes: process 0 serves, the others follow
         config = distributed.start(args, engine_config_from_args(args))
         fetch_model(config, "jaxbatch serve")

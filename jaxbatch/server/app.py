@@ -24,6 +24,7 @@ from aiohttp import web
 
 from jaxbatch.api import protocol as protocol
 from jaxbatch.api.protocol import ApiError
+from jaxbatch.api.response_store import ResponseStore
 from jaxbatch.api.tool_parsers import choose_tool_parser
 from jaxbatch.api.tools import tool_format
 from jaxbatch.engine.client import EngineClient
@@ -116,6 +117,32 @@ def _output_formats(engine: EngineClient, reasoning_parser: str | None,
     return name, reasoning
 
 
+def start_state(engine: EngineClient, names: list[str], api_key: str | None,
+                limits: ServerLimits, pool: concurrent.futures.ThreadPoolExecutor,
+                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+                metrics: ServerMetrics | None = None,
+                responses: ResponseStore | None = None) -> ServerState:
+    """The handlers' state over a started AsyncEngine of `engine` (on the running event loop).
+    `metrics`: the model's metrics to go on counting in (a model loaded again, jaxbatch/
+    multimodel/); None: new ones. `responses`: a store shared with other models."""
+    tool_call_parser, reasoning_parser = _output_formats(engine, reasoning_parser,
+                                                         tool_call_parser)
+    spec = getattr(getattr(engine.config, "speculation", None), "speculative_config", None)
+    m = metrics or ServerMetrics(names[0], engine.max_model_len,
+                                 spec.num_speculative_tokens if spec is not None else 0)
+    aeng = AsyncEngine(engine, limits.max_waiting_requests, on_step=m.observe_step)
+    m.start(engine.stats())  # gauges from the idle engine, before any step
+    aeng.start()
+    # one engine's account (a data-parallel set of replicas has no single runner)
+    choice = getattr(getattr(engine, "runner", None), "invariance", None)
+    return ServerState(aeng, names, m, engine.tokenizer, engine.max_model_len, api_key, limits,
+                       pool, determinism=choice.describe() if choice else None,
+                       reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
+                       lora_modules=lora_admin.served_adapters(engine),
+                       embedding_model=EmbeddingModel.of(engine),
+                       **({"responses": responses} if responses is not None else {}))
+
+
 class Server:
     """A running server: `await Server.start(engine, ...)`, then `await server.shutdown()`."""
 
@@ -136,25 +163,11 @@ class Server:
         template or model type shows). gpt-oss's calls need the gpt_oss reasoning parser:
         turned on with it (ValueError for another)."""
         limits = limits or ServerLimits()
-        tool_call_parser, reasoning_parser = _output_formats(engine, reasoning_parser,
-                                                             tool_call_parser)
         names = served_names or [engine.config.model.model]
-        spec = getattr(getattr(engine.config, "speculation", None), "speculative_config", None)
-        m = ServerMetrics(names[0], engine.max_model_len,
-                          spec.num_speculative_tokens if spec is not None else 0)
-        aeng = AsyncEngine(engine, limits.max_waiting_requests, on_step=m.observe_step)
-        m.start(engine.stats())  # gauges from the idle engine, before any step
-        aeng.start()
         pool = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, "jaxbatch-parse")
-        # one engine's account (a data-parallel set of replicas has no single runner)
-        choice = getattr(getattr(engine, "runner", None), "invariance", None)
-        app = create_app(ServerState(aeng, names, m, engine.tokenizer, engine.max_model_len,
-                                     api_key, limits, pool,
-                                     determinism=choice.describe() if choice else None,
-                                     reasoning_parser=reasoning_parser,
-                                     tool_call_parser=tool_call_parser,
-                                     lora_modules=lora_admin.served_adapters(engine),
-                                     embedding_model=EmbeddingModel.of(engine)))
+        app = create_app(start_state(engine, names, api_key, limits, pool, reasoning_parser,
+                                     tool_call_parser))
+        m = app[STATE].metrics
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=5.0, keepalive_timeout=limits.header_timeout,
                                lingering_time=LINGER_S)

@@ -23,7 +23,7 @@ from jaxbatch.engine.pooling import EMBED_PARAMS, pooling_mode
 from jaxbatch.server.async_engine import EngineDeadError, QueueFullError
 from jaxbatch.server.generate import results
 from jaxbatch.server.middleware import read_json_body
-from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
+from jaxbatch.server.state import REQUEST_ID, ServerState, state_of
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ def _parse(st: ServerState, em: EmbeddingModel, raw: bytes) -> api.EmbeddingRequ
 
 def served(request: web.Request) -> tuple[ServerState, EmbeddingModel]:
     """The server's state and its embedding model; 503 while draining, 404 without one."""
-    st = request.app[STATE]
+    st = state_of(request)
     if st.draining:
         raise ApiError(503, "the server is shutting down", "server_error")
     if st.embedding_model is None:

@@ -31,7 +31,7 @@ from jaxbatch.server.async_engine import (
     RequestTooLargeError,
 )
 from jaxbatch.server.middleware import ClientGone, internal_error, read_json_body
-from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
+from jaxbatch.server.state import REQUEST_ID, ServerState, state_of
 
 log = logging.getLogger("jaxbatch.server")
 
@@ -112,7 +112,7 @@ async def chat_deltas(st: ServerState, parsed: protocol.ParsedRequest, stream: R
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
-    st = request.app[STATE]
+    st = state_of(request)
     if st.draining:
         raise ApiError(503, "the server is shutting down", "server_error")
     response_id = request[REQUEST_ID] = protocol.new_id(kind)
@@ -141,7 +141,7 @@ async def _stream(request: web.Request, parsed: protocol.ParsedRequest,
     try:
         await resp.prepare(request)
         try:
-            await _write_chunks(resp, request.app[STATE], parsed, stream, response_id, model)
+            await _write_chunks(resp, state_of(request), parsed, stream, response_id, model)
         except EngineDeadError as e:
             await resp.write(_sse(ApiError(503, str(e), "server_error").body()))
         except ApiError as e:  # the engine failed this request: an error event, never a chunk

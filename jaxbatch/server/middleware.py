@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import logging
 import uuid
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -66,12 +67,20 @@ def error_response(err: ApiError, path: str = "") -> web.Response:
 @web.middleware
 async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     st = request.app[STATE]
+    return await guarded(request, handler, st.api_key, st.metrics.observe_request)
+
+
+async def guarded(request: web.Request, handler: Handler, api_key: str | None,
+                  observe: Callable[[str, int], None],
+                  key_paths: tuple[str, ...] = ("/v1/", "/api/")) -> web.StreamResponse:
+    """The handler behind the API key check (on `key_paths`), errors in their API's shape, and
+    observe(route, status) for every answer (the request counter)."""
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "other"
     status = 500
     try:
-        if st.api_key is not None and request.path.startswith(("/v1/", "/api/")):
-            _check_key(request, st.api_key)
+        if api_key is not None and request.path.startswith(key_paths):
+            _check_key(request, api_key)
         resp = await handler(request)
         status = resp.status
         return resp
@@ -95,7 +104,7 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
                       request.path)
         return error_response(internal_error(rid), request.path)
     finally:
-        st.metrics.observe_request(route, status)
+        observe(route, status)
 
 
 def _check_key(request: web.Request, key: str) -> None:

@@ -20,7 +20,7 @@ from jaxbatch.api.embeddings import EmbeddingRequest
 from jaxbatch.api.protocol import ApiError, load_json_body
 from jaxbatch.server import embeddings
 from jaxbatch.server.middleware import read_json_body
-from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
+from jaxbatch.server.state import REQUEST_ID, ServerState, state_of
 from jaxbatch.server.surfaces import Surface, route
 
 CHAT = Surface("ollama", ollama_api.chat_to_chat,
@@ -39,21 +39,21 @@ def _details(st: ServerState) -> dict[str, Any]:
 
 
 async def tags(request: web.Request) -> web.Response:
-    st = request.app[STATE]
+    st = state_of(request)
     return web.json_response({"models": [ollama_api.model_entry(n, _details(st))
                                          for n in st.model_names()]})
 
 
 async def ps(request: web.Request) -> web.Response:
     """Every served model is loaded for as long as the server runs."""
-    st = request.app[STATE]
+    st = state_of(request)
     return web.json_response({"models": [
         {**ollama_api.model_entry(n, _details(st)), "expires_at": "0001-01-01T00:00:00Z",
          "size_vram": 0} for n in st.model_names()]})
 
 
 async def show(request: web.Request) -> web.Response:
-    st = request.app[STATE]
+    st = state_of(request)
     body = load_json_body(await read_json_body(request, st), st.limits.request)
     name = body.get("model") or body.get("name") if isinstance(body, dict) else None
     name = ollama_api.served_name(name, st.model_names())

@@ -70,4 +70,14 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+# several models on one server (jaxbatch/multimodel/): the state of the model a request names,
+# set by that server's routing middleware before the handler runs
+MODEL_STATE = web.RequestKey("model_state", ServerState)
+
+
+def state_of(request: web.Request) -> ServerState:
+    """The state a handler serves the request with: its model's (a server of several models),
+    else the app's one."""
+    st = request.get(MODEL_STATE)
+    return st if st is not None else request.app[STATE]
 REQUEST_ID = web.RequestKey("request_id", str)  # the id a 500 body and its log line carry

@@ -24,7 +24,7 @@ from jaxbatch.api.protocol import ApiError
 from jaxbatch.server.async_engine import EngineDeadError
 from jaxbatch.server.generate import chat_deltas, results, submit
 from jaxbatch.server.middleware import ClientGone, read_json_body
-from jaxbatch.server.state import REQUEST_ID, STATE, ServerState
+from jaxbatch.server.state import REQUEST_ID, ServerState, state_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ def _encode(surface: Surface, event: Any) -> bytes:
 
 async def handle(request: web.Request, surface: Surface) -> web.StreamResponse:
     """One request of this API, start to end."""
-    st = request.app[STATE]
+    st = state_of(request)
     if st.draining:
         raise ApiError(503, "the server is shutting down", "server_error")
     response_id = request[REQUEST_ID] = protocol.new_id("chat").replace("chatcmpl",
@@ -107,13 +107,13 @@ def _keep(st: ServerState, surface: Surface, body: dict, answer: dict | None) ->
 
 async def get_response(request: web.Request) -> web.Response:
     """GET /v1/responses/{response_id}: a stored Response."""
-    st = request.app[STATE]
+    st = state_of(request)
     return web.json_response(st.responses.get(request.match_info["response_id"]))
 
 
 async def delete_response(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{response_id}."""
-    st = request.app[STATE]
+    st = state_of(request)
     return web.json_response(st.responses.delete(request.match_info["response_id"]))
 
 
@@ -142,7 +142,7 @@ async def _write(resp: web.StreamResponse, surface: Surface, writer: Any, st: Se
 
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the prompt's length as the Messages body renders it."""
-    st = request.app[STATE]
+    st = state_of(request)
     raw = await read_json_body(request, st)
 
     def count() -> int:

@@ -12,7 +12,7 @@ from aiohttp import web
 from jaxbatch.api import protocol as protocol
 from jaxbatch.api import tokenize as api_tokenize
 from jaxbatch.server.middleware import read_json_body
-from jaxbatch.server.state import STATE, ServerState
+from jaxbatch.server.state import ServerState, state_of
 
 
 def _tokenize(st: ServerState, raw: bytes) -> dict[str, Any]:
@@ -35,7 +35,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def _run(request: web.Request, fn: Any) -> web.Response:
-    st = request.app[STATE]
+    st = state_of(request)
     raw = await read_json_body(request, st)
     loop = asyncio.get_running_loop()
     return web.json_response(await loop.run_in_executor(st.parse_pool,
