@@ -43,7 +43,7 @@ SHAPES = {
 _F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "MXFP4": ()}
 
 
-def _more_bits(i: int, n: int) -> bool:
+def more_bits(i: int, n: int) -> bool:
     """llama-quantize's use_more_bits: the first and last eighths, and every third between."""
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
@@ -57,12 +57,12 @@ def _qtype(kind: str, name: str, layer: int, layers: int) -> str:
         return kind
     if name == "output.weight":
         return "Q6_K"
-    if ("attn_v" in name or "ffn_down" in name) and _more_bits(layer, layers):
+    if ("attn_v" in name or "ffn_down" in name) and more_bits(layer, layers):
         return "Q6_K"
     return "Q4_K"
 
 
-def _blocks(qt, fmt: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+def random_blocks(qt, fmt: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Random blocks for a float tensor of numpy `shape` ([..., out, in]), f16 scales small."""
     import gguf
 
@@ -91,7 +91,7 @@ def _tensor(fmt: str, shape: tuple[int, ...], rng: np.random.Generator, norm: bo
             np.uint16)
     import gguf
 
-    return _blocks(gguf.GGMLQuantizationType[fmt], fmt, shape, rng)
+    return random_blocks(gguf.GGMLQuantizationType[fmt], fmt, shape, rng)
 
 
 def _plan(s: dict, kind: str) -> list[tuple[str, tuple[int, ...], str]]:
