@@ -115,6 +115,46 @@ def test_adapter_over_tiled_gguf_base(qwen35, tmp_path):
     assert llm.engine.compiles_since_warmup == 0
 
 
+@pytest.mark.slow
+def test_bf16_slots_on_the_kernel_agree_with_xla(qwen35, monkeypatch):
+    """bf16 compute on this CPU's quantised-matmul kernel: the slots as BF16 rows, read whole
+    by each leaf's index among its kind's layers (not scanned), give the logprobs the slots as
+    arrays scanned with the layers give (XLA's dot), within the two products' roundings, while
+    the adapters move them by far more. (Against float32, bf16's own rounding of these flat
+    tiny-model logits, up to ~0.7 nats, would hide a wrong layer.)"""
+    from jaxbatch.lora import layers as lora_layers
+    from jaxbatch.tuning import startup
+
+    path, hf, dirs, refs = qwen35
+    kw = {**ENGINE_1, "dtype": "bfloat16", "enable_lora": True, "max_loras": 2,
+          "max_lora_rank": 8, "lora_modules": dirs}
+    prompts = prompts_of([9, 30, 20], seed=15)
+    sp = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+    def top(llm, name):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+                            lora_request=None if name is None else LoRARequest(name))
+        return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+
+    kernel = LLM(path, **kw)
+    if not lora_layers.on_kernel(kernel.engine.runner.params["lora"]):
+        pytest.skip("this CPU's quantised-matmul kernel does not run bf16")
+    got = {n: top(kernel, n) for n in (None, "attn", "dn")}
+    assert kernel.engine.compiles_since_warmup == 0
+    del kernel
+    monkeypatch.setattr(startup, "_lora_routes", lambda *a: None)
+    xla = LLM(path, **kw)
+    assert not lora_layers.on_kernel(xla.engine.runner.params["lora"])
+    for name in (None, "attn", "dn"):
+        for w, g in zip(top(xla, name), got[name]):
+            shared = set(w) & set(g)
+            assert len(shared) >= 4, (name, w, g)
+            assert max(abs(w[t] - g[t]) for t in shared) < 0.1, (name, w, g)
+    for name in ("attn", "dn"):  # top-5 sets of the base and the adapter: far apart
+        for a, b in zip(got[name], got[None]):
+            assert len(set(a) & set(b)) <= 2, (name, a, b)
+
+
 def _arch(kind: str, **changes) -> ModelArch:
     from tests.helpers.tiny_models import make_hf_config
 
