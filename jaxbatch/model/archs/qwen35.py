@@ -220,7 +220,8 @@ def forward(
     rows = lora_layers.step_rows(lora, lora_ids) if lora is not None and lora_ids is not None \
         else None
     # the slots split as the weights are: scanned per group, or whole BF16-row stacks
-    lstacks = _Stacks.of(lora["layers"], arch, G) if rows is not None else _Stacks({}, {})
+    lstacks = _Stacks.of(lora["layers"], arch, G) if lora is not None and rows is not None \
+        else _Stacks({}, {})
     lay = deltanet.step_layout(attn.cu_q_lens, attn.kv_lens, attn.num_seqs, attn.state_slots, T,
                                attn.state_write_slots)
     num_valid = jnp.asarray(attn.cu_q_lens)[jnp.asarray(attn.num_seqs).reshape(-1)[0]] \
