@@ -10,13 +10,15 @@ file kinds load:
     "lora", adapter.lora.alpha): `blk.{i}.attn_q.weight.lora_a` (numpy [r, in]) and `lora_b`
     ([out, r]), q/k's B rows interleaved for llama.cpp's rope as its base weights are (undone
     here as model/gguf/reader.py undoes them); scale alpha / r, or 1 with no alpha (llama.cpp's rule).
-The modules are the dense linears of `quantize.LINEAR_WEIGHTS` (q/k/v/o, gate/up/down), found
-through the model's own HF names (model/hf_names.py: Phi-3's fused qkv_proj / gate_up_proj split
-by rows: B's rows split, A shared). Anything else an adapter trains (embeddings, the head, MoE
-experts, biases, DoRA, per-module alpha) is refused by name, never dropped.
+The modules are the dense linears of `quantize.LINEAR_WEIGHTS` (q/k/v/o, gate/up/down; an MoE
+model's shared expert), and a hybrid's DeltaNet projections (lora/hybrid.py), found through the
+model's own HF names (model/hf_names.py: Phi-3's fused qkv_proj / gate_up_proj split by rows:
+B's rows split, A shared). Anything else an adapter trains (embeddings, the head, MoE experts,
+routers, biases, DoRA, per-module alpha) is refused by name, never dropped. A multimodal
+wrapper's adapter (`base_model.model.model.language_model.layers.*`) applies to its text model.
 
-`LoRAAdapter.weights[leaf] = (A [L, r, in], B [L, out, r])` in float32, zeros for layers the
-adapter leaves alone; lora/runtime.py pads them to the slots' rank and puts them on the device.
+`LoRAAdapter.weights[leaf] = (A [L, r, in], B [L, out, r])` in float32 (L: the leaf's stack, a
+hybrid's kind's layers), zeros for layers the adapter leaves alone; lora/runtime.py pads them to the slots' rank and puts them on the device.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxbatch.lora import hybrid
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.hf_names import layer_sources
 from jaxbatch.model.quantize import LINEAR_WEIGHTS
@@ -55,7 +58,7 @@ class LoRAAdapter:
 def _linear_sources(arch: ModelArch) -> dict[str, Any]:
     """Our linear leaf -> its HF Source (dense linears only: MoE experts have none)."""
     srcs = layer_sources(arch)
-    return {leaf: srcs[leaf] for leaf in LINEAR_WEIGHTS
+    return {leaf: srcs[leaf] for leaf in LINEAR_WEIGHTS + hybrid.DN_LEAVES
             if leaf in srcs and "{e}" not in srcs[leaf].name}
 
 
@@ -77,6 +80,10 @@ def _leaves_by_module(sources: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     for leaf, src in sources.items():
         out[_module_of(src)] = out.get(_module_of(src), ()) + (leaf,)
     return out
+
+
+def _module_by_leaf(by_module: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    return {leaf: module for module, leaves in by_module.items() for leaf in leaves}
 
 
 def _by_leaf(found: dict[str, dict[int, dict[str, np.ndarray]]],
@@ -105,6 +112,9 @@ def load_adapter(name: str, path: str, arch: ModelArch, max_rank: int) -> LoRAAd
 
 
 # ---- PEFT ------------------------------------------------------------------------------------
+# a causal LM's layers; a multimodal wrapper's text model's (Qwen3.5 as Qwen publishes it)
+_PEFT_PREFIXES = ("base_model.model.model.layers.",
+                  "base_model.model.model.language_model.layers.")
 _UNSUPPORTED_PEFT = {"use_dora": "DoRA", "modules_to_save": "modules_to_save",
                      "alpha_pattern": "alpha_pattern", "rank_pattern": "rank_pattern",
                      "layers_pattern": "layers_pattern", "fan_in_fan_out": "fan_in_fan_out"}
@@ -139,14 +149,14 @@ def _load_peft(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
     if r <= 0:
         raise LoRALoadError(f"LoRA {name!r}: adapter_config.json has no rank r")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    prefix = "base_model.model.model.layers."
     found: dict[str, dict[int, dict[str, np.ndarray]]] = {}
-    by_module = _leaves_by_module(_linear_sources(arch))
+    by_module = hybrid.leaves_by_module(arch, _leaves_by_module(_linear_sources(arch)))
     for key, value in tensors.items():
-        if not key.startswith(prefix) or not (key.endswith(".lora_A.weight")
-                                              or key.endswith(".lora_B.weight")):
+        prefix = next((p for p in _PEFT_PREFIXES if key.startswith(p)), None)
+        if prefix is None or not (key.endswith(".lora_A.weight")
+                                  or key.endswith(".lora_B.weight")):
             raise LoRALoadError(f"LoRA {name!r}: tensor {key!r} is not one this engine applies "
-                                f"(only the layers' linear projections)")
+                                f"(only the text model's layers' linear projections)")
         rest = key[len(prefix):]
         layer_s, _, rest = rest.partition(".")
         module, _, part = rest.rpartition(".lora_")
@@ -155,7 +165,8 @@ def _load_peft(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
                                 f"adapted linears {sorted(by_module)}")
         found.setdefault(module, {}).setdefault(int(layer_s), {})[part[0]] = \
             np.asarray(value, np.float32)
-    return _assemble(name, path, arch, r, scale, _by_leaf(found, by_module), permuted=None)
+    return _assemble(name, path, arch, r, scale, _by_leaf(found, by_module),
+                     _module_by_leaf(by_module), permuted=None)
 
 
 # ---- GGUF ------------------------------------------------------------------------------------
@@ -175,6 +186,9 @@ def _load_gguf(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
         raise LoRALoadError(f"LoRA {name!r}: {path} is not a GGUF LoRA adapter (general.type "
                             f"{field('general.type')!r}, adapter.type {field('adapter.type')!r})")
     gguf_arch = field("general.architecture")
+    refused = hybrid.refuse_gguf(arch, gguf_arch)
+    if refused is not None:
+        raise LoRALoadError(f"LoRA {name!r}: {refused}")
     sources = _linear_sources(arch)
     hf_names = {f"model.layers.{i}.{src.name}" for i in range(arch.num_layers)
                 for src in sources.values()}
@@ -200,29 +214,36 @@ def _load_gguf(name: str, path: str, arch: ModelArch) -> LoRAAdapter:
     permuted = {"self_attn.q_proj": arch.num_heads, "self_attn.k_proj": arch.num_kv_heads} \
         if gguf_arch in gguf_model._PERMUTED_ARCHS else None
     return _assemble(name, path, arch, rank, scale, _by_leaf(found, by_module),
-                     permuted=permuted)
+                     _module_by_leaf(by_module), permuted=permuted)
 
 
 # ---- both ------------------------------------------------------------------------------------
 def _assemble(name: str, path: str, arch: ModelArch, rank: int, scale: float,
-              found: dict[str, dict[int, dict[str, np.ndarray]]],
+              found: dict[str, dict[int, dict[str, np.ndarray]]], modules: dict[str, str],
               permuted: dict[str, int] | None) -> LoRAAdapter:
-    """Per leaf: the layers' (A, B) stacked [L, r, in] / [L, out, r], zeros where the adapter
-    leaves a layer alone; shapes checked against the model's linears."""
+    """Per leaf: the layers' (A, B) stacked [L, r, in] / [L, out, r] (L: the leaf's stack, HF
+    layer i at its index there), zeros where the adapter leaves a layer alone; shapes checked
+    against the model's linears. `modules`: each leaf's HF module (the one its A, B came from)."""
     shapes = arch.param_shapes()["layers"]
     sources = _linear_sources(arch)
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     if not found:
         raise LoRALoadError(f"LoRA {name!r}: the adapter has no LoRA weights")
     for leaf, layers in found.items():
-        _, d_in, d_out = shapes[leaf]  # ours: [L, in, out]
-        src = sources[leaf]
-        a = np.zeros((arch.num_layers, rank, d_in), np.float32)
-        b = np.zeros((arch.num_layers, d_out, rank), np.float32)
+        L, d_in, d_out = shapes[leaf]  # ours: [L, in, out]
+        src, module = sources[leaf], modules[leaf]
+        index = hybrid.stack_index(arch, leaf)
+        a = np.zeros((L, rank, d_in), np.float32)
+        b = np.zeros((L, d_out, rank), np.float32)
         for i, parts in layers.items():
-            if not 0 <= i < arch.num_layers or set(parts) != {"A", "B"}:
+            if i not in index:
+                raise LoRALoadError(f"LoRA {name!r}: layer {i} of the model has no {module} "
+                                    f"(the model has {arch.num_layers} layers"
+                                    + (f"; {module} in layers {sorted(index)})"
+                                       if arch.is_hybrid else ")"))
+            if set(parts) != {"A", "B"}:
                 raise LoRALoadError(f"LoRA {name!r}: layer {i} of {leaf!r} needs both lora_A and "
-                                    f"lora_B (the model has {arch.num_layers} layers)")
+                                    f"lora_B")
             la, lb = parts["A"], parts["B"]
             if src.rows is not None:  # a fused HF tensor: this leaf's rows of B
                 start, stop, total = src.rows
@@ -230,15 +251,18 @@ def _assemble(name: str, path: str, arch: ModelArch, rank: int, scale: float,
                     raise LoRALoadError(f"LoRA {name!r}: {src.name} lora_B has {lb.shape[0]} rows, "
                                         f"the model {total}")
                 lb = lb[start:stop]
-            module = _module_of(src)
             if permuted is not None and module in permuted:
                 from jaxbatch.model.gguf.reader import unpermute_rows
                 lb = unpermute_rows(lb, permuted[module])
+            try:  # a hybrid's DeltaNet rows and columns in the model's order (lora/hybrid.py)
+                lb, la = hybrid.b_rows(arch, module, leaf, lb), hybrid.a_cols(arch, leaf, la)
+            except ValueError as e:
+                raise LoRALoadError(f"LoRA {name!r}: layer {i} {module}: {e}") from None
             r = la.shape[0]
             if la.shape != (r, d_in) or lb.shape != (d_out, r) or r > rank:
                 raise LoRALoadError(
                     f"LoRA {name!r}: layer {i} {leaf}: lora_A {la.shape} / lora_B {lb.shape} do "
                     f"not fit the model's [{d_out}, {d_in}] linear at rank {rank}")
-            a[i, :r], b[i, :, :r] = la, lb
+            a[index[i], :r], b[index[i], :, :r] = la, lb
         weights[leaf] = (a, b)
     return LoRAAdapter(name, path, rank, scale, weights)

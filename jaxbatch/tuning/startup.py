@@ -221,9 +221,6 @@ def hybrid_config(config: EngineConfig, arch: Any) -> EngineConfig:
     running sequence), and is off when there are none."""
     if not arch.is_hybrid:
         return config
-    if config.lora.enable_lora:
-        raise ValueError("LoRA adapters are not supported yet for hybrid (Gated DeltaNet) "
-                         "models")
     cache = config.cache
     count = cache.state_checkpoints
     if count is None:

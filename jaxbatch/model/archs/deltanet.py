@@ -268,7 +268,8 @@ def _l2norm(x: jax.Array) -> jax.Array:
 
 
 def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: jax.Array,
-                    lay: StepLayout, arch: ModelArch, mm, rms_norm, rule: RuleFn | None = None
+                    lay: StepLayout, arch: ModelArch, mm, rms_norm, rule: RuleFn | None = None,
+                    proj: Callable[[jax.Array, str], jax.Array] | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One DeltaNet layer: h [T, H] (normed) -> (its output [T, H] in h's dtype, each sequence's
     new conv state [S, C, Kc-1] f32 and recurrent state [S, Hv, dk, dv] f32).
@@ -280,13 +281,17 @@ def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: ja
     before the step ([S, ...], f32, already zero for fresh sequences). `rule`: the recurrence,
     `delta_rule`'s signature and contract (default: delta_rule); another may take and return
     its states in another form (the C++ kernel: the whole state cache, written in place), which
-    ssm_state and the result's third item then are."""
+    ssm_state and the result's third item then are. `proj(x, leaf)`: a projection by its leaf
+    (default mm(x, lp[leaf]); the forward's adds the tokens' LoRA adapters)."""
+    if proj is None:
+        def proj(x: jax.Array, leaf: str) -> jax.Array:
+            return mm(x, lp[leaf])
     T, dt = h.shape[0], h.dtype
     Hk, Hv = arch.linear_num_key_heads, arch.linear_num_value_heads
     dk, dv = arch.linear_key_head_dim, arch.linear_value_head_dim
-    qkv, conv_new = causal_conv(mm(h, lp["dn_qkv"]), lp["dn_conv"], conv_state, lay)
-    z = mm(h, lp["dn_z"]).reshape(T, Hv, dv)
-    b, a = mm(h, lp["dn_b"]), mm(h, lp["dn_a"])  # [T, Hv]
+    qkv, conv_new = causal_conv(proj(h, "dn_qkv"), lp["dn_conv"], conv_state, lay)
+    z = proj(h, "dn_z").reshape(T, Hv, dv)
+    b, a = proj(h, "dn_b"), proj(h, "dn_a")  # [T, Hv]
     f32 = jnp.float32
     q = qkv[:, :Hk * dk].reshape(T, Hk, dk).astype(f32)
     k = qkv[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk).astype(f32)
@@ -302,4 +307,4 @@ def gated_delta_net(h: jax.Array, lp: dict, conv_state: jax.Array, ssm_state: ja
     # the gated RMSNorm per head: (w * norm(o) in o's dtype) * silu(z), in f32, rounded once
     o = rms_norm(o.astype(dt), lp["dn_norm"], arch.rms_norm_eps)
     o = (o.astype(f32) * jax.nn.silu(z.astype(f32))).astype(dt)
-    return mm(o.reshape(T, Hv * dv), lp["dn_out"]), conv_new.astype(f32), ssm_new
+    return proj(o.reshape(T, Hv * dv), "dn_out"), conv_new.astype(f32), ssm_new

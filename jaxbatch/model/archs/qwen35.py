@@ -25,6 +25,11 @@ depth. A layer's weights are its kind's stacks ([L_kind, ...] leaves, model/arch
 reshaped [groups, per group, ...]; stacks held for a kernel (QuantWeight, the small matmul's
 packs) are passed whole with the layer's index, as in llama.forward.
 
+LoRA adapters (lora/layers.py) on the attention's, the MLP's (the shared expert's) and the
+DeltaNet's projections: the slots stack per leaf as the weights do ([L_kind, ...]), so they
+split for the scan the same way (`_Stacks`), and each linear adds its tokens' adapters
+(llama._mm_lora).
+
 Letter legend: T tokens, S sequences, H hidden, N heads, K kv heads, D head dim, G groups.
 """
 
@@ -39,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbatch.lora import layers as lora_layers
 from jaxbatch.model.arch import ModelArch
 from jaxbatch.model.arch_hybrid import FULL, LINEAR, conv_dim, leaf_layers
 from jaxbatch.model.archs import deltanet, moe
@@ -49,6 +55,7 @@ from jaxbatch.model.archs.llama import (
     Params,
     _kv_encode,
     _mm,
+    _mm_lora,
     apply_rope,
     embed_tokens,
     mlp,
@@ -109,11 +116,13 @@ class _Stacks:
 
     @classmethod
     def of(cls, layers: dict[str, Any], arch: ModelArch, groups: int) -> _Stacks:
+        """`layers`: the params' layer leaves, or the LoRA slots' ({"a", "b"} per leaf)."""
         scanned: dict[str, Any] = {}
         whole: dict[str, tuple[Any, int]] = {}
         for name, w in layers.items():
             per = len(leaf_layers(arch, name)) // groups
-            if isinstance(w, QuantWeight):
+            if isinstance(w, QuantWeight) or (isinstance(w, dict)
+                                              and isinstance(w.get("a"), QuantWeight)):
                 whole[name] = (w, per)
                 continue
             if isinstance(w, OutInWeight) and w.packed is not None:
@@ -127,9 +136,10 @@ class _Stacks:
         """The leaves `kind_leaves` of the j-th layer of their kind in group g, as values."""
         out: dict[str, Any] = {}
         for name in kind_leaves:
-            if name in self.whole and name not in group_xs:  # a QuantWeight
+            if name in self.whole and name not in group_xs:  # a QuantWeight (or LoRA slots')
                 qw, per = self.whole[name]
-                out[name] = dataclasses.replace(qw, layer=g * per + j)
+                out[name] = jax.tree.map(lambda q, i=g * per + j: dataclasses.replace(q, layer=i),
+                                         qw, is_leaf=lambda q: isinstance(q, QuantWeight))
                 continue
             if name not in group_xs:
                 continue
@@ -143,16 +153,19 @@ class _Stacks:
 
 def _full_attention(h: jax.Array, lp: dict, k_cache: jax.Array, v_cache: jax.Array,
                     li: jax.Array, cos: jax.Array, sin: jax.Array, attn: AttentionInputs,
-                    arch: ModelArch, attention_fn: AttentionFn
+                    arch: ModelArch, attention_fn: AttentionFn, ad: dict,
+                    rows: lora_layers.LoRARows | None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One gated attention layer on h [T, H] (normed); k_cache / v_cache [L_full * pages, P, K,
-    D], li this layer's index among the full-attention layers. -> (output [T, H], caches)."""
+    D], li this layer's index among the full-attention layers; `ad`, `rows`: the layer's LoRA
+    slots and the step's token rows ({}, None: no adapters). -> (output [T, H], caches)."""
     T, N, K, D = h.shape[0], arch.num_heads, arch.num_kv_heads, arch.head_dim
     n_pages, P = k_cache.shape[0] // kv_layers(arch), k_cache.shape[1]
-    qg = _mm(h, lp["wq"]).reshape(T, N, 2 * D)  # per head: D query columns, then D gate ones
+    # per head: D query columns, then D gate ones (an adapter's B rows likewise: HF's layout)
+    qg = _mm_lora(h, lp["wq"], ad.get("wq"), rows).reshape(T, N, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(T, N * D)
-    k = _mm(h, lp["wk"]).reshape(T, K, D)
-    v = _mm(h, lp["wv"]).reshape(T, K, D)
+    k = _mm_lora(h, lp["wk"], ad.get("wk"), rows).reshape(T, K, D)
+    v = _mm_lora(h, lp["wv"], ad.get("wv"), rows).reshape(T, K, D)
     eps = arch.rms_norm_eps
     q = rms_norm(q, lp["q_norm"], eps, plus_one=True)
     k = rms_norm(k, lp["k_norm"], eps, plus_one=True)
@@ -169,7 +182,7 @@ def _full_attention(h: jax.Array, lp: dict, k_cache: jax.Array, v_cache: jax.Arr
     o = o.reshape(T, N * D).astype(h.dtype)
     # HF: attn_output * torch.sigmoid(gate), in the compute dtype
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(h.dtype)
-    return _mm(o, lp["wo"]), k_cache, v_cache
+    return _mm_lora(o, lp["wo"], ad.get("wo"), rows), k_cache, v_cache
 
 
 def forward(
@@ -189,10 +202,8 @@ def forward(
     module docstring); llama.forward's contract otherwise. `deltanet_kernel`: the recurrence by
     the C++ kernel on the state cache in place (pallas_kernels/deltanet) or by the jnp forms
     (deltanet.delta_rule); None: the kernel where its library is registered and the step runs
-    on the CPU."""
-    if lora_ids is not None and params.get("lora") is not None:
-        raise NotImplementedError(f"LoRA adapters are not supported for {arch.model_type} "
-                                  "(Gated DeltaNet hybrid) models")
+    on the CPU. With LoRA slots in params["lora"], `lora_ids` i32[T] is each token's adapter
+    slot (0: the base model), as in llama.forward."""
     if attn.state_slots is None:
         raise ValueError(f"{arch.model_type} needs AttentionInputs.state_slots (each "
                          "sequence's recurrent-state slot)")
@@ -205,6 +216,12 @@ def forward(
     P = pattern_period(kinds)
     G = arch.num_layers // P
     stacks = _Stacks.of(params["layers"], arch, G)
+    lora = params.get("lora")
+    rows = lora_layers.step_rows(lora, lora_ids) if lora is not None and lora_ids is not None \
+        else None
+    # the slots split as the weights are: scanned per group, or whole BF16-row stacks
+    lstacks = _Stacks.of(lora["layers"], arch, G) if lora is not None and rows is not None \
+        else _Stacks({}, {})
     lay = deltanet.step_layout(attn.cu_q_lens, attn.kv_lens, attn.num_seqs, attn.state_slots, T,
                                attn.state_write_slots)
     num_valid = jnp.asarray(attn.cu_q_lens)[jnp.asarray(attn.num_seqs).reshape(-1)[0]] \
@@ -220,25 +237,29 @@ def forward(
 
     def group(carry, xs):
         x, cache = carry
-        g, gx = xs
+        g, gx, lx = xs
         seen = {LINEAR: 0, FULL: 0}
         for p in range(P):
             kind, j = kinds[p], seen[kinds[p]]
             seen[kind] += 1
             lp = stacks.layer(gx, g, common, p)
+            ad = lstacks.layer(lx, g, common, p)  # this layer's LoRA slots (MLP, kind's)
             li = g * n_kind[kind] + j  # the layer's index among its kind
             h = norm(x, lp["attn_norm"])
             if kind == LINEAR:
                 lp.update(stacks.layer(gx, g, dn_leaves, j))
+                ad.update(lstacks.layer(lx, g, dn_leaves, j))
                 rule = functools.partial(dn_kernel.delta_rule_in_place, layer=li) \
                     if deltanet_kernel else None
-                o, cache = _linear_layer(h, lp, cache, li, lay, arch, rule)
+                o, cache = _linear_layer(h, lp, cache, li, lay, arch, rule, ad, rows)
             else:
                 lp.update(stacks.layer(gx, g, attn_leaves, j))
+                ad.update(lstacks.layer(lx, g, attn_leaves, j))
                 o, cache["k"], cache["v"] = _full_attention(
-                    h, lp, cache["k"], cache["v"], li, cos, sin, attn, arch, attention_fn)
+                    h, lp, cache["k"], cache["v"], li, cos, sin, attn, arch, attention_fn,
+                    ad, rows)
             x = x + o
-            x = x + mlp(norm(x, lp["mlp_norm"]), lp, arch, num_valid, experts_fn)
+            x = x + mlp(norm(x, lp["mlp_norm"]), lp, arch, num_valid, experts_fn, ad, rows)
         return (x, cache), None
 
     cache = dict(kv_cache)
@@ -246,29 +267,38 @@ def forward(
     flat = (kv_shape[0] * kv_shape[1], *kv_shape[2:])
     cache["k"], cache["v"] = cache["k"].reshape(flat), cache["v"].reshape(flat)
     (x, cache), _ = jax.lax.scan(group, (x, cache),
-                                 (jnp.arange(G, dtype=jnp.int32), stacks.scanned))
+                                 (jnp.arange(G, dtype=jnp.int32), stacks.scanned,
+                                  lstacks.scanned))
     cache["k"], cache["v"] = cache["k"].reshape(kv_shape), cache["v"].reshape(kv_shape)
     return x, cache
 
 
 def _linear_layer(h: jax.Array, lp: dict, cache: dict[str, jax.Array], li: jax.Array,
                   lay: deltanet.StepLayout, arch: ModelArch,
-                  rule: deltanet.RuleFn | None = None
+                  rule: deltanet.RuleFn | None = None, ad: dict | None = None,
+                  rows: lora_layers.LoRARows | None = None
                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A DeltaNet layer with its states read from and written to the slots of `cache`.
     `rule`: None, the jnp recurrence on the gathered states (deltanet.delta_rule), scattered
     back; or one that takes and returns the whole recurrent-state cache [L_linear, slots, Hv,
     dk, dv] (the C++ kernel, partial'd with the layer `li`: it reads and writes the slots in
-    place)."""
+    place). `ad`, `rows`: the layer's LoRA slots and the step's token rows (None: no
+    adapters)."""
+    slots = ad or {}
+
+    def proj(x: jax.Array, leaf: str) -> jax.Array:  # x @ lp[leaf] + the tokens' adapters
+        return _mm_lora(x, lp[leaf], slots.get(leaf), rows)
+
     fresh = lay.fresh[:, None, None]
     conv = jnp.where(fresh, np.float32(0), cache["conv"][li, lay.read_slot])  # [S, C, Kc-1]
     cache = dict(cache)
     if rule is None:
         ssm = jnp.where(fresh[..., None], np.float32(0), cache["ssm"][li, lay.read_slot])
-        o, conv, ssm = deltanet.gated_delta_net(h, lp, conv, ssm, lay, arch, _mm, rms_norm)
+        o, conv, ssm = deltanet.gated_delta_net(h, lp, conv, ssm, lay, arch, _mm, rms_norm,
+                                                proj=proj)
         cache["ssm"] = cache["ssm"].at[li, lay.write_slot].set(ssm, mode="drop")
     else:
         o, conv, cache["ssm"] = deltanet.gated_delta_net(h, lp, conv, cache["ssm"], lay, arch,
-                                                         _mm, rms_norm, rule)
+                                                         _mm, rms_norm, rule, proj=proj)
     cache["conv"] = cache["conv"].at[li, lay.write_slot].set(conv, mode="drop")
     return o, cache
