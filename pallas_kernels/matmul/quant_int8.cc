@@ -399,8 +399,7 @@ JB_INLINE void put(const Job& j, int64_t m, int64_t n, float v) {
     static_cast<uint16_t*>(j.out)[m * j.N + n] = to_bf16(v);
 }
 
-// ================= the tree path (M = 1) =================
-
+// ================= the tree path (M <= tree_rows) =================
 
 // n <= 8 vectors of 16 int32 lanes -> their sums, by transposing adds
 JB_INLINE __m512i merge32(__m512i a, __m512i b) {  // per 128-bit lane [a, b, a, b] partials
@@ -431,26 +430,78 @@ JB_INLINE __m512i reduce8x2(const __m512i* a) {
   return _mm512_shuffle_i32x4(f, f, 0xD8);
 }
 
+// 16 int32 lanes from f(i) (i < 16); a constant where f is
+template <class F>
+JB_INLINE __m512i lanes32(F f) {
+  alignas(64) int32_t t[16];
+  for (int i = 0; i < 16; ++i) t[i] = f(i);
+  return _mm512_load_si512(t);
+}
+
+// 32 words, word w the byte f(w) of the table a (f < 64) : b (64 + ...; kTwo), zero-extended:
+// one VPERMB / VPERMT2B (VBMI), else the bytes widened and VPERMT2W (two where kTwo)
+template <bool kTwo, class F>
+JB_INLINE __m512i byte_words(__m512i a, __m512i b, F f) {
+#if defined(__AVX512VBMI__)
+  alignas(64) uint16_t t[32];  // the bytes' indexes; the high bytes' are masked off
+  for (int w = 0; w < 32; ++w) t[w] = static_cast<uint16_t>(f(w));
+  if constexpr (kTwo)
+    return _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, a, _mm512_load_si512(t), b);
+  else
+    return _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, _mm512_load_si512(t), a);
+#else
+  alignas(64) uint16_t t[32];
+  uint32_t hi = 0;
+  for (int w = 0; w < 32; ++w) {
+    t[w] = static_cast<uint16_t>(f(w) & 63);
+    hi |= (f(w) >= 64 ? 1u : 0u) << w;
+  }
+  const __m512i idx = _mm512_load_si512(t);
+  auto widen = [&](__m512i v) {
+    return _mm512_permutex2var_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(v)), idx,
+                                     _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1)));
+  };
+  const __m512i ra = widen(a);
+  return kTwo ? _mm512_mask_mov_epi16(ra, hi, widen(b)) : ra;
+#endif
+}
+
+// Q4_K / Q5_K: 4 columns' 16-byte headers (f16 d, dmin, the 12 scale bytes) side by side, one a
+// 128-bit lane (columns past n: zeros); the header's scales in ggml's order (k4_bytes)
+template <int N>
+JB_INLINE __m512i k4_heads(const uint8_t* p, int64_t rb) {
+  __m512i h = _mm512_zextsi128_si512(load128(p));
+  if constexpr (N > 1) h = _mm512_inserti32x4(h, load128(p + rb), 1);
+  if constexpr (N > 2) h = _mm512_inserti32x4(h, load128(p + 2 * rb), 2);
+  if constexpr (N > 3) h = _mm512_inserti32x4(h, load128(p + 3 * rb), 3);
+  return h;
+}
+// k4_bytes of each 128-bit lane's header: bytes 0-7 sc_j, 8-15 m_j
+JB_INLINE __m512i k4_scales(__m512i q) {
+  const __m512i a = _mm512_shuffle_epi8(
+      q, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13,
+                                              14, 15)));
+  const __m512i h = _mm512_shuffle_epi8(
+      q, _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9,
+                                              10, 11)));
+  const __m512i lo = _mm512_and_si512(
+      _mm512_mask_blend_epi32(0x8888, a, _mm512_srli_epi16(a, 4)),
+      _mm512_broadcast_i32x4(_mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)));
+  return or_and(lo, _mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30));
+}
+
 // A column's group decoded for the tree path: codes, and the scales as VPDPWSSD operands
 template <class D>
 struct TreeW {
   __m512i c[D::NV];
   __m512i s01, s23;  // K-quants: word pairs (scale of P0's lane, of P1's), (P2's, P3's)
-  __m128i m;         // Q4_K, Q5_K: m_0..7 as words
 };
 
+// the codes of a column's group, and Q6_K's scales (Q4_K, Q5_K: k4_pairs)
 template <class D>
 JB_INLINE void tree_decode(const uint8_t* p, bool two, TreeW<D>& w) {
   D::codes(p, two, w.c);
-  if constexpr (D::kMins) {
-    // words: sc_0..7, m_0..7; vector v's lanes 0-7 hold sub-block sub(v, 0), 8-15 sub(v, 1), so
-    // dword lane i of s01 is (sc_0, sc_1) for i < 8, else (sc_2, sc_3); s23 likewise (4, 5), (6, 7)
-    const __m256i sm = _mm256_cvtepu8_epi16(k4_bytes(p));
-    w.m = _mm256_extracti128_si256(sm, 1);
-    const __m512i sw = _mm512_castsi256_si512(sm);
-    w.s01 = _mm512_permutexvar_epi32(halves32(0, 1), sw);
-    w.s23 = _mm512_permutexvar_epi32(halves32(2, 3), sw);
-  } else if constexpr (D::kInit) {
+  if constexpr (D::kInit) {
     // scales (int8, one per 16 weights) as words; vector v's 128-bit lane k: group 4v + k, so
     // dword lane i (k = i / 4) of s01 is (sc_k, sc_4+k), of s23 (sc_8+k, sc_12+k)
     const __m512i sw = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(load128(p + 192)));
@@ -465,6 +516,15 @@ JB_INLINE void tree_decode(const uint8_t* p, bool two, TreeW<D>& w) {
                           0xF000B, 0xF000B),
         sw);
   }
+}
+
+// Q4_K / Q5_K: column k's (in its 4-column k4_scales s) scale word pairs: vector v's lanes 0-7
+// hold sub-block sub(v, 0), 8-15 sub(v, 1), so dword lane i of s01 is (sc_0, sc_1) for i < 8,
+// else (sc_2, sc_3); s23 likewise (4, 5), (6, 7)
+template <class D, int k>
+JB_INLINE void k4_pairs(__m512i s, TreeW<D>& w) {
+  w.s01 = byte_words<false>(s, s, [](int i) { return 16 * k + (i < 16 ? 0 : 2) + (i & 1); });
+  w.s23 = byte_words<false>(s, s, [](int i) { return 16 * k + (i < 16 ? 4 : 6) + (i & 1); });
 }
 
 // P_a's and P_b's lanes (each |.| < 2^15) as word pairs (P_a low): one VPDPWSSD then takes both
@@ -495,61 +555,118 @@ JB_INLINE __m512i tree_row(const TreeW<D>& w, const int8_t* x, const int32_t* in
 // block's sum); f(o, hi) -> the index for lane o (hi: lane 8 + o)
 template <int R, int C, class F>
 JB_INLINE __m512i tree_lanes(F f) {
-  alignas(64) int32_t t[16];
-  for (int i = 0; i < 16; ++i) {
+  return lanes32([f](int i) {
     const int o = i & 7, ok = o < R * C;
-    t[i] = f(ok ? o / C : 0, ok ? o % C : 0, i >= 8);
+    return f(ok ? o / C : 0, ok ? o % C : 0, i >= 8);
+  });
+}
+
+// A tree tile's step: one group of K (g) of R rows x C columns (w: column 0's group). Out: iv[o]
+// the lanes of output o's dot; the columns' f16 (d, dmin) or (d_b, d_b+1) pairs; Q4_K, Q5_K: J
+// (lanes 8 + o)
+template <class D, int R, int C>
+struct TreeStep {
+  __m512i iv[8];
+  __m256i dd;  // column c's pair in dword c
+  __m512i jv;
+};
+
+// the next tile's C rows (next: their group 0), group g's share: C short rows side by side are C
+// streams, which the hardware prefetcher follows badly. Into L2 (T1): T0 ran 12-20% slower; long
+// rows (>= 4 KB) are left to the hardware (prefetching them ran up to 10% slower) except on AMD
+// (PrefetchLongRows). Measured at one row on the Intel Xeon (AMX) VM, 8B Q4_K/Q6_K shapes in a
+// layer loop: [14336, 4096] Q4_K 1.46 -> 1.28 ms, [4096, 14336] Q6_K 2.32 -> 1.77 ms.
+template <class D, int C>
+JB_INLINE void tree_prefetch(const uint8_t* next, int64_t g) {
+  for (int64_t l = g * C * D::GB / 64; l < (g + 1) * C * D::GB / 64; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
+}
+
+// Q4_K / Q5_K's J in lanes 8 + o: over word pairs t, (m_2t, m_2t+1) . (bsum_2t, bsum_2t+1); s:
+// the k4_scales of columns 0-3, 4-7; bsr: row 0's bsum pairs (row r's at 4r)
+template <int R, int C>
+JB_INLINE __m512i tree_mins(const __m512i* s, const int32_t* bsr) {
+  const __m512i brows = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * R)) - 1), bsr);
+  __m512i jv = _mm512_setzero_si512();
+  for (int t = 0; t < 4; ++t) {
+    // word i: of dword lane i / 2, output o's column c
+    const __m512i mp = byte_words<(C > 4)>(s[0], s[C > 4 ? 1 : 0], [t](int i) {
+      const int o = (i / 2) & 7, c = o < R * C ? o % C : 0;
+      return 64 * (c / 4) + 16 * (c % 4) + 8 + 2 * t + (i & 1);
+    });
+    const __m512i bp =
+        R == 1 ? _mm512_set1_epi32(bsr[t])
+               : _mm512_permutexvar_epi32(
+                     tree_lanes<R, C>([t](int r, int, bool) { return 4 * r + t; }), brows);
+    jv = _mm512_dpwssd_epi32(jv, mp, bp);
   }
-  return _mm512_load_si512(t);
+  return jv;
+}
+
+template <class D, int R, int C>
+JB_INLINE void tree_step(const Job& j, const uint8_t* w, int64_t g, TreeStep<D, R, C>& st) {
+  const int64_t rb = j.rb, M = j.M;
+  const bool two = !D::kPairs || 2 * g + 1 < j.nb;
+  const int8_t* x = j.xq.q + g * M * D::GK;
+  const int32_t* init = D::kInit ? j.xq.init + g * M * 64 : nullptr;
+  [[maybe_unused]] __m512i heads[2], sc[2];  // Q4_K, Q5_K: columns 0-3, 4-7
+  if constexpr (D::kMins) {
+    heads[0] = heads[1] = k4_heads<C < 4 ? C : 4>(w, rb);
+    if constexpr (C > 4) heads[1] = k4_heads<C - 4>(w + 4 * rb, rb);
+    sc[0] = sc[1] = k4_scales(heads[0]);
+    if constexpr (C > 4) sc[1] = k4_scales(heads[1]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    TreeW<D> wd;
+    tree_decode<D>(w + c * rb, two, wd);
+    if constexpr (D::kMins) {
+      switch (c % 4) {
+        case 0: k4_pairs<D, 0>(sc[c / 4], wd); break;
+        case 1: k4_pairs<D, 1>(sc[c / 4], wd); break;
+        case 2: k4_pairs<D, 2>(sc[c / 4], wd); break;
+        default: k4_pairs<D, 3>(sc[c / 4], wd); break;
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      st.iv[r * C + c] = tree_row<D>(wd, x + r * D::GK, D::kInit ? init + r * 64 : nullptr);
+  }
+  for (int o = R * C; o < 8; ++o) st.iv[o] = _mm512_setzero_si512();
+  if constexpr (D::kMins) {
+    // dword c: the f16 pair at the start of column c's header
+    st.dd = _mm512_castsi512_si256(_mm512_maskz_permutex2var_epi32(
+        static_cast<__mmask16>((1u << C) - 1), heads[0],
+        lanes32([](int i) { return i < C ? 16 * (i / 4) + 4 * (i % 4) : 0; }), heads[1]));
+    st.jv = tree_mins<R, C>(sc, reinterpret_cast<const int32_t*>(j.xq.bsum8 + g * M * 8));
+  } else {
+    uint32_t dd[8] = {};
+    for (int c = 0; c < C; ++c) dd[c] = D::dd(w + c * rb, two);
+    st.dd = _mm256_setr_epi32(dd[0], dd[1], dd[2], dd[3], dd[4], dd[5], dd[6], dd[7]);
+  }
 }
 
 // rows 0..R-1 x columns n0.. (R * C <= 8): all of K, one group at a time
 template <class D, int R, int C>
 void tree_tile(const Job& j, int64_t n0) {
   static_assert(R * C <= 8, "one tree of 8");
-  const int64_t rb = j.rb, nb = j.nb, M = j.M;
-  const uint8_t* w = j.w + n0 * rb;
-  const uint8_t* next = w + C * rb;  // the next tile's rows (prefetches do not fault)
+  const int64_t M = j.M;
+  const uint8_t* w = j.w + n0 * j.rb;
+  const uint8_t* next = w + C * j.rb;  // the next tile's rows (prefetches do not fault)
   // column c's f16 pair at 2c, 2c+1 (cvtph of the pairs); row r's dx (pairs: second block's at
-  // 8 + r); (m_2t, m_2t+1) of column c at 4c + t, (bsum_2t, bsum_2t+1) of row r at 4r + t
+  // 8 + r)
   const __m512i pidx = tree_lanes<R, C>([](int, int c, bool hi) { return 2 * c + hi; });
   const __m512i ridx =
       tree_lanes<R, C>([](int r, int, bool hi) { return r + (D::kPairs && hi ? 8 : 0); });
   const __mmask16 rm = static_cast<__mmask16>((1u << R) - 1);
-  const bool prefetch = rb < kPrefetchMaxRowBytes || PrefetchLongRows();
+  const bool prefetch = j.rb < kPrefetchMaxRowBytes || PrefetchLongRows();
   __m512 acc = _mm512_setzero_ps();   // lanes o: A_I; 8 + o: A_J (mins)
   __m256 acc2 = _mm256_setzero_ps();  // pairs: A_I
   for (int64_t g = 0; g < j.ng; ++g, w += D::GB) {
-    // the next tile's C rows (contiguous), a group's share at a time: C short rows side by side
-    // are C streams, which the hardware prefetcher follows badly. Into L2 (T1): T0 ran 12-20%
-    // slower; long rows (>= 4 KB) are left to the hardware (prefetching them ran up to 10%
-    // slower). Measured at one row on the Intel Xeon (AMX) VM, 8B Q4_K/Q6_K shapes in a layer
-    // loop: [14336, 4096] Q4_K 1.46 -> 1.28 ms, [4096, 14336] Q6_K 2.32 -> 1.77 ms.
-    if (prefetch)
-      for (int64_t l = g * C * D::GB / 64; l < (g + 1) * C * D::GB / 64; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
-    const bool two = !D::kPairs || 2 * g + 1 < nb;
-    __m512i iv[8];
-    __m128i mins[8];
-    uint32_t dd[8];
-    const int8_t* x = j.xq.q + g * M * D::GK;
-    const int32_t* init = D::kInit ? j.xq.init + g * M * 64 : nullptr;
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      TreeW<D> wd;
-      tree_decode<D>(w + c * rb, two, wd);
-      dd[c] = D::dd(w + c * rb, two);
-      if constexpr (D::kMins) mins[c] = wd.m;
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        iv[r * C + c] = tree_row<D>(wd, x + r * D::GK, D::kInit ? init + r * 64 : nullptr);
-    }
-    for (int o = R * C; o < 8; ++o) iv[o] = _mm512_setzero_si512();
-    for (int c = C; c < 8; ++c) {
-      mins[c] = _mm_setzero_si128();
-      dd[c] = 0;
-    }
-    __m512i s = D::kPairs ? reduce8x2(iv) : reduce8(iv);
+    if (prefetch) tree_prefetch<D, C>(next, g);
+    TreeStep<D, R, C> st;
+    tree_step<D, R, C>(j, w, g, st);
+    __m512i s = D::kPairs ? reduce8x2(st.iv) : reduce8(st.iv);
     const int64_t b0 = D::kPairs ? 2 * g : g;
     __m512 xs = _mm512_maskz_loadu_ps(rm, j.xq.dx + b0 * M);
     if constexpr (D::kPairs) {
@@ -560,39 +677,14 @@ void tree_tile(const Job& j, int64_t n0) {
                                     j.xq.off + (b0 + 1) * M - 8);
       s = _mm512_add_epi32(s, _mm512_permutexvar_epi32(ridx, off));
     }
-    if constexpr (D::kMins) {
-      // J in lanes 8-15: over word pairs t, (m_2t, m_2t+1) . (bsum_2t, bsum_2t+1)
-      const int32_t* bsr = reinterpret_cast<const int32_t*>(j.xq.bsum8 + g * M * 8);
-      const __m512i m03 = _mm512_inserti64x4(
-          _mm512_castsi256_si512(
-              _mm256_inserti128_si256(_mm256_castsi128_si256(mins[0]), mins[1], 1)),
-          _mm256_inserti128_si256(_mm256_castsi128_si256(mins[2]), mins[3], 1), 1);
-      const __m512i m47 = _mm512_inserti64x4(
-          _mm512_castsi256_si512(
-              _mm256_inserti128_si256(_mm256_castsi128_si256(mins[4]), mins[5], 1)),
-          _mm256_inserti128_si256(_mm256_castsi128_si256(mins[6]), mins[7], 1), 1);
-      const __m512i brows =
-          _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * R)) - 1), bsr);
-      __m512i jv = _mm512_setzero_si512();
-      for (int t = 0; t < 4; ++t) {
-        const __m512i mp = _mm512_permutex2var_epi32(
-            m03, tree_lanes<R, C>([t](int, int c, bool) { return 4 * c + t; }), m47);
-        const __m512i bp =
-            R == 1 ? _mm512_set1_epi32(bsr[t])
-                   : _mm512_permutexvar_epi32(
-                         tree_lanes<R, C>([t](int r, int, bool) { return 4 * r + t; }), brows);
-        jv = _mm512_dpwssd_epi32(jv, mp, bp);
-      }
-      s = _mm512_mask_blend_epi32(0xFF00, s, jv);
-    }
+    if constexpr (D::kMins) s = _mm512_mask_blend_epi32(0xFF00, s, st.jv);
     // (d * dx) * f32(I) (and dmin's with J), each rounded, then the sums
-    const __m512 ds = _mm512_permutexvar_ps(
-        pidx, D::d(_mm256_setr_epi32(dd[0], dd[1], dd[2], dd[3], dd[4], dd[5], dd[6], dd[7])));
+    const __m512 ds = _mm512_permutexvar_ps(pidx, D::d(st.dd));
     const __m512 p = _mm512_mul_round_ps(D::times_dx(ds, _mm512_permutexvar_ps(ridx, xs)),
                                          _mm512_cvt_roundepi32_ps(s, kRound), kRound);
     if constexpr (D::kPairs) {
       acc2 = _mm256_add_ps(acc2, _mm512_castps512_ps256(p));
-      if (two) acc2 = _mm256_add_ps(acc2, _mm512_extractf32x8_ps(p, 1));
+      if (2 * g + 1 < j.nb) acc2 = _mm256_add_ps(acc2, _mm512_extractf32x8_ps(p, 1));
     } else {
       acc = _mm512_add_ps(acc, p);
     }
