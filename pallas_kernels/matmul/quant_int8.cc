@@ -149,6 +149,16 @@ JB_INLINE __m128i k4_bytes(const uint8_t* p) {
   return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
 }
 
+// each byte's high nibble: one GF2P8AFFINEQB (bit i <- bit i + 4) where GFNI, else a word shift
+// and a mask
+JB_INLINE __m512i hi_nibbles(__m512i v) {
+#if defined(__GFNI__)
+  return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+#endif
+}
+
 // r = a | (b & c), one VPTERNLOGD
 JB_INLINE __m512i or_and(__m512i a, __m512i b, __m512i c) {
   return _mm512_ternarylogic_epi32(a, b, c, 0xF8);
@@ -235,9 +245,9 @@ struct K4 : F16Scales {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     const __m512i q0 = load512(p + QS), q1 = load512(p + QS + 64);
     c[0] = _mm512_and_si512(q0, nib);
-    c[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib);
+    c[1] = hi_nibbles(q0);
     c[2] = _mm512_and_si512(q1, nib);
-    c[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib);
+    c[3] = hi_nibbles(q1);
     if constexpr (kHigh) {
       // the fifth bit of sub-block j's weight l is bit j of qh[l] (qh: 32 bytes at 16): moved
       // to bit 4 (word shifts: what crosses a byte lands outside bit 4)
@@ -267,7 +277,7 @@ struct Q6_K : F16Scales {
       const __m512i l = load512(p + 64 * h);
       const __m512i qh = _mm512_broadcast_i64x4(load256(p + 128 + 32 * h));
       c[2 * h] = or_and(_mm512_and_si512(l, nib), _mm512_sllv_epi16(qh, halves16(4, 2)), b45);
-      c[2 * h + 1] = or_and(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
+      c[2 * h + 1] = or_and(hi_nibbles(l),
                             _mm512_srlv_epi16(qh, halves16(0, 2)), b45);
     }
   }
