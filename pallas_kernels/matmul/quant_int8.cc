@@ -513,34 +513,34 @@ JB_INLINE void tree_decode(const uint8_t* p, bool two, TreeW<D>& w) {
   D::codes(p, two, w.c);
   if constexpr (D::kInit) {
     // scales (int8, one per 16 weights) as words; vector v's 128-bit lane k: group 4v + k, so
-    // dword lane i (k = i / 4) of s01 is (sc_k, sc_4+k), of s23 (sc_8+k, sc_12+k)
+    // (pack_words) dword i of s01 is sc_4v+k twice, k = i / 4, v = (i / 2) & 1; s23: v + 2
     const __m512i sw = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(load128(p + 192)));
     w.s01 = _mm512_permutexvar_epi16(
-        _mm512_setr_epi32(0x40000, 0x40000, 0x40000, 0x40000, 0x50001, 0x50001, 0x50001,
-                          0x50001, 0x60002, 0x60002, 0x60002, 0x60002, 0x70003, 0x70003,
-                          0x70003, 0x70003),
+        _mm512_setr_epi32(0x00000, 0x00000, 0x40004, 0x40004, 0x10001, 0x10001, 0x50005,
+                          0x50005, 0x20002, 0x20002, 0x60006, 0x60006, 0x30003, 0x30003,
+                          0x70007, 0x70007),
         sw);
     w.s23 = _mm512_permutexvar_epi16(
-        _mm512_setr_epi32(0xC0008, 0xC0008, 0xC0008, 0xC0008, 0xD0009, 0xD0009, 0xD0009,
-                          0xD0009, 0xE000A, 0xE000A, 0xE000A, 0xE000A, 0xF000B, 0xF000B,
-                          0xF000B, 0xF000B),
+        _mm512_setr_epi32(0x80008, 0x80008, 0xC000C, 0xC000C, 0x90009, 0x90009, 0xD000D,
+                          0xD000D, 0xA000A, 0xA000A, 0xE000E, 0xE000E, 0xB000B, 0xB000B,
+                          0xF000F, 0xF000F),
         sw);
   }
 }
 
 // Q4_K / Q5_K: column k's (in its 4-column k4_scales s) scale word pairs: vector v's lanes 0-7
-// hold sub-block sub(v, 0), 8-15 sub(v, 1), so dword lane i of s01 is (sc_0, sc_1) for i < 8,
-// else (sc_2, sc_3); s23 likewise (4, 5), (6, 7)
+// hold sub-block sub(v, 0), 8-15 sub(v, 1), so (pack_words) dword i of s01 is sc_j twice,
+// j = sub((i / 2) & 1, i >= 8); s23 likewise with vectors 2, 3
 template <class D, int k>
 JB_INLINE void k4_pairs(__m512i s, TreeW<D>& w) {
-  w.s01 = byte_words<false>(s, s, [](int i) { return 16 * k + (i < 16 ? 0 : 2) + (i & 1); });
-  w.s23 = byte_words<false>(s, s, [](int i) { return 16 * k + (i < 16 ? 4 : 6) + (i & 1); });
+  w.s01 = byte_words<false>(s, s, [](int i) { return 16 * k + D::sub((i / 4) & 1, i >= 16); });
+  w.s23 = byte_words<false>(s, s, [](int i) { return 16 * k + D::sub(2 + ((i / 4) & 1), i >= 16); });
 }
 
-// P_a's and P_b's lanes (each |.| < 2^15) as word pairs (P_a low): one VPDPWSSD then takes both
-JB_INLINE __m512i pack_words(__m512i a, __m512i b) {
-  return _mm512_mask_blend_epi16(0xAAAAAAAAu, a, _mm512_slli_epi32(b, 16));
-}
+// P_a's and P_b's lanes (each |.| < 2^15) as words, one VPACKSSDW (no saturation): 128-bit lane
+// k's dwords (P_a[4k], P_a[4k+1]), (P_a[4k+2], P_a[4k+3]), then P_b's; one VPDPWSSD then takes
+// both
+JB_INLINE __m512i pack_words(__m512i a, __m512i b) { return _mm512_packs_epi32(a, b); }
 
 // one row's dot with a decoded group: 16 lanes summing to I (pairs: lanes 0-7 the first block's,
 // 8-15 the second's, before the offset). K-quants: P_v (16 lanes of 4 products; Q6_K's from
