@@ -164,6 +164,29 @@ JB_INLINE __m512i or_and(__m512i a, __m512i b, __m512i c) {
   return _mm512_ternarylogic_epi32(a, b, c, 0xF8);
 }
 
+// base | (bit a (n = 1), or bits a and a + 1 (n = 2), of each byte of v moved to bit 4 (4 and
+// 5)), with bit b (b + 1) in v's high 256 bits; low: base = q's low nibbles. Where GFNI, the
+// bits by one GF2P8AFFINEQB (a bit matrix per qword: result bit i is the parity of the matrix's
+// byte 7 - i and the input byte), else by a word shift each half (what crosses a byte lands
+// outside the mask) merged under the mask by the VPTERNLOGD
+template <int n, int a, int b, bool low>
+JB_INLINE __m512i with_bits(__m512i base, __m512i v) {
+  static_assert((a <= 4 && b <= 4) || (a >= 4 && b >= 4), "one shift direction");
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+#if defined(__GFNI__)
+  constexpr long long ma = (1ll << (24 + a)) | (n == 2 ? 1ll << (16 + a + 1) : 0);
+  constexpr long long mb = (1ll << (24 + b)) | (n == 2 ? 1ll << (16 + b + 1) : 0);
+  const __m512i bits =
+      _mm512_gf2p8affine_epi64_epi8(v, _mm512_setr_epi64(ma, ma, ma, ma, mb, mb, mb, mb), 0);
+  return low ? or_and(bits, base, nib) : _mm512_or_si512(base, bits);
+#else
+  const __m512i sh = b <= 4 ? _mm512_sllv_epi16(v, halves16(4 - a, 4 - b))
+                            : _mm512_srlv_epi16(v, halves16(a - 4, b - 4));
+  return or_and(low ? _mm512_and_si512(base, nib) : base, sh,
+                _mm512_set1_epi8(n == 1 ? 0x10 : 0x30));
+#endif
+}
+
 struct F16Scales {
   static JB_INLINE __m512 d(__m256i h) { return _mm512_cvtph_ps(h); }
   static JB_INLINE __m512 times_dx(__m512 d, __m512 dx) { return _mm512_mul_ps(d, dx); }
@@ -242,20 +265,21 @@ struct K4 : F16Scales {
   // sub-block j's half h of vector v
   static constexpr int sub(int v, int h) { return (v & 1) + 2 * h + 4 * (v >> 1); }
   static JB_INLINE void codes(const uint8_t* p, bool, __m512i* c) {
-    const __m512i nib = _mm512_set1_epi8(0x0F);
     const __m512i q0 = load512(p + QS), q1 = load512(p + QS + 64);
-    c[0] = _mm512_and_si512(q0, nib);
-    c[1] = hi_nibbles(q0);
-    c[2] = _mm512_and_si512(q1, nib);
-    c[3] = hi_nibbles(q1);
     if constexpr (kHigh) {
-      // the fifth bit of sub-block j's weight l is bit j of qh[l] (qh: 32 bytes at 16): moved
-      // to bit 4 (word shifts: what crosses a byte lands outside bit 4)
-      const __m512i h = _mm512_broadcast_i64x4(load256(p + 16)), b4 = _mm512_set1_epi8(0x10);
-      c[0] = or_and(c[0], _mm512_sllv_epi16(h, halves16(4, 2)), b4);
-      c[1] = or_and(c[1], _mm512_sllv_epi16(h, halves16(3, 1)), b4);
-      c[2] = or_and(c[2], _mm512_srlv_epi16(h, halves16(0, 2)), b4);
-      c[3] = or_and(c[3], _mm512_srlv_epi16(h, halves16(1, 3)), b4);
+      // the fifth bit of sub-block j's weight l is bit j of qh[l] (qh: 32 bytes at 16), moved
+      // to bit 4; vector v's halves are sub-blocks sub(v, 0), sub(v, 1)
+      const __m512i h = _mm512_broadcast_i64x4(load256(p + 16));
+      c[0] = with_bits<1, 0, 2, true>(q0, h);
+      c[1] = with_bits<1, 1, 3, false>(hi_nibbles(q0), h);
+      c[2] = with_bits<1, 4, 6, true>(q1, h);
+      c[3] = with_bits<1, 5, 7, false>(hi_nibbles(q1), h);
+    } else {
+      const __m512i nib = _mm512_set1_epi8(0x0F);
+      c[0] = _mm512_and_si512(q0, nib);
+      c[1] = hi_nibbles(q0);
+      c[2] = _mm512_and_si512(q1, nib);
+      c[3] = hi_nibbles(q1);
     }
   }
   static JB_INLINE uint32_t dd(const uint8_t* p, bool) { return u32(p); }
@@ -272,13 +296,11 @@ struct Q6_K : F16Scales {
   // bits 2v, 2v+1 of qh[32h + l]; so ql's 64 bytes at 64h give weights 128h + 0..63 (low
   // nibbles) and 128h + 64..127 (high): vectors in K order. Codes 0..63 (w + 32).
   static JB_INLINE void codes(const uint8_t* p, bool, __m512i* c) {
-    const __m512i nib = _mm512_set1_epi8(0x0F), b45 = _mm512_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
       const __m512i l = load512(p + 64 * h);
       const __m512i qh = _mm512_broadcast_i64x4(load256(p + 128 + 32 * h));
-      c[2 * h] = or_and(_mm512_and_si512(l, nib), _mm512_sllv_epi16(qh, halves16(4, 2)), b45);
-      c[2 * h + 1] = or_and(hi_nibbles(l),
-                            _mm512_srlv_epi16(qh, halves16(0, 2)), b45);
+      c[2 * h] = with_bits<2, 0, 2, true>(l, qh);
+      c[2 * h + 1] = with_bits<2, 4, 6, false>(hi_nibbles(l), qh);
     }
   }
   static JB_INLINE uint32_t dd(const uint8_t* p, bool) { return u16(p + 208); }
