@@ -311,19 +311,19 @@ struct K4 {
       _mm256_store_si256(reinterpret_cast<__m256i*>(sc[k]), _mm256_unpacklo_epi16(s, s));
       _mm256_store_si256(reinterpret_cast<__m256i*>(sc[k] + 8), _mm256_unpackhi_epi16(s, s));
     }
-    auto scale = [&](int c, int j) __attribute__((always_inline)) {
-      return _mm256_set1_epi32(sc[H::at(c)][8 * (j / 4) + 4 * H::lane(c) + j % 4]);
-    };
     // column by column: only the column's R sums live (with the loops the other way round, the
     // C * R sums and the codes spilled to the stack; M = 1 from L2 on one Zen 4 core, 20.1 ->
     // 21.9 GB/s [1024 x 2048], 20.4 -> 23.1 [256 x 8192]: scripts/quant_kernel_rates.py)
     for (int c = 0; c < C; ++c) {
       for (int r = 0; r < R; ++r) acc[r * C + c] = _mm256_setzero_si256();
+      const int32_t* scc = sc[H::at(c)] + 4 * H::lane(c);  // one address a column
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
         code_pair(w[c], g, lo, hi);
-        const __m256i slo = scale(c, 2 * g), shi = scale(c, 2 * g + 1);
+        // sc_2g, sc_2g+1 at scc[8 (j / 4) + j % 4]
+        const __m256i slo = _mm256_set1_epi32(scc[8 * (g / 2) + 2 * (g % 2)]);
+        const __m256i shi = _mm256_set1_epi32(scc[8 * (g / 2) + 2 * (g % 2) + 1]);
         for (int r = 0; r < R; ++r)
           acc[r * C + c] = _mm256_add_epi32(
               acc[r * C + c],
