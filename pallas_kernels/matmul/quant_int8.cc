@@ -593,16 +593,6 @@ JB_INLINE __m512i tree_lanes(F f) {
   });
 }
 
-// A tree tile's step: one group of K (g) of R rows x C columns (w: column 0's group). Out: iv[o]
-// the lanes of output o's dot; the columns' f16 (d, dmin) or (d_b, d_b+1) pairs; Q4_K, Q5_K: J
-// (lanes 8 + o)
-template <class D, int R, int C>
-struct TreeStep {
-  __m512i iv[8];
-  __m256i dd;  // column c's pair in dword c
-  __m512i jv;
-};
-
 // the next tile's C rows (next: their group 0), group g's share: C short rows side by side are C
 // streams, which the hardware prefetcher follows badly. Into L2 (T1): T0 ran 12-20% slower; long
 // rows (>= 4 KB) are left to the hardware (prefetching them ran up to 10% slower) except on AMD
@@ -635,8 +625,12 @@ JB_INLINE __m512i tree_mins(const __m512i* s, const int32_t* bsr) {
   return jv;
 }
 
+// A tree tile's step: one group of K (g) of R rows x C columns (w: column 0's group). Out: iv[o]
+// the lanes of output o's dot; dd: the columns' f16 (d, dmin) or (d_b, d_b+1) pairs (column c's
+// in dword c); Q4_K, Q5_K: jv, J in lanes 8 + o
 template <class D, int R, int C>
-JB_INLINE void tree_step(const Job& j, const uint8_t* w, int64_t g, TreeStep<D, R, C>& st) {
+JB_INLINE void tree_step(const Job& j, const uint8_t* w, int64_t g, __m512i* iv, __m256i& dd,
+                         __m512i& jv) {
   const int64_t rb = j.rb, M = j.M;
   const bool two = !D::kPairs || 2 * g + 1 < j.nb;
   const int8_t* x = j.xq.q + g * M * D::GK;
@@ -648,9 +642,8 @@ JB_INLINE void tree_step(const Job& j, const uint8_t* w, int64_t g, TreeStep<D, 
     sc[0] = sc[1] = k4_scales(heads[0]);
     if constexpr (C > 4) sc[1] = k4_scales(heads[1]);
   }
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) {
-    TreeW<D> wd;
+  // column c decoded (codes, scale operands)
+  auto decode = [&](int c, TreeW<D>& wd) __attribute__((always_inline)) {
     tree_decode<D>(w + c * rb, two, wd);
     if constexpr (D::kMins) {
       switch (c % 4) {
@@ -660,21 +653,38 @@ JB_INLINE void tree_step(const Job& j, const uint8_t* w, int64_t g, TreeStep<D, 
         default: k4_pairs<D, 3>(sc[c / 4], wd); break;
       }
     }
-#pragma GCC unroll 8
+  };
+  if constexpr (C <= 2) {
+    // 3-4 rows: both columns decoded, then row by row (column by column, GCC spilled the rows'
+    // q at R = 4: Q6_K M = 4 from L2 on a Zen 4 core 11.4 against 13.0 GB/s)
+    TreeW<D> wd[C];
+    for (int c = 0; c < C; ++c) decode(c, wd[c]);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
-      st.iv[r * C + c] = tree_row<D>(wd, x + r * D::GK, D::kInit ? init + r * 64 : nullptr);
+      for (int c = 0; c < C; ++c)
+        iv[r * C + c] = tree_row<D>(wd[c], x + r * D::GK, D::kInit ? init + r * 64 : nullptr);
+  } else {
+    // column by column: one column's codes live at a time
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      TreeW<D> wd;
+      decode(c, wd);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        iv[r * C + c] = tree_row<D>(wd, x + r * D::GK, D::kInit ? init + r * 64 : nullptr);
+    }
   }
-  for (int o = R * C; o < 8; ++o) st.iv[o] = _mm512_setzero_si512();
+  for (int o = R * C; o < 8; ++o) iv[o] = _mm512_setzero_si512();
   if constexpr (D::kMins) {
     // dword c: the f16 pair at the start of column c's header
-    st.dd = _mm512_castsi512_si256(_mm512_maskz_permutex2var_epi32(
+    dd = _mm512_castsi512_si256(_mm512_maskz_permutex2var_epi32(
         static_cast<__mmask16>((1u << C) - 1), heads[0],
         lanes32([](int i) { return i < C ? 16 * (i / 4) + 4 * (i % 4) : 0; }), heads[1]));
-    st.jv = tree_mins<R, C>(sc, reinterpret_cast<const int32_t*>(j.xq.bsum8 + g * M * 8));
+    jv = tree_mins<R, C>(sc, reinterpret_cast<const int32_t*>(j.xq.bsum8 + g * M * 8));
   } else {
-    uint32_t dd[8] = {};
-    for (int c = 0; c < C; ++c) dd[c] = D::dd(w + c * rb, two);
-    st.dd = _mm256_setr_epi32(dd[0], dd[1], dd[2], dd[3], dd[4], dd[5], dd[6], dd[7]);
+    uint32_t p[8] = {};
+    for (int c = 0; c < C; ++c) p[c] = D::dd(w + c * rb, two);
+    dd = _mm256_setr_epi32(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);
   }
 }
 
@@ -696,9 +706,10 @@ void tree_tile(const Job& j, int64_t n0) {
   __m256 acc2 = _mm256_setzero_ps();  // pairs: A_I
   for (int64_t g = 0; g < j.ng; ++g, w += D::GB) {
     if (prefetch) tree_prefetch<D, C>(next, g);
-    TreeStep<D, R, C> st;
-    tree_step<D, R, C>(j, w, g, st);
-    __m512i s = D::kPairs ? reduce8x2(st.iv) : reduce8(st.iv);
+    __m512i iv[8], jv;
+    __m256i dd;
+    tree_step<D, R, C>(j, w, g, iv, dd, jv);
+    __m512i s = D::kPairs ? reduce8x2(iv) : reduce8(iv);
     const int64_t b0 = D::kPairs ? 2 * g : g;
     __m512 xs = _mm512_maskz_loadu_ps(rm, j.xq.dx + b0 * M);
     if constexpr (D::kPairs) {
@@ -709,9 +720,9 @@ void tree_tile(const Job& j, int64_t n0) {
                                     j.xq.off + (b0 + 1) * M - 8);
       s = _mm512_add_epi32(s, _mm512_permutexvar_epi32(ridx, off));
     }
-    if constexpr (D::kMins) s = _mm512_mask_blend_epi32(0xFF00, s, st.jv);
+    if constexpr (D::kMins) s = _mm512_mask_blend_epi32(0xFF00, s, jv);
     // (d * dx) * f32(I) (and dmin's with J), each rounded, then the sums
-    const __m512 ds = _mm512_permutexvar_ps(pidx, D::d(st.dd));
+    const __m512 ds = _mm512_permutexvar_ps(pidx, D::d(dd));
     const __m512 p = _mm512_mul_round_ps(D::times_dx(ds, _mm512_permutexvar_ps(ridx, xs)),
                                          _mm512_cvt_roundepi32_ps(s, kRound), kRound);
     if constexpr (D::kPairs) {
