@@ -34,14 +34,18 @@
 // the nibbles), the offset times the block's q sum taken off; Q5_K's fifth and Q6_K's high bits
 // merged into the nibbles; Q6_K's -32 folded in as each 16-weight group's start value (-32 * its
 // q sum); Q4_K/Q5_K mins as J = VPDPWSSD over (m_2t, m_2t+1) x (bsum_2t, bsum_2t+1) word pairs.
+// Where the build has GFNI, high nibbles and those high bits are moved by GF2P8AFFINEQB (one op
+// for a shift and a mask: Zen 4 runs each 512-bit op as two 256-bit halves, so ops count).
 // Two paths, same integers, same f32 steps:
 // - Few rows (tree; M <= 4 for the K-quants, <= 2 for Q8_0/Q4_0/MXFP4): tiles of R = M rows x
 //   C columns (R * C <= 8) walk K a block at a time (Q8_0/Q4_0/MXFP4: two), each column's block
 //   decoded from the file's layout into registers once for all R rows; each dot's 16 lanes
-//   (sub-block scales by VPDPWSSD on lane sums packed pairwise into words, each < 2^15) go
-//   through one transposing tree of integer adds to give I_b; the f32 steps run on the tile's
-//   outputs side by side. The next tile's short rows are prefetched into L2 a block's share at
-//   a time (C rows side by side are C streams, which the hardware prefetcher follows badly).
+//   (sub-block scales by VPDPWSSD on lane sums packed pairwise into words by VPACKSSDW, each
+//   < 2^15) go through one transposing tree of integer adds to give I_b; the f32 steps run on the
+//   tile's outputs side by side. Q4_K/Q5_K: 4 columns' block headers share a zmm, their scales
+//   unpacked once and permuted per column (VPERMB where VBMI). The next tile's short rows are
+//   prefetched into L2 a block's share at a time (C rows side by side are C streams, which the
+//   hardware prefetcher follows badly).
 // - More rows (wide): a zmm holds one row x 16 columns, so there is no reduction: 16 columns'
 //   blocks are unpacked (codes transposed by a 16 x 16 dword transpose into 64-byte units of 4
 //   codes per column; scales likewise), a unit's codes are loaded once for all rows and each
@@ -555,8 +559,10 @@ JB_INLINE void tree_decode(const uint8_t* p, bool two, TreeW<D>& w) {
 // j = sub((i / 2) & 1, i >= 8); s23 likewise with vectors 2, 3
 template <class D, int k>
 JB_INLINE void k4_pairs(__m512i s, TreeW<D>& w) {
+  // word i: dword i / 2, whose vector in the pair is (i / 4) & 1, its half i >= 16
   w.s01 = byte_words<false>(s, s, [](int i) { return 16 * k + D::sub((i / 4) & 1, i >= 16); });
-  w.s23 = byte_words<false>(s, s, [](int i) { return 16 * k + D::sub(2 + ((i / 4) & 1), i >= 16); });
+  w.s23 =
+      byte_words<false>(s, s, [](int i) { return 16 * k + D::sub(2 + ((i / 4) & 1), i >= 16); });
 }
 
 // P_a's and P_b's lanes (each |.| < 2^15) as words, one VPACKSSDW (no saturation): 128-bit lane
