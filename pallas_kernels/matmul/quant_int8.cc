@@ -34,14 +34,18 @@
 // the nibbles), the offset times the block's q sum taken off; Q5_K's fifth and Q6_K's high bits
 // merged into the nibbles; Q6_K's -32 folded in as each 16-weight group's start value (-32 * its
 // q sum); Q4_K/Q5_K mins as J = VPDPWSSD over (m_2t, m_2t+1) x (bsum_2t, bsum_2t+1) word pairs.
+// Where the build has GFNI, high nibbles and those high bits are moved by GF2P8AFFINEQB (one op
+// for a shift and a mask: Zen 4 runs each 512-bit op as two 256-bit halves, so ops count).
 // Two paths, same integers, same f32 steps:
 // - Few rows (tree; M <= 4 for the K-quants, <= 2 for Q8_0/Q4_0/MXFP4): tiles of R = M rows x
 //   C columns (R * C <= 8) walk K a block at a time (Q8_0/Q4_0/MXFP4: two), each column's block
 //   decoded from the file's layout into registers once for all R rows; each dot's 16 lanes
-//   (sub-block scales by VPDPWSSD on lane sums packed pairwise into words, each < 2^15) go
-//   through one transposing tree of integer adds to give I_b; the f32 steps run on the tile's
-//   outputs side by side. The next tile's short rows are prefetched into L2 a block's share at
-//   a time (C rows side by side are C streams, which the hardware prefetcher follows badly).
+//   (sub-block scales by VPDPWSSD on lane sums packed pairwise into words by VPACKSSDW, each
+//   < 2^15) go through one transposing tree of integer adds to give I_b; the f32 steps run on the
+//   tile's outputs side by side. Q4_K/Q5_K: 4 columns' block headers share a zmm, their scales
+//   unpacked once and permuted per column (VPERMB where VBMI). The next tile's short rows are
+//   prefetched into L2 a block's share at a time (C rows side by side are C streams, which the
+//   hardware prefetcher follows badly).
 // - More rows (wide): a zmm holds one row x 16 columns, so there is no reduction: 16 columns'
 //   blocks are unpacked (codes transposed by a 16 x 16 dword transpose into 64-byte units of 4
 //   codes per column; scales likewise), a unit's codes are loaded once for all rows and each
@@ -149,9 +153,42 @@ JB_INLINE __m128i k4_bytes(const uint8_t* p) {
   return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
 }
 
+// each byte's high nibble: one GF2P8AFFINEQB (bit i <- bit i + 4) where GFNI, else a word shift
+// and a mask
+JB_INLINE __m512i hi_nibbles(__m512i v) {
+#if defined(__GFNI__)
+  return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+#endif
+}
+
 // r = a | (b & c), one VPTERNLOGD
 JB_INLINE __m512i or_and(__m512i a, __m512i b, __m512i c) {
   return _mm512_ternarylogic_epi32(a, b, c, 0xF8);
+}
+
+// base | (bit a (n = 1), or bits a and a + 1 (n = 2), of each byte of v moved to bit 4 (4 and
+// 5)), with bit b (b + 1) in v's high 256 bits; low: base = q's low nibbles. Where GFNI, the
+// bits by one GF2P8AFFINEQB (a bit matrix per qword: result bit i is the parity of the matrix's
+// byte 7 - i and the input byte), else by a word shift each half (what crosses a byte lands
+// outside the mask) merged under the mask by the VPTERNLOGD
+template <int n, int a, int b, bool low>
+JB_INLINE __m512i with_bits(__m512i base, __m512i v) {
+  static_assert((a <= 4 && b <= 4) || (a >= 4 && b >= 4), "one shift direction");
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+#if defined(__GFNI__)
+  constexpr long long ma = (1ll << (24 + a)) | (n == 2 ? 1ll << (16 + a + 1) : 0);
+  constexpr long long mb = (1ll << (24 + b)) | (n == 2 ? 1ll << (16 + b + 1) : 0);
+  const __m512i bits =
+      _mm512_gf2p8affine_epi64_epi8(v, _mm512_setr_epi64(ma, ma, ma, ma, mb, mb, mb, mb), 0);
+  return low ? or_and(bits, base, nib) : _mm512_or_si512(base, bits);
+#else
+  const __m512i sh = b <= 4 ? _mm512_sllv_epi16(v, halves16(4 - a, 4 - b))
+                            : _mm512_srlv_epi16(v, halves16(a - 4, b - 4));
+  return or_and(low ? _mm512_and_si512(base, nib) : base, sh,
+                _mm512_set1_epi8(n == 1 ? 0x10 : 0x30));
+#endif
 }
 
 struct F16Scales {
@@ -232,20 +269,21 @@ struct K4 : F16Scales {
   // sub-block j's half h of vector v
   static constexpr int sub(int v, int h) { return (v & 1) + 2 * h + 4 * (v >> 1); }
   static JB_INLINE void codes(const uint8_t* p, bool, __m512i* c) {
-    const __m512i nib = _mm512_set1_epi8(0x0F);
     const __m512i q0 = load512(p + QS), q1 = load512(p + QS + 64);
-    c[0] = _mm512_and_si512(q0, nib);
-    c[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib);
-    c[2] = _mm512_and_si512(q1, nib);
-    c[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib);
     if constexpr (kHigh) {
-      // the fifth bit of sub-block j's weight l is bit j of qh[l] (qh: 32 bytes at 16): moved
-      // to bit 4 (word shifts: what crosses a byte lands outside bit 4)
-      const __m512i h = _mm512_broadcast_i64x4(load256(p + 16)), b4 = _mm512_set1_epi8(0x10);
-      c[0] = or_and(c[0], _mm512_sllv_epi16(h, halves16(4, 2)), b4);
-      c[1] = or_and(c[1], _mm512_sllv_epi16(h, halves16(3, 1)), b4);
-      c[2] = or_and(c[2], _mm512_srlv_epi16(h, halves16(0, 2)), b4);
-      c[3] = or_and(c[3], _mm512_srlv_epi16(h, halves16(1, 3)), b4);
+      // the fifth bit of sub-block j's weight l is bit j of qh[l] (qh: 32 bytes at 16), moved
+      // to bit 4; vector v's halves are sub-blocks sub(v, 0), sub(v, 1)
+      const __m512i h = _mm512_broadcast_i64x4(load256(p + 16));
+      c[0] = with_bits<1, 0, 2, true>(q0, h);
+      c[1] = with_bits<1, 1, 3, false>(hi_nibbles(q0), h);
+      c[2] = with_bits<1, 4, 6, true>(q1, h);
+      c[3] = with_bits<1, 5, 7, false>(hi_nibbles(q1), h);
+    } else {
+      const __m512i nib = _mm512_set1_epi8(0x0F);
+      c[0] = _mm512_and_si512(q0, nib);
+      c[1] = hi_nibbles(q0);
+      c[2] = _mm512_and_si512(q1, nib);
+      c[3] = hi_nibbles(q1);
     }
   }
   static JB_INLINE uint32_t dd(const uint8_t* p, bool) { return u32(p); }
@@ -262,13 +300,11 @@ struct Q6_K : F16Scales {
   // bits 2v, 2v+1 of qh[32h + l]; so ql's 64 bytes at 64h give weights 128h + 0..63 (low
   // nibbles) and 128h + 64..127 (high): vectors in K order. Codes 0..63 (w + 32).
   static JB_INLINE void codes(const uint8_t* p, bool, __m512i* c) {
-    const __m512i nib = _mm512_set1_epi8(0x0F), b45 = _mm512_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
       const __m512i l = load512(p + 64 * h);
       const __m512i qh = _mm512_broadcast_i64x4(load256(p + 128 + 32 * h));
-      c[2 * h] = or_and(_mm512_and_si512(l, nib), _mm512_sllv_epi16(qh, halves16(4, 2)), b45);
-      c[2 * h + 1] = or_and(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
-                            _mm512_srlv_epi16(qh, halves16(0, 2)), b45);
+      c[2 * h] = with_bits<2, 0, 2, true>(l, qh);
+      c[2 * h + 1] = with_bits<2, 4, 6, false>(hi_nibbles(l), qh);
     }
   }
   static JB_INLINE uint32_t dd(const uint8_t* p, bool) { return u16(p + 208); }
@@ -399,8 +435,7 @@ JB_INLINE void put(const Job& j, int64_t m, int64_t n, float v) {
     static_cast<uint16_t*>(j.out)[m * j.N + n] = to_bf16(v);
 }
 
-// ================= the tree path (M = 1) =================
-
+// ================= the tree path (M <= tree_rows) =================
 
 // n <= 8 vectors of 16 int32 lanes -> their sums, by transposing adds
 JB_INLINE __m512i merge32(__m512i a, __m512i b) {  // per 128-bit lane [a, b, a, b] partials
@@ -431,46 +466,109 @@ JB_INLINE __m512i reduce8x2(const __m512i* a) {
   return _mm512_shuffle_i32x4(f, f, 0xD8);
 }
 
+// 16 int32 lanes from f(i) (i < 16); a constant where f is
+template <class F>
+JB_INLINE __m512i lanes32(F f) {
+  alignas(64) int32_t t[16];
+  for (int i = 0; i < 16; ++i) t[i] = f(i);
+  return _mm512_load_si512(t);
+}
+
+// 32 words, word w the byte f(w) of the table a (f < 64) : b (64 + ...; kTwo), zero-extended:
+// one VPERMB / VPERMT2B (VBMI), else the bytes widened and VPERMT2W (two where kTwo)
+template <bool kTwo, class F>
+JB_INLINE __m512i byte_words(__m512i a, __m512i b, F f) {
+#if defined(__AVX512VBMI__)
+  alignas(64) uint16_t t[32];  // the bytes' indexes; the high bytes' are masked off
+  for (int w = 0; w < 32; ++w) t[w] = static_cast<uint16_t>(f(w));
+  if constexpr (kTwo)
+    return _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, a, _mm512_load_si512(t), b);
+  else
+    return _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, _mm512_load_si512(t), a);
+#else
+  alignas(64) uint16_t t[32];
+  uint32_t hi = 0;
+  for (int w = 0; w < 32; ++w) {
+    t[w] = static_cast<uint16_t>(f(w) & 63);
+    hi |= (f(w) >= 64 ? 1u : 0u) << w;
+  }
+  const __m512i idx = _mm512_load_si512(t);
+  auto widen = [&](__m512i v) {
+    return _mm512_permutex2var_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(v)), idx,
+                                     _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1)));
+  };
+  const __m512i ra = widen(a);
+  return kTwo ? _mm512_mask_mov_epi16(ra, hi, widen(b)) : ra;
+#endif
+}
+
+// Q4_K / Q5_K: 4 columns' 16-byte headers (f16 d, dmin, the 12 scale bytes) side by side, one a
+// 128-bit lane (columns past n: zeros); the header's scales in ggml's order (k4_bytes)
+template <int N>
+JB_INLINE __m512i k4_heads(const uint8_t* p, int64_t rb) {
+  __m512i h = _mm512_zextsi128_si512(load128(p));
+  if constexpr (N > 1) h = _mm512_inserti32x4(h, load128(p + rb), 1);
+  if constexpr (N > 2) h = _mm512_inserti32x4(h, load128(p + 2 * rb), 2);
+  if constexpr (N > 3) h = _mm512_inserti32x4(h, load128(p + 3 * rb), 3);
+  return h;
+}
+// k4_bytes of each 128-bit lane's header: bytes 0-7 sc_j, 8-15 m_j
+JB_INLINE __m512i k4_scales(__m512i q) {
+  const __m512i a = _mm512_shuffle_epi8(
+      q, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13,
+                                              14, 15)));
+  const __m512i h = _mm512_shuffle_epi8(
+      q, _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9,
+                                              10, 11)));
+  const __m512i lo = _mm512_and_si512(
+      _mm512_mask_blend_epi32(0x8888, a, _mm512_srli_epi16(a, 4)),
+      _mm512_broadcast_i32x4(_mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)));
+  return or_and(lo, _mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30));
+}
+
 // A column's group decoded for the tree path: codes, and the scales as VPDPWSSD operands
 template <class D>
 struct TreeW {
   __m512i c[D::NV];
   __m512i s01, s23;  // K-quants: word pairs (scale of P0's lane, of P1's), (P2's, P3's)
-  __m128i m;         // Q4_K, Q5_K: m_0..7 as words
 };
 
+// the codes of a column's group, and Q6_K's scales (Q4_K, Q5_K: k4_pairs)
 template <class D>
 JB_INLINE void tree_decode(const uint8_t* p, bool two, TreeW<D>& w) {
   D::codes(p, two, w.c);
-  if constexpr (D::kMins) {
-    // words: sc_0..7, m_0..7; vector v's lanes 0-7 hold sub-block sub(v, 0), 8-15 sub(v, 1), so
-    // dword lane i of s01 is (sc_0, sc_1) for i < 8, else (sc_2, sc_3); s23 likewise (4, 5), (6, 7)
-    const __m256i sm = _mm256_cvtepu8_epi16(k4_bytes(p));
-    w.m = _mm256_extracti128_si256(sm, 1);
-    const __m512i sw = _mm512_castsi256_si512(sm);
-    w.s01 = _mm512_permutexvar_epi32(halves32(0, 1), sw);
-    w.s23 = _mm512_permutexvar_epi32(halves32(2, 3), sw);
-  } else if constexpr (D::kInit) {
+  if constexpr (D::kInit) {
     // scales (int8, one per 16 weights) as words; vector v's 128-bit lane k: group 4v + k, so
-    // dword lane i (k = i / 4) of s01 is (sc_k, sc_4+k), of s23 (sc_8+k, sc_12+k)
+    // (pack_words) dword i of s01 is sc_4v+k twice, k = i / 4, v = (i / 2) & 1; s23: v + 2
     const __m512i sw = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(load128(p + 192)));
     w.s01 = _mm512_permutexvar_epi16(
-        _mm512_setr_epi32(0x40000, 0x40000, 0x40000, 0x40000, 0x50001, 0x50001, 0x50001,
-                          0x50001, 0x60002, 0x60002, 0x60002, 0x60002, 0x70003, 0x70003,
-                          0x70003, 0x70003),
+        _mm512_setr_epi32(0x00000, 0x00000, 0x40004, 0x40004, 0x10001, 0x10001, 0x50005,
+                          0x50005, 0x20002, 0x20002, 0x60006, 0x60006, 0x30003, 0x30003,
+                          0x70007, 0x70007),
         sw);
     w.s23 = _mm512_permutexvar_epi16(
-        _mm512_setr_epi32(0xC0008, 0xC0008, 0xC0008, 0xC0008, 0xD0009, 0xD0009, 0xD0009,
-                          0xD0009, 0xE000A, 0xE000A, 0xE000A, 0xE000A, 0xF000B, 0xF000B,
-                          0xF000B, 0xF000B),
+        _mm512_setr_epi32(0x80008, 0x80008, 0xC000C, 0xC000C, 0x90009, 0x90009, 0xD000D,
+                          0xD000D, 0xA000A, 0xA000A, 0xE000E, 0xE000E, 0xB000B, 0xB000B,
+                          0xF000F, 0xF000F),
         sw);
   }
 }
 
-// P_a's and P_b's lanes (each |.| < 2^15) as word pairs (P_a low): one VPDPWSSD then takes both
-JB_INLINE __m512i pack_words(__m512i a, __m512i b) {
-  return _mm512_mask_blend_epi16(0xAAAAAAAAu, a, _mm512_slli_epi32(b, 16));
+// Q4_K / Q5_K: column k's (in its 4-column k4_scales s) scale word pairs: vector v's lanes 0-7
+// hold sub-block sub(v, 0), 8-15 sub(v, 1), so (pack_words) dword i of s01 is sc_j twice,
+// j = sub((i / 2) & 1, i >= 8); s23 likewise with vectors 2, 3
+template <class D, int k>
+JB_INLINE void k4_pairs(__m512i s, TreeW<D>& w) {
+  // word i: dword i / 2, whose vector in the pair is (i / 4) & 1, its half i >= 16
+  w.s01 = byte_words<false>(s, s, [](int i) { return 16 * k + D::sub((i / 4) & 1, i >= 16); });
+  w.s23 =
+      byte_words<false>(s, s, [](int i) { return 16 * k + D::sub(2 + ((i / 4) & 1), i >= 16); });
 }
+
+// P_a's and P_b's lanes (each |.| < 2^15) as words, one VPACKSSDW (no saturation): 128-bit lane
+// k's dwords (P_a[4k], P_a[4k+1]), (P_a[4k+2], P_a[4k+3]), then P_b's; one VPDPWSSD then takes
+// both
+JB_INLINE __m512i pack_words(__m512i a, __m512i b) { return _mm512_packs_epi32(a, b); }
 
 // one row's dot with a decoded group: 16 lanes summing to I (pairs: lanes 0-7 the first block's,
 // 8-15 the second's, before the offset). K-quants: P_v (16 lanes of 4 products; Q6_K's from
@@ -495,60 +593,128 @@ JB_INLINE __m512i tree_row(const TreeW<D>& w, const int8_t* x, const int32_t* in
 // block's sum); f(o, hi) -> the index for lane o (hi: lane 8 + o)
 template <int R, int C, class F>
 JB_INLINE __m512i tree_lanes(F f) {
-  alignas(64) int32_t t[16];
-  for (int i = 0; i < 16; ++i) {
+  return lanes32([f](int i) {
     const int o = i & 7, ok = o < R * C;
-    t[i] = f(ok ? o / C : 0, ok ? o % C : 0, i >= 8);
+    return f(ok ? o / C : 0, ok ? o % C : 0, i >= 8);
+  });
+}
+
+// the next tile's C rows (next: their group 0), group g's share: C short rows side by side are C
+// streams, which the hardware prefetcher follows badly. Into L2 (T1): T0 ran 12-20% slower; long
+// rows (>= 4 KB) are left to the hardware (prefetching them ran up to 10% slower) except on AMD
+// (PrefetchLongRows). Measured at one row on the Intel Xeon (AMX) VM, 8B Q4_K/Q6_K shapes in a
+// layer loop: [14336, 4096] Q4_K 1.46 -> 1.28 ms, [4096, 14336] Q6_K 2.32 -> 1.77 ms.
+template <class D, int C>
+JB_INLINE void tree_prefetch(const uint8_t* next, int64_t g) {
+  for (int64_t l = g * C * D::GB / 64; l < (g + 1) * C * D::GB / 64; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
+}
+
+// Q4_K / Q5_K's J in lanes 8 + o: over word pairs t, (m_2t, m_2t+1) . (bsum_2t, bsum_2t+1); s:
+// the k4_scales of columns 0-3, 4-7; bsr: row 0's bsum pairs (row r's at 4r)
+template <int R, int C>
+JB_INLINE __m512i tree_mins(const __m512i* s, const int32_t* bsr) {
+  const __m512i brows = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * R)) - 1), bsr);
+  __m512i jv = _mm512_setzero_si512();
+  for (int t = 0; t < 4; ++t) {
+    // word i: of dword lane i / 2, output o's column c
+    const __m512i mp = byte_words<(C > 4)>(s[0], s[C > 4 ? 1 : 0], [t](int i) {
+      const int o = (i / 2) & 7, c = o < R * C ? o % C : 0;
+      return 64 * (c / 4) + 16 * (c % 4) + 8 + 2 * t + (i & 1);
+    });
+    const __m512i bp =
+        R == 1 ? _mm512_set1_epi32(bsr[t])
+               : _mm512_permutexvar_epi32(
+                     tree_lanes<R, C>([t](int r, int, bool) { return 4 * r + t; }), brows);
+    jv = _mm512_dpwssd_epi32(jv, mp, bp);
   }
-  return _mm512_load_si512(t);
+  return jv;
+}
+
+// A tree tile's step: one group of K (g) of R rows x C columns (w: column 0's group). Out: iv[o]
+// the lanes of output o's dot; dd: the columns' f16 (d, dmin) or (d_b, d_b+1) pairs (column c's
+// in dword c); Q4_K, Q5_K: jv, J in lanes 8 + o
+template <class D, int R, int C>
+JB_INLINE void tree_step(const Job& j, const uint8_t* w, int64_t g, __m512i* iv, __m256i& dd,
+                         __m512i& jv) {
+  const int64_t rb = j.rb, M = j.M;
+  const bool two = !D::kPairs || 2 * g + 1 < j.nb;
+  const int8_t* x = j.xq.q + g * M * D::GK;
+  const int32_t* init = D::kInit ? j.xq.init + g * M * 64 : nullptr;
+  [[maybe_unused]] __m512i heads[2], sc[2];  // Q4_K, Q5_K: columns 0-3, 4-7
+  if constexpr (D::kMins) {
+    heads[0] = heads[1] = k4_heads<C < 4 ? C : 4>(w, rb);
+    if constexpr (C > 4) heads[1] = k4_heads<C - 4>(w + 4 * rb, rb);
+    sc[0] = sc[1] = k4_scales(heads[0]);
+    if constexpr (C > 4) sc[1] = k4_scales(heads[1]);
+  }
+  // column c decoded (codes, scale operands)
+  auto decode = [&](int c, TreeW<D>& wd) __attribute__((always_inline)) {
+    tree_decode<D>(w + c * rb, two, wd);
+    if constexpr (D::kMins) {
+      switch (c % 4) {
+        case 0: k4_pairs<D, 0>(sc[c / 4], wd); break;
+        case 1: k4_pairs<D, 1>(sc[c / 4], wd); break;
+        case 2: k4_pairs<D, 2>(sc[c / 4], wd); break;
+        default: k4_pairs<D, 3>(sc[c / 4], wd); break;
+      }
+    }
+  };
+  if constexpr (C <= 2) {
+    // 3-4 rows: both columns decoded, then row by row (column by column, GCC spilled the rows'
+    // q at R = 4: Q6_K M = 4 from L2 on a Zen 4 core 11.4 against 13.0 GB/s)
+    TreeW<D> wd[C];
+    for (int c = 0; c < C; ++c) decode(c, wd[c]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        iv[r * C + c] = tree_row<D>(wd[c], x + r * D::GK, D::kInit ? init + r * 64 : nullptr);
+  } else {
+    // column by column: one column's codes live at a time
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      TreeW<D> wd;
+      decode(c, wd);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        iv[r * C + c] = tree_row<D>(wd, x + r * D::GK, D::kInit ? init + r * 64 : nullptr);
+    }
+  }
+  for (int o = R * C; o < 8; ++o) iv[o] = _mm512_setzero_si512();
+  if constexpr (D::kMins) {
+    // dword c: the f16 pair at the start of column c's header
+    dd = _mm512_castsi512_si256(_mm512_maskz_permutex2var_epi32(
+        static_cast<__mmask16>((1u << C) - 1), heads[0],
+        lanes32([](int i) { return i < C ? 16 * (i / 4) + 4 * (i % 4) : 0; }), heads[1]));
+    jv = tree_mins<R, C>(sc, reinterpret_cast<const int32_t*>(j.xq.bsum8 + g * M * 8));
+  } else {
+    uint32_t p[8] = {};
+    for (int c = 0; c < C; ++c) p[c] = D::dd(w + c * rb, two);
+    dd = _mm256_setr_epi32(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);
+  }
 }
 
 // rows 0..R-1 x columns n0.. (R * C <= 8): all of K, one group at a time
 template <class D, int R, int C>
 void tree_tile(const Job& j, int64_t n0) {
   static_assert(R * C <= 8, "one tree of 8");
-  const int64_t rb = j.rb, nb = j.nb, M = j.M;
-  const uint8_t* w = j.w + n0 * rb;
-  const uint8_t* next = w + C * rb;  // the next tile's rows (prefetches do not fault)
+  const int64_t M = j.M;
+  const uint8_t* w = j.w + n0 * j.rb;
+  const uint8_t* next = w + C * j.rb;  // the next tile's rows (prefetches do not fault)
   // column c's f16 pair at 2c, 2c+1 (cvtph of the pairs); row r's dx (pairs: second block's at
-  // 8 + r); (m_2t, m_2t+1) of column c at 4c + t, (bsum_2t, bsum_2t+1) of row r at 4r + t
+  // 8 + r)
   const __m512i pidx = tree_lanes<R, C>([](int, int c, bool hi) { return 2 * c + hi; });
   const __m512i ridx =
       tree_lanes<R, C>([](int r, int, bool hi) { return r + (D::kPairs && hi ? 8 : 0); });
   const __mmask16 rm = static_cast<__mmask16>((1u << R) - 1);
-  const bool prefetch = rb < kPrefetchMaxRowBytes || PrefetchLongRows();
+  const bool prefetch = j.rb < kPrefetchMaxRowBytes || PrefetchLongRows();
   __m512 acc = _mm512_setzero_ps();   // lanes o: A_I; 8 + o: A_J (mins)
   __m256 acc2 = _mm256_setzero_ps();  // pairs: A_I
   for (int64_t g = 0; g < j.ng; ++g, w += D::GB) {
-    // the next tile's C rows (contiguous), a group's share at a time: C short rows side by side
-    // are C streams, which the hardware prefetcher follows badly. Into L2 (T1): T0 ran 12-20%
-    // slower; long rows (>= 4 KB) are left to the hardware (prefetching them ran up to 10%
-    // slower). Measured at one row on the Intel Xeon (AMX) VM, 8B Q4_K/Q6_K shapes in a layer
-    // loop: [14336, 4096] Q4_K 1.46 -> 1.28 ms, [4096, 14336] Q6_K 2.32 -> 1.77 ms.
-    if (prefetch)
-      for (int64_t l = g * C * D::GB / 64; l < (g + 1) * C * D::GB / 64; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T1);
-    const bool two = !D::kPairs || 2 * g + 1 < nb;
-    __m512i iv[8];
-    __m128i mins[8];
-    uint32_t dd[8];
-    const int8_t* x = j.xq.q + g * M * D::GK;
-    const int32_t* init = D::kInit ? j.xq.init + g * M * 64 : nullptr;
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      TreeW<D> wd;
-      tree_decode<D>(w + c * rb, two, wd);
-      dd[c] = D::dd(w + c * rb, two);
-      if constexpr (D::kMins) mins[c] = wd.m;
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        iv[r * C + c] = tree_row<D>(wd, x + r * D::GK, D::kInit ? init + r * 64 : nullptr);
-    }
-    for (int o = R * C; o < 8; ++o) iv[o] = _mm512_setzero_si512();
-    for (int c = C; c < 8; ++c) {
-      mins[c] = _mm_setzero_si128();
-      dd[c] = 0;
-    }
+    if (prefetch) tree_prefetch<D, C>(next, g);
+    __m512i iv[8], jv;
+    __m256i dd;
+    tree_step<D, R, C>(j, w, g, iv, dd, jv);
     __m512i s = D::kPairs ? reduce8x2(iv) : reduce8(iv);
     const int64_t b0 = D::kPairs ? 2 * g : g;
     __m512 xs = _mm512_maskz_loadu_ps(rm, j.xq.dx + b0 * M);
@@ -560,39 +726,14 @@ void tree_tile(const Job& j, int64_t n0) {
                                     j.xq.off + (b0 + 1) * M - 8);
       s = _mm512_add_epi32(s, _mm512_permutexvar_epi32(ridx, off));
     }
-    if constexpr (D::kMins) {
-      // J in lanes 8-15: over word pairs t, (m_2t, m_2t+1) . (bsum_2t, bsum_2t+1)
-      const int32_t* bsr = reinterpret_cast<const int32_t*>(j.xq.bsum8 + g * M * 8);
-      const __m512i m03 = _mm512_inserti64x4(
-          _mm512_castsi256_si512(
-              _mm256_inserti128_si256(_mm256_castsi128_si256(mins[0]), mins[1], 1)),
-          _mm256_inserti128_si256(_mm256_castsi128_si256(mins[2]), mins[3], 1), 1);
-      const __m512i m47 = _mm512_inserti64x4(
-          _mm512_castsi256_si512(
-              _mm256_inserti128_si256(_mm256_castsi128_si256(mins[4]), mins[5], 1)),
-          _mm256_inserti128_si256(_mm256_castsi128_si256(mins[6]), mins[7], 1), 1);
-      const __m512i brows =
-          _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (4 * R)) - 1), bsr);
-      __m512i jv = _mm512_setzero_si512();
-      for (int t = 0; t < 4; ++t) {
-        const __m512i mp = _mm512_permutex2var_epi32(
-            m03, tree_lanes<R, C>([t](int, int c, bool) { return 4 * c + t; }), m47);
-        const __m512i bp =
-            R == 1 ? _mm512_set1_epi32(bsr[t])
-                   : _mm512_permutexvar_epi32(
-                         tree_lanes<R, C>([t](int r, int, bool) { return 4 * r + t; }), brows);
-        jv = _mm512_dpwssd_epi32(jv, mp, bp);
-      }
-      s = _mm512_mask_blend_epi32(0xFF00, s, jv);
-    }
+    if constexpr (D::kMins) s = _mm512_mask_blend_epi32(0xFF00, s, jv);
     // (d * dx) * f32(I) (and dmin's with J), each rounded, then the sums
-    const __m512 ds = _mm512_permutexvar_ps(
-        pidx, D::d(_mm256_setr_epi32(dd[0], dd[1], dd[2], dd[3], dd[4], dd[5], dd[6], dd[7])));
+    const __m512 ds = _mm512_permutexvar_ps(pidx, D::d(dd));
     const __m512 p = _mm512_mul_round_ps(D::times_dx(ds, _mm512_permutexvar_ps(ridx, xs)),
                                          _mm512_cvt_roundepi32_ps(s, kRound), kRound);
     if constexpr (D::kPairs) {
       acc2 = _mm256_add_ps(acc2, _mm512_castps512_ps256(p));
-      if (two) acc2 = _mm256_add_ps(acc2, _mm512_extractf32x8_ps(p, 1));
+      if (2 * g + 1 < j.nb) acc2 = _mm256_add_ps(acc2, _mm512_extractf32x8_ps(p, 1));
     } else {
       acc = _mm512_add_ps(acc, p);
     }

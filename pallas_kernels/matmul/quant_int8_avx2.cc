@@ -138,6 +138,47 @@ JB_INLINE __m128i k4_bytes(const uint8_t* p) {
   return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
 }
 
+// k4_bytes of two columns at once: h's 128-bit lanes each a column's 16-byte header (f16 d,
+// dmin, the 12 scale bytes) -> per lane bytes 0-7 sc_j, 8-15 m_j
+JB_INLINE __m256i k4_bytes2(__m256i h) {
+  const __m256i a = _mm256_shuffle_epi8(
+      h, _mm256_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15, 4, 5, 6, 7,
+                          12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m256i t = _mm256_shuffle_epi8(
+      h, _mm256_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11, -1, -1, -1,
+                          -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+  const __m256i lo = _mm256_and_si256(
+      _mm256_blend_epi32(a, _mm256_srli_epi16(a, 4), 0x88),
+      _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
+                        0x3f3f3f3f, 0x0f0f0f0f));
+  return _mm256_or_si256(lo, _mm256_and_si256(_mm256_srli_epi16(t, 2), _mm256_set1_epi8(0x30)));
+}
+
+// Q4_K / Q5_K: a tile's C column headers, two to a ymm: raw[k] holds column k % C's 16-byte
+// header in its low 128 bits and column (4 + k) % C's in its high (the columns of tile lanes k
+// and 4 + k); sc[k] their k4_bytes2. NH of them differ (k >= NH: raw[k % NH]).
+template <int C>
+struct K4Heads {
+  static constexpr int NH = C < 4 ? C : 4;
+  __m256i raw[4], sc[4];
+  JB_INLINE explicit K4Heads(const uint8_t* const* w) {
+    for (int k = 0; k < NH; ++k) {
+      raw[k] = (4 + k) % C == k % C
+                   ? _mm256_broadcastsi128_si256(load128(w[k % C]))
+                   : _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(w[(4 + k) % C]),
+                                         reinterpret_cast<const __m128i*>(w[k % C]));
+      sc[k] = k4_bytes2(raw[k]);
+    }
+    for (int k = NH; k < 4; ++k) {
+      raw[k] = raw[k % NH];
+      sc[k] = sc[k % NH];
+    }
+  }
+  // column c's ymm, and its lane there
+  static constexpr int at(int c) { return C > 4 ? c % 4 : c; }
+  static constexpr int lane(int c) { return C > 4 ? c / 4 : 0; }
+};
+
 // ---- the weight formats ----
 // Each: QK weights in BYTES per block, NV = QK / 32 code vectors.
 // Few rows (tile): dots<R, C>(w, x, aux, acc): acc[r C + c] = 8 int32 lanes summing to column
@@ -256,31 +297,33 @@ struct K4 {
   static JB_INLINE void codes(const uint8_t* p, __m256i* v) {
     for (int g = 0; g < 4; ++g) code_pair(p, g, v[2 * g], v[2 * g + 1]);
   }
-  // mins: column c's m_0..7 as words (the tile's J), from the same unpacking of the scales
+  // the scales from the tile's headers (K4Heads: two columns a ymm)
   template <int R, int C>
   static JB_INLINE void dots(const uint8_t* const* w, const int8_t* const* x, const int16_t* const*,
-                             __m256i* acc, __m128i* mins) {
+                             __m256i* acc, const K4Heads<C>& heads) {
     // column c's sc_j as a dword of two words (sc_j, sc_j): broadcast from memory (a load, no
-    // shuffle) it is sub-block j's VPMADDWD operand
-    alignas(32) int32_t sc[C][8];
-    for (int c = 0; c < C; ++c) {
-      const __m128i k = k4_bytes(w[c]);
-      const __m128i s = _mm_unpacklo_epi8(k, _mm_setzero_si128());
-      mins[c] = _mm_unpackhi_epi8(k, _mm_setzero_si128());
-      _mm_store_si128(reinterpret_cast<__m128i*>(sc[c]), _mm_unpacklo_epi16(s, s));
-      _mm_store_si128(reinterpret_cast<__m128i*>(sc[c] + 4), _mm_unpackhi_epi16(s, s));
+    // shuffle) it is sub-block j's VPMADDWD operand; ymm k's lane L at sc[k][8 (j / 4) + 4 L +
+    // j % 4]
+    using H = K4Heads<C>;
+    alignas(32) int32_t sc[H::NH][16];
+    for (int k = 0; k < H::NH; ++k) {
+      const __m256i s = _mm256_unpacklo_epi8(heads.sc[k], _mm256_setzero_si256());
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sc[k]), _mm256_unpacklo_epi16(s, s));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sc[k] + 8), _mm256_unpackhi_epi16(s, s));
     }
     // column by column: only the column's R sums live (with the loops the other way round, the
     // C * R sums and the codes spilled to the stack; M = 1 from L2 on one Zen 4 core, 20.1 ->
     // 21.9 GB/s [1024 x 2048], 20.4 -> 23.1 [256 x 8192]: scripts/quant_kernel_rates.py)
     for (int c = 0; c < C; ++c) {
       for (int r = 0; r < R; ++r) acc[r * C + c] = _mm256_setzero_si256();
+      const int32_t* scc = sc[H::at(c)] + 4 * H::lane(c);  // one address a column
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
         code_pair(w[c], g, lo, hi);
-        const __m256i slo = _mm256_set1_epi32(sc[c][2 * g]);
-        const __m256i shi = _mm256_set1_epi32(sc[c][2 * g + 1]);
+        // sc_2g, sc_2g+1 at scc[8 (j / 4) + j % 4]
+        const __m256i slo = _mm256_set1_epi32(scc[8 * (g / 2) + 2 * (g % 2)]);
+        const __m256i shi = _mm256_set1_epi32(scc[8 * (g / 2) + 2 * (g % 2) + 1]);
         for (int r = 0; r < R; ++r)
           acc[r * C + c] = _mm256_add_epi32(
               acc[r * C + c],
@@ -392,15 +435,6 @@ JB_INLINE __m256i reduce8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(t0, t1, 0x20),
                           _mm256_permute2x128_si256(t0, t1, 0x31));
 }
-// j[0..7] (4 int32 lanes each) -> lane o: the sum of j[o]'s lanes
-JB_INLINE __m256i reduce8x4(const __m128i* j) {
-  __m256i y[4];
-  for (int k = 0; k < 4; ++k) y[k] = _mm256_set_m128i(j[2 * k + 1], j[2 * k]);
-  // lanes [0, 2, 4, 6 | 1, 3, 5, 7]
-  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(y[0], y[1]), _mm256_hadd_epi32(y[2], y[3]));
-  return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
 // ---- the quantised activations ----
 
 // one call's
@@ -519,6 +553,36 @@ JB_INLINE __m256 e8m0_times_dx(__m256i e, __m256 dx) {
                           _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
 }
 
+// Q4_K / Q5_K: the tile's f16 (d, dmin) pairs, lane o's of column o % C: [d 0-7 | dmin 0-7]
+template <int C>
+JB_INLINE __m256i k4_dmin_pairs(const K4Heads<C>& h) {
+  // dword o: the pair (d, dmin) at the start of lane o's header
+  const __m256i v = _mm256_unpacklo_epi64(_mm256_unpacklo_epi32(h.raw[0], h.raw[1]),
+                                          _mm256_unpacklo_epi32(h.raw[2], h.raw[3]));
+  // [d 0-3, dmin 0-3 | d 4-7, dmin 4-7] -> [d 0-7 | dmin 0-7]
+  return _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(v, 16)),
+      0xD8);
+}
+
+// Q4_K / Q5_K: lane o's J (row o / C, column o % C): m . the row's sub-block sums (bs: row 0's,
+// then a row every `stride`); ymm k's lanes are outputs k and 4 + k (rows past R: row 0's, not
+// stored)
+template <int R, int C>
+JB_INLINE __m256i k4_mins(const K4Heads<C>& h, const int16_t* bs, int64_t stride) {
+  __m256i jk[4];
+  for (int k = 0; k < 4; ++k) {
+    const int r0 = k / C < R ? k / C : 0, r1 = (4 + k) / C < R ? (4 + k) / C : 0;
+    const __m256i b =
+        r0 == r1 ? _mm256_broadcastsi128_si256(load128(bs + r0 * stride))
+                 : _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(bs + r1 * stride),
+                                       reinterpret_cast<const __m128i*>(bs + r0 * stride));
+    jk[k] = _mm256_madd_epi16(_mm256_unpackhi_epi8(h.sc[k], _mm256_setzero_si256()), b);
+  }
+  // per 128-bit lane [jk[0], jk[1], jk[2], jk[3]]'s sums
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(jk[0], jk[1]), _mm256_hadd_epi32(jk[2], jk[3]));
+}
+
 // rows m0..m0+R-1 x columns n0..n0+C-1 (R * C <= 8; lane o = r C + c): all of K, a block at a
 // time; kPrefetch: the next tile's C rows into L2 meanwhile (the few-row path)
 template <class D, int R, int C, bool kPrefetch>
@@ -544,11 +608,15 @@ void tile(const Job& j, int64_t m0, int64_t n0) {
       aux[r] = D::kQ6 ? xq.gsum + ((m0 + r) * nb + b) * 16 : nullptr;
     }
     __m256i acc[8];
-    __m128i mins[C];  // kMins: column c's m_0..7 as words
-    if constexpr (D::kMins)
-      D::template dots<R, C>(wc, xr, aux, acc, mins);
-    else
+    [[maybe_unused]] __m256i k4_pairs, k4_j;  // kMins: (d, dmin) f16s, J
+    if constexpr (D::kMins) {
+      const K4Heads<C> heads(wc);
+      D::template dots<R, C>(wc, xr, aux, acc, heads);
+      k4_pairs = k4_dmin_pairs(heads);
+      k4_j = k4_mins<R, C>(heads, xq.bsum + (m0 * nb + b) * 8, nb * 8);
+    } else {
       D::template dots<R, C>(wc, xr, aux, acc);
+    }
     for (int o = R * C; o < 8; ++o) acc[o] = _mm256_setzero_si256();
     __m256i s = reduce8(acc);
     // lane o's row: o / C (lanes past R * C: rows past the tile's, not stored)
@@ -560,17 +628,8 @@ void tile(const Job& j, int64_t m0, int64_t n0) {
                                            load256(xq.off + b * Mp + m0), ridx));
     __m256 ddx, dmx;
     if constexpr (D::kMins) {
-      // the K-quants' f16 pair (d, dmin) of column o % C as one dword each: d in the low words
-      alignas(32) uint32_t pair[8];
-      for (int o = 0; o < 8; ++o) pair[o] = u32(wc[o % C]);
-      const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(pair));
-      // [d 0-3, dmin 0-3 | d 4-7, dmin 4-7] -> [d 0-7 | dmin 0-7]
-      const __m256i h = _mm256_permute4x64_epi64(
-          _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
-                              _mm256_srli_epi32(v, 16)),
-          0xD8);
-      ddx = mul_once(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), dx);
-      dmx = mul_once(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), dx);
+      ddx = mul_once(_mm256_cvtph_ps(_mm256_castsi256_si128(k4_pairs)), dx);
+      dmx = mul_once(_mm256_cvtph_ps(_mm256_extracti128_si256(k4_pairs, 1)), dx);
     } else if constexpr (D::kE8M0)
       ddx = e8m0_times_dx(_mm256_setr_epi32(wc[0][0], wc[1 % C][0], wc[2 % C][0], wc[3 % C][0],
                                             wc[4 % C][0], wc[5 % C][0], wc[6 % C][0],
@@ -579,14 +638,7 @@ void tile(const Job& j, int64_t m0, int64_t n0) {
     else
       ddx = mul_once(f16_lanes([&](int o) { return D::d(wc[o % C]); }), dx);
     ai = _mm256_add_ps(ai, mul_once(ddx, _mm256_cvtepi32_ps(s)));
-    if constexpr (D::kMins) {
-      __m128i jv[8];
-      for (int c = 0; c < C; ++c)
-        for (int r = 0; r < R; ++r)
-          jv[r * C + c] = _mm_madd_epi16(mins[c], load128(xq.bsum + ((m0 + r) * nb + b) * 8));
-      for (int o = R * C; o < 8; ++o) jv[o] = _mm_setzero_si128();
-      aj = _mm256_add_ps(aj, mul_once(dmx, _mm256_cvtepi32_ps(reduce8x4(jv))));
-    }
+    if constexpr (D::kMins) aj = _mm256_add_ps(aj, mul_once(dmx, _mm256_cvtepi32_ps(k4_j)));
   }
   alignas(32) float res[8];
   _mm256_store_ps(res, D::kMins ? _mm256_sub_ps(ai, aj) : ai);
