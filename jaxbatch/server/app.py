@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -135,12 +136,13 @@ def start_state(engine: EngineClient, names: list[str], api_key: str | None,
     aeng.start()
     # one engine's account (a data-parallel set of replicas has no single runner)
     choice = getattr(getattr(engine, "runner", None), "invariance", None)
+    shared: dict[str, Any] = {} if responses is None else {"responses": responses}
     return ServerState(aeng, names, m, engine.tokenizer, engine.max_model_len, api_key, limits,
                        pool, determinism=choice.describe() if choice else None,
                        reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
                        lora_modules=lora_admin.served_adapters(engine),
                        embedding_model=EmbeddingModel.of(engine),
-                       **({"responses": responses} if responses is not None else {}))
+                       **shared)
 
 
 class Server:
