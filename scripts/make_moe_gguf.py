@@ -143,19 +143,26 @@ def _gpt_oss_plan(s: dict, kind: str) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def _copy_tokenizer(w, tokenizer_gguf: str) -> None:
-    """The tokenizer.* metadata of another GGUF file (SmolLM2's)."""
+def copy_fields(w, r, keep) -> None:
+    """The metadata keys `keep(key)` accepts of a GGUFReader `r`, added to the writer `w` as
+    they are typed there."""
     import gguf
 
-    r = gguf.GGUFReader(tokenizer_gguf)
     for key, field in r.fields.items():
-        if not key.startswith("tokenizer."):
+        if not keep(key):
             continue
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
             w.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
         else:
             w.add_key_value(key, field.contents(), vtype)
+
+
+def _copy_tokenizer(w, tokenizer_gguf: str) -> None:
+    """The tokenizer.* metadata of another GGUF file (SmolLM2's)."""
+    import gguf
+
+    copy_fields(w, gguf.GGUFReader(tokenizer_gguf), lambda key: key.startswith("tokenizer."))
 
 
 def main() -> None:

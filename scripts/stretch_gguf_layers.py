@@ -23,7 +23,7 @@ import argparse
 import os
 
 import numpy as np
-from make_moe_gguf import more_bits, random_blocks  # scripts/ is on sys.path
+from make_moe_gguf import copy_fields, more_bits, random_blocks  # scripts/ is on sys.path
 
 BY_LAYER = ("attn_qkv.weight", "attn_v.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
 Q4_K_M = 15  # general.file_type
@@ -40,14 +40,7 @@ def _copy_metadata(w, r, arch: str, recurrent: list[bool]) -> None:
 
     skip = {"general.architecture", f"{arch}.block_count",
             f"{arch}.attention.recurrent_layers"}
-    for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key in skip:
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(key, field.contents(), vtype)
+    copy_fields(w, r, lambda key: not key.startswith("GGUF.") and key not in skip)
     w.add_block_count(len(recurrent))
     w.add_key_value(f"{arch}.attention.recurrent_layers", recurrent, gguf.GGUFValueType.ARRAY,
                     sub_type=gguf.GGUFValueType.BOOL)
